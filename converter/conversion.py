@@ -1,0 +1,202 @@
+"""MHA → GQA/MQA checkpoint conversion, streamed tensor by tensor into an atomic output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import re
+import shutil
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from headfold.atomic import atomic_output, check_output
+from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint
+from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
+from headfold.converter.methods import Method, get_method
+from headfold.converter.writer import PlannedTensor, ShardedWriter
+from headfold.errors import BadInput
+
+MANIFEST = "headfold.json"
+SKIPPED_DIRS = {".git", ".cache", "__pycache__"}
+
+
+def convert(
+    source: str | Path,
+    output: str | Path,
+    kv_heads: int,
+    method: str = "mean",
+    *,
+    overwrite: bool = False,
+    max_shard_size: str | int | None = None,
+    allow_pickle: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Convert the checkpoint folder `source` to `kv_heads` K/V heads; return the output path.
+
+    Raises BadInput (nothing written) for anything wrong with the request or the source.
+    """
+    source = Path(source)
+    pool = get_method(method)
+    with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
+        target = target_shape(ckpt.shape, kv_heads)
+        out = check_output(Path(output), overwrite=overwrite, sources=(source,))
+        shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else default_shard_bytes(ckpt)
+        with atomic_output(out) as tmp:
+            files = write_weights(ckpt, target, pool, tmp, shard_bytes, progress)
+            files |= write_config(ckpt, target, tmp)
+            copied, skipped = copy_other_files(ckpt, tmp)
+            files |= copied
+            manifest = build_manifest(ckpt, target, method, files, skipped)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return out
+
+
+def target_shape(source: HeadShape, kv_heads: int) -> HeadShape:
+    h, n = source.heads, source.kv_heads
+    if not isinstance(kv_heads, int) or kv_heads < 1 or h % kv_heads or n % kv_heads:
+        choices = ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
+        have = f"{h} attention heads" + (f" and {n} kv heads" if n != h else "")
+        raise BadInput(f"--kv-heads {kv_heads} is impossible for a model with {have}; choose one of: {choices}")
+    return HeadShape(h, kv_heads, source.head_dim)
+
+
+def parse_size(size: str | int) -> int:
+    """'500MB', '2GiB', '5GB' or a byte count → bytes."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", size, re.IGNORECASE)
+        if not m:
+            raise BadInput(f"shard size {size!r} is not a size; write e.g. 500MB or 2GiB")
+        unit = (m.group(2) or "B").upper()
+        base = 1024 if "I" in unit else 1000
+        value = int(float(m.group(1)) * base ** "BKMGT".index(unit[0]))
+    if value <= 0:
+        raise BadInput(f"shard size {size!r} must be positive")
+    return value
+
+
+def default_shard_bytes(ckpt: SourceCheckpoint) -> int:
+    """Mirror the source: one file stays one file, shards keep the source's largest shard size."""
+    if len(ckpt.weight_files) == 1:
+        return 1 << 62
+    return max(f.stat().st_size for f in ckpt.weight_files)
+
+
+def plan_outputs(ckpt: SourceCheckpoint, target: HeadShape) -> list[PlannedTensor]:
+    """Every output tensor's name, dtype and shape, in source storage order."""
+    sizes = head_axis_sizes(ckpt.spec, target)
+    suffix_of = {name: s for layer in ckpt.attention.layers for s, name in layer.items()}
+    planned = []
+    for info in ckpt.tensors.values():
+        shape = list(info.shape)
+        if info.name in suffix_of:
+            axis, size = sizes[suffix_of[info.name]]
+            shape[axis] = size
+        planned.append(PlannedTensor(info.name, info.dtype, tuple(shape)))
+    return planned
+
+
+def convert_layer(ckpt: SourceCheckpoint, layer: dict[str, str], target: HeadShape, pool: Method) -> dict[str, torch.Tensor]:
+    """One layer's attention tensors, pooled in fp32 and cast back to their source dtypes."""
+    codec = AttentionCodec(ckpt.spec, ckpt.shape)
+    tensors = {suffix: ckpt.get(name).float() for suffix, name in layer.items()}
+    pooled = codec.encode(pool(codec.decode(tensors), target.kv_heads))
+    return {layer[s]: t.to(ckpt.tensors[layer[s]].dtype) for s, t in pooled.items()}
+
+
+def write_weights(ckpt: SourceCheckpoint, target: HeadShape, pool: Method, folder: Path, shard_bytes: int, progress: bool) -> dict[str, str]:
+    plan = plan_outputs(ckpt, target)
+    owner = ckpt.attention.owner()
+    pending: dict[str, torch.Tensor] = {}  # converted tensors of the current layer not yet written
+    bar = tqdm(total=sum(t.nbytes for t in plan), unit="B", unit_scale=True, desc="convert", disable=not progress)
+    with bar, ShardedWriter(folder, plan, shard_bytes, metadata={"format": "pt"}) as writer:
+        for t in plan:
+            if t.name in owner and t.name not in pending:
+                pending.update(convert_layer(ckpt, ckpt.attention.layers[owner[t.name]], target, pool))
+            writer.write(t.name, pending.pop(t.name) if t.name in owner else ckpt.get(t.name))
+            bar.update(t.nbytes)
+        return writer.finish()
+
+
+def write_config(ckpt: SourceCheckpoint, target: HeadShape, folder: Path) -> dict[str, str]:
+    config = dict(ckpt.config)
+    config[ckpt.spec.config.kv_heads] = target.kv_heads
+    raw = (json.dumps(config, indent=2) + "\n").encode()
+    (folder / "config.json").write_bytes(raw)
+    return {"config.json": hashlib.sha256(raw).hexdigest()}
+
+
+def copy_other_files(ckpt: SourceCheckpoint, folder: Path) -> tuple[dict[str, str], list[str]]:
+    """Copy tokenizer and every other non-weight file; return their sha256 and the stale
+    weight files (other formats of the same MHA weights) that were left out."""
+    source = ckpt.folder
+    converted = {f.name for f in ckpt.weight_files} | {SAFETENSORS_INDEX, PICKLE_INDEX}
+    copied: dict[str, str] = {}
+    skipped: list[str] = []
+    for path in sorted(source.rglob("*")):
+        rel = path.relative_to(source)
+        if not path.is_file() or SKIPPED_DIRS & set(rel.parts) or rel.as_posix() in ("config.json", MANIFEST):
+            continue
+        if WEIGHT_FILE.fullmatch(path.name):
+            if rel.as_posix() not in converted:
+                skipped.append(rel.as_posix())
+            continue
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        copied[rel.as_posix()] = _copy_hashed(path, folder / rel)
+    return copied, skipped
+
+
+def _copy_hashed(src: Path, dst: Path) -> str:
+    digest = hashlib.sha256()
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while chunk := fin.read(1 << 20):
+            digest.update(chunk)
+            fout.write(chunk)
+    shutil.copymode(src, dst)
+    return digest.hexdigest()
+
+
+def build_manifest(ckpt: SourceCheckpoint, target: HeadShape, method: str, files: dict[str, str], skipped: list[str]) -> dict[str, Any]:
+    src = ckpt.shape
+    per_group = src.kv_heads // target.kv_heads
+    parent = ckpt.folder / MANIFEST
+    return {
+        "format": 1,
+        "source": {
+            "path": str(ckpt.folder.resolve()),
+            "model_type": ckpt.config.get("model_type"),
+            "family": ckpt.spec.family,
+            "heads": src.heads,
+            "kv_heads": src.kv_heads,
+            "head_dim": src.head_dim,
+            "config_sha256": hashlib.sha256((ckpt.folder / "config.json").read_bytes()).hexdigest(),
+            "manifest": json.loads(parent.read_text()) if parent.is_file() else None,
+        },
+        "conversion": {
+            "method": method,
+            "kv_heads": target.kv_heads,
+            "group_size": target.group,
+            "kv_head_of_query_head": [h // target.group for h in range(src.heads)],
+            "source_kv_heads_of_kv_head": [list(range(g * per_group, (g + 1) * per_group)) for g in range(target.kv_heads)],
+        },
+        "loader": "transformers" if ckpt.spec.native_gqa else "headfold.load_model",
+        "versions": _versions(),
+        "files": files,
+        "skipped_weight_files": skipped,
+    }
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for package in ("headfold", "torch", "transformers", "safetensors", "numpy"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions

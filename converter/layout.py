@@ -1,0 +1,147 @@
+"""Canonical per-layer attention weights, and the codecs to and from a family's tensors.
+
+Canonical form puts heads first: Q/K/V weights are [heads, head_dim, hidden], their biases
+[heads, head_dim], the O weight is [heads, head_dim, hidden] (its input side split into
+heads). Pooling methods only ever see this form, so a fused or transposed layout is written
+once, here, and never again in a method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from headfold.converter.spec import ArchitectureSpec, FusedQKV
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    heads: int  # query heads, H
+    kv_heads: int  # N
+    head_dim: int  # d
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[0]
+
+    def with_kv(self, k, v, k_bias, v_bias) -> AttentionWeights:
+        return replace(self, k=k, v=v, k_bias=k_bias, v_bias=v_bias)
+
+
+def split_heads(t: torch.Tensor, axis: int, heads: int) -> torch.Tensor:
+    """[.., heads·d (at axis), ..] → [heads, d, rest]."""
+    t = t.movedim(axis, 0)
+    return t.reshape(heads, -1, *t.shape[1:])
+
+
+def merge_heads(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """Inverse of split_heads."""
+    return t.reshape(-1, *t.shape[2:]).movedim(0, axis)
+
+
+def _split_fused(t: torch.Tensor, fused: FusedQKV, axis: int, shape: HeadShape) -> list[torch.Tensor]:
+    """A fused Q/K/V tensor (weight or bias) → canonical [q, k, v]."""
+    h, n, d = shape.heads, shape.kv_heads, shape.head_dim
+    t = t.movedim(axis, 0)
+    if fused.layout == "blocks":
+        return [x.reshape(-1, d, *t.shape[1:]) for x in t.split([h * d, n * d, n * d])]
+    grouped = t.reshape(n, shape.group + 2, d, *t.shape[1:])
+    return [grouped[:, :-2].reshape(h, d, *t.shape[1:]), grouped[:, -2], grouped[:, -1]]
+
+
+def _merge_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fused: FusedQKV, axis: int) -> torch.Tensor:
+    if fused.layout == "blocks":
+        flat = torch.cat([q, k, v]).reshape(-1, *q.shape[2:])
+    else:
+        n = k.shape[0]
+        grouped = torch.cat([q.reshape(n, -1, *q.shape[1:]), k[:, None], v[:, None]], dim=1)
+        flat = grouped.reshape(-1, *q.shape[2:])
+    return flat.movedim(0, axis)
+
+
+class AttentionCodec:
+    """Reads one layer's attention tensors into canonical form and writes them back."""
+
+    def __init__(self, spec: ArchitectureSpec, shape: HeadShape) -> None:
+        self.spec = spec
+        self.shape = shape
+
+    def decode(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:
+        """`tensors` maps spec suffixes (e.g. "q_proj.weight") to fp32 tensors."""
+        spec, shape = self.spec, self.shape
+        o = spec.projections["o"]
+        parts = {"o": split_heads(tensors[o.weight], o.head_axis, shape.heads)}
+        if spec.fused_qkv:
+            f = spec.fused_qkv
+            parts.update(zip("qkv", _split_fused(tensors[f.weight], f, f.head_axis, shape)))
+            if f.bias in tensors:
+                parts.update(zip(("q_bias", "k_bias", "v_bias"), _split_fused(tensors[f.bias], f, 0, shape)))
+        else:
+            for role, heads in (("q", shape.heads), ("k", shape.kv_heads), ("v", shape.kv_heads)):
+                p = spec.projections[role]
+                parts[role] = split_heads(tensors[p.weight], p.head_axis, heads)
+                if p.bias in tensors:
+                    parts[f"{role}_bias"] = split_heads(tensors[p.bias], 0, heads)
+        return AttentionWeights(**parts)
+
+    def encode(self, attn: AttentionWeights) -> dict[str, torch.Tensor]:
+        """Canonical → tensors under their spec suffixes (only those that exist)."""
+        spec = self.spec
+        o = spec.projections["o"]
+        out = {o.weight: merge_heads(attn.o, o.head_axis)}
+        if spec.fused_qkv:
+            f = spec.fused_qkv
+            out[f.weight] = _merge_fused(attn.q, attn.k, attn.v, f, f.head_axis)
+            if attn.q_bias is not None:
+                out[f.bias] = _merge_fused(attn.q_bias, attn.k_bias, attn.v_bias, f, 0)
+            return out
+        for role in "qkv":
+            p = spec.projections[role]
+            out[p.weight] = merge_heads(getattr(attn, role), p.head_axis)
+            bias = getattr(attn, f"{role}_bias")
+            if bias is not None:
+                out[p.bias] = merge_heads(bias, 0)
+        return out
+
+    def suffixes(self) -> list[str]:
+        """Every tensor suffix this codec may read (biases included; absent ones are skipped)."""
+        projections = list(self.spec.projections.values())
+        if self.spec.fused_qkv:
+            projections.append(self.spec.fused_qkv)
+        return [s for p in projections for s in (p.weight, p.bias) if s]
+
+
+def head_axis_sizes(spec: ArchitectureSpec, shape: HeadShape) -> dict[str, tuple[int, int]]:
+    """suffix → (axis, size) of the head axis of every attention tensor, for `shape`.
+
+    Used both to validate a source against its config and to plan the output's shapes.
+    """
+    h, n, d = shape.heads, shape.kv_heads, shape.head_dim
+    sizes: dict[str, tuple[int, int]] = {}
+    fused = spec.fused_qkv
+    if fused:
+        sizes[fused.weight] = (fused.head_axis, (h + 2 * n) * d)
+        if fused.bias:
+            sizes[fused.bias] = (0, (h + 2 * n) * d)
+    for role, p in spec.projections.items():
+        heads = n if role in "kv" else h
+        sizes[p.weight] = (p.head_axis, heads * d)
+        if p.bias and role != "o":  # O's bias lives on the hidden side, not per head
+            sizes[p.bias] = (0, heads * d)
+    return sizes

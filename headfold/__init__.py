@@ -1,0 +1,23 @@
+"""headfold: MHA → GQA/MQA conversion, ONNX export, TensorRT engines, verification.
+
+The rooms are importable as ``headfold.converter``, ``headfold.graphs`` and
+``headfold.plugins``; heavy dependencies load only when used.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["convert", "load_model", "__version__"]
+
+
+def __getattr__(name: str):  # lazy: `import headfold` stays cheap
+    if name == "convert":
+        from headfold.converter import convert
+
+        return convert
+    if name == "load_model":
+        from headfold.graphs.modeling import load_model
+
+        return load_model
+    raise AttributeError(f"module 'headfold' has no attribute {name!r}")

@@ -1,0 +1,222 @@
+"""Conversion exactness: identity is lossless, identical heads are lossless, pooled tensors
+equal an independent per-layout reference, dtypes and sharding are preserved."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
+
+from headfold.converter import convert
+from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.layout import AttentionCodec
+from headfold.graphs.modeling import load_model
+
+NATIVE_GQA = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    return tensors
+
+
+def outputs(folder: Path, model: torch.nn.Module | None = None) -> torch.Tensor:
+    """Logits (decoders) or last hidden state (encoders) on a padded batch."""
+    model = model or load_model(folder)
+    batch = sample_batch(model.config, batch=3, seq=9)
+    with torch.no_grad():
+        out = model(**batch)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def with_identical_heads(src: Path, dst: Path, group: int) -> Path:
+    """Copy of `src` whose K/V heads are identical inside each group of `group` heads."""
+    with SourceCheckpoint(src) as ckpt:
+        tensors = {name: ckpt.get(name).clone() for name in ckpt.tensors}
+        codec = AttentionCodec(ckpt.spec, ckpt.shape)
+        for layer in ckpt.attention.layers:
+            attn = codec.decode({s: tensors[n].float() for s, n in layer.items()})
+            copies = [t if t is None else t[::group].repeat_interleave(group, 0) for t in (attn.k, attn.v, attn.k_bias, attn.v_bias)]
+            for suffix, t in codec.encode(attn.with_kv(*copies)).items():
+                tensors[layer[suffix]] = t.to(tensors[layer[suffix]].dtype).contiguous()
+    dst.mkdir()
+    (dst / "config.json").write_bytes((src / "config.json").read_bytes())
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_identity_is_lossless(family: str, tiny_checkpoint, tmp_path: Path) -> None:
+    src = tiny_checkpoint(family)
+    out = convert(src, tmp_path / "out", kv_heads=HEADS, progress=False)
+    before, after = read_tensors(src), read_tensors(out)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(outputs(src), outputs(out))
+
+
+@pytest.mark.parametrize("method", ["mean", "first"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_identical_heads_are_lossless(family: str, kv_heads: int, method: str, tiny_checkpoint, tmp_path: Path) -> None:
+    src = with_identical_heads(tiny_checkpoint(family), tmp_path / "src", HEADS // kv_heads)
+    out = convert(src, tmp_path / "out", kv_heads=kv_heads, method=method, progress=False)
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == kv_heads
+    diff = (outputs(src) - outputs(out)).abs().max().item()
+    assert diff <= 1e-5, f"{family} kv={kv_heads} {method}: max abs diff {diff}"
+
+
+# -- independent references: the pooled tensors, computed by explicit slicing per layout ----
+
+
+def pool(heads: torch.Tensor, kv_heads: int, method: str) -> torch.Tensor:
+    """[H, ...] → [kv_heads, ...] by the method's definition."""
+    groups = heads.reshape(kv_heads, -1, *heads.shape[1:])
+    return groups.mean(1) if method == "mean" else groups[:, 0]
+
+
+def expected_separate(w: torch.Tensor, kv: int, method: str) -> torch.Tensor:
+    """nn.Linear K or V: rows are heads × head_dim."""
+    return pool(w.reshape(HEADS, -1, *w.shape[1:]), kv, method).reshape(-1, *w.shape[1:])
+
+
+def expected_gpt2(w: torch.Tensor, kv: int, method: str) -> torch.Tensor:
+    """Conv1D c_attn [in, 3·hidden] (bias [3·hidden]): columns [Q | K | V]."""
+    q, k, v = w.chunk(3, dim=-1)
+    per_head = lambda t: t.reshape(*t.shape[:-1], HEADS, -1).movedim(-2, 0)  # noqa: E731
+    back = lambda t: t.movedim(0, -2).reshape(*t.shape[1:-1], -1)  # noqa: E731
+    return torch.cat([q, back(pool(per_head(k), kv, method)), back(pool(per_head(v), kv, method))], dim=-1)
+
+
+def expected_phi3(w: torch.Tensor, kv: int, method: str) -> torch.Tensor:
+    """Linear qkv_proj rows [Q | K | V]."""
+    q, k, v = w.chunk(3, dim=0)
+    return torch.cat([q, expected_separate(k, kv, method), expected_separate(v, kv, method)])
+
+
+def expected_neox(w: torch.Tensor, kv: int, method: str) -> torch.Tensor:
+    """Linear query_key_value rows per head [q_h, k_h, v_h] → per kv group [q heads…, k_g, v_g]."""
+    per_head = w.reshape(HEADS, 3, -1, *w.shape[1:])
+    q, k, v = per_head[:, 0], pool(per_head[:, 1], kv, method), pool(per_head[:, 2], kv, method)
+    groups = torch.cat([q.reshape(kv, -1, *q.shape[1:]), k[:, None], v[:, None]], dim=1)
+    return groups.reshape(-1, *w.shape[1:])
+
+
+POOLED = {  # family → (tensor-name suffixes that change, reference)
+    "llama": (("k_proj.weight", "v_proj.weight"), expected_separate),
+    "qwen2": (("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"), expected_separate),
+    "opt": (("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"), expected_separate),
+    "bert": (("self.key.weight", "self.value.weight", "self.key.bias", "self.value.bias"), expected_separate),
+    "gpt2": (("c_attn.weight", "c_attn.bias"), expected_gpt2),
+    "phi3": (("qkv_proj.weight",), expected_phi3),
+    "gpt_neox": (("query_key_value.weight", "query_key_value.bias"), expected_neox),
+}
+
+
+@pytest.mark.parametrize("method", ["mean", "first"])
+@pytest.mark.parametrize("family", POOLED)
+def test_pooled_tensors_match_reference(family: str, method: str, tiny_checkpoint, tmp_path: Path) -> None:
+    src = tiny_checkpoint(family)
+    out = convert(src, tmp_path / "out", kv_heads=2, method=method, progress=False)
+    before, after = read_tensors(src), read_tensors(out)
+    suffixes, reference = POOLED[family]
+    changed = [k for k in before if k.endswith(suffixes)]
+    assert len(changed) == 2 * len(suffixes)  # two layers
+    for name in before:
+        expected = reference(before[name], 2, method) if name in changed else before[name]
+        torch.testing.assert_close(after[name], expected, rtol=0, atol=1e-7, msg=name)
+
+
+def test_sharded_bf16_stays_sharded_bf16(tmp_path: Path) -> None:
+    src = make_checkpoint("llama", tmp_path / "src", dtype=torch.bfloat16, max_shard_size="40KB")
+    assert len(list(src.glob("*.safetensors"))) > 1
+    out = convert(src, tmp_path / "out", kv_heads=2, progress=False)
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = read_tensors(out)
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    limit = max(f.stat().st_size for f in src.glob("*.safetensors"))
+    assert all(f.stat().st_size <= limit + 4096 for f in shards)  # mirrors the source shard size
+
+
+def test_explicit_shard_size_and_single_file(tiny_checkpoint, tmp_path: Path) -> None:
+    src = tiny_checkpoint("gpt2")
+    single = convert(src, tmp_path / "one", kv_heads=4, progress=False)
+    assert [f.name for f in single.glob("*.safetensors")] == ["model.safetensors"]
+    many = convert(src, tmp_path / "many", kv_heads=4, max_shard_size="30KB", progress=False)
+    assert len(list(many.glob("*.safetensors"))) > 2
+    assert torch.equal(outputs(single), outputs(many))
+
+
+@pytest.mark.parametrize("family", NATIVE_GQA)
+def test_llama_family_loads_in_plain_transformers(family: str, tiny_checkpoint, tmp_path: Path) -> None:
+    out = convert(tiny_checkpoint(family), tmp_path / "out", kv_heads=2, progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config.num_key_value_heads == 2
+    assert model.model.layers[0].self_attn.config.num_key_value_heads == 2
+    logits = outputs(out, model)
+    assert torch.isfinite(logits).all()
+    assert torch.equal(logits, outputs(out))
+
+
+def test_already_gqa_source_converts_further(tmp_path: Path) -> None:
+    src = make_checkpoint("llama", tmp_path / "src", num_key_value_heads=4)
+    src = with_identical_heads(src, tmp_path / "same", 2)
+    out = convert(src, tmp_path / "out", kv_heads=2, progress=False)
+    manifest = json.loads((out / "headfold.json").read_text())
+    assert manifest["conversion"]["source_kv_heads_of_kv_head"] == [[0, 1], [2, 3]]
+    assert (outputs(src) - outputs(out)).abs().max().item() <= 1e-5
+
+
+def test_manifest_and_copied_files(tiny_checkpoint, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    original = tiny_checkpoint("gpt2")
+    for f in original.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    (src / "tokenizer.json").write_text('{"tokenizer": true}')
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text("{}")
+    (src / "pytorch_model.bin").write_bytes(b"stale MHA pickle")
+    out = convert(src, tmp_path / "out", kv_heads=2, progress=False)
+    manifest = json.loads((out / "headfold.json").read_text())
+    assert (out / "tokenizer.json").read_text() == '{"tokenizer": true}'
+    assert (out / "1_Pooling" / "config.json").is_file()
+    assert not (out / "pytorch_model.bin").exists()
+    assert manifest["skipped_weight_files"] == ["pytorch_model.bin"]
+    written = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {"headfold.json"}
+    assert set(manifest["files"]) == written
+    for name, digest in manifest["files"].items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+    conversion = manifest["conversion"]
+    assert conversion["kv_head_of_query_head"] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert (conversion["method"], conversion["kv_heads"], conversion["group_size"]) == ("mean", 2, 4)
+    assert manifest["source"]["family"] == "gpt2" and manifest["loader"] == "headfold.load_model"
+    assert {"torch", "transformers", "safetensors", "python"} <= set(manifest["versions"])
+
+
+def test_chained_conversion_records_its_parent(tiny_checkpoint, tmp_path: Path) -> None:
+    first = convert(tiny_checkpoint("llama"), tmp_path / "four", kv_heads=4, progress=False)
+    second = convert(first, tmp_path / "one", kv_heads=1, progress=False)
+    manifest = json.loads((second / "headfold.json").read_text())
+    assert manifest["source"]["kv_heads"] == 4
+    assert manifest["source"]["manifest"]["conversion"]["kv_heads"] == 4
+
+
+@pytest.mark.parametrize("family", sorted(ENCODERS))
+def test_encoder_output_shape(family: str, tiny_checkpoint, tmp_path: Path) -> None:
+    out = convert(tiny_checkpoint(family), tmp_path / "out", kv_heads=1, progress=False)
+    assert outputs(out).shape == outputs(tiny_checkpoint(family)).shape
