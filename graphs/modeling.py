@@ -1,0 +1,540 @@
+"""Build a runnable torch model for a Hugging Face checkpoint folder, source or converted.
+
+Families whose transformers code knows `num_key_value_heads` (llama, mistral, qwen2, qwen3,
+phi3, ...) and every unconverted checkpoint load with plain `from_pretrained`. gpt2, gpt_neox,
+opt, bert and roberta have no GQA in transformers: for them each self-attention module is
+swapped for a small subclass that projects K/V at N heads and sets `num_key_value_groups`, so
+transformers' own SDPA attention (masks, RoPE, DynamicCache, generate) runs the grouping,
+exactly as it does for llama. Weights are then loaded strictly from the safetensors files.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import transformers
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.initialization import no_init_weights
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, apply_rotary_pos_emb
+from transformers.models.gpt_neox.modeling_gpt_neox import eager_attention_forward as neox_eager
+from transformers.models.opt.modeling_opt import OPTAttention
+from transformers.models.opt.modeling_opt import eager_attention_forward as opt_eager
+from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
+from transformers.pytorch_utils import Conv1D
+
+from headfold.errors import BadInput
+
+
+__all__ = ["load_model", "GQA_ATTENTION"]
+
+# The only attention implementation the GQA subclasses are wired for: transformers' SDPA
+# path repeats/groups K/V from `num_key_value_groups`; the families' own eager functions don't.
+_ATTN_IMPLEMENTATION = "sdpa"
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+# Buffers that older checkpoints saved but today's modules keep non-persistent.
+_STALE_BUFFERS = (r"embeddings\.position_ids$", r"\.inv_freq$", r"\.masked_bias$", r"\.attn\.bias$")
+_Meta = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, safetensors dtype code)
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------
+# GQA attention modules: subclasses that change only how q/k/v are projected and split.
+# ---------------------------------------------------------------------------------------------
+
+
+def _resized_linear(old: nn.Linear, out_features: int) -> nn.Linear:
+    """A Linear like `old` (input size, bias, device, dtype) with `out_features` outputs."""
+    return nn.Linear(
+        old.in_features,
+        out_features,
+        bias=old.bias is not None,
+        device=old.weight.device,
+        dtype=old.weight.dtype,
+    )
+
+
+class _GQA:
+    """Mixin: turns an instance of `base` into a GQA module in place (class swap + smaller K/V).
+
+    Swapping `__class__` keeps every attribute the family's constructor set (layer_idx,
+    is_causal, scaling, ...) without re-running constructors whose signatures differ per family.
+    """
+
+    base: ClassVar[type[nn.Module]]
+
+    @classmethod
+    def adopt(cls, module: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
+        _check_forward_signature(cls)
+        module.__class__ = cls
+        module.num_key_value_heads = kv_heads
+        module.num_key_value_groups = heads // kv_heads  # read by transformers' sdpa_attention_forward
+        cls._shrink(module, heads * head_dim, kv_heads * head_dim)
+
+    @classmethod
+    def _shrink(cls, module: nn.Module, q_size: int, kv_size: int) -> None:
+        raise NotImplementedError
+
+
+class _SeparateKV(_GQA):
+    """K and V are their own Linear layers: only their output size changes."""
+
+    kv_names: ClassVar[tuple[str, str]]
+
+    @classmethod
+    def _shrink(cls, module: nn.Module, q_size: int, kv_size: int) -> None:
+        for name in cls.kv_names:
+            setattr(module, name, _resized_linear(getattr(module, name), kv_size))
+
+
+class BertGQASelfAttention(_SeparateKV, BertSelfAttention):
+    """The parent views K/V with `-1` heads, so smaller key/value layers are all it takes."""
+
+    base = BertSelfAttention
+    kv_names = ("key", "value")
+
+
+class RobertaGQASelfAttention(_SeparateKV, RobertaSelfAttention):
+    base = RobertaSelfAttention
+    kv_names = ("key", "value")
+
+
+class GPT2GQAAttention(_GQA, GPT2Attention):
+    """c_attn columns are [Q (H·d) | K (N·d) | V (N·d)]; the parent splits by `split_size`,
+    which torch's `split` also accepts as a list of sizes, and views K/V with `-1` heads."""
+
+    base = GPT2Attention
+
+    @classmethod
+    def _shrink(cls, module: nn.Module, q_size: int, kv_size: int) -> None:
+        old = module.c_attn
+        with torch.device(old.weight.device):
+            module.c_attn = Conv1D(q_size + 2 * kv_size, old.nx).to(old.weight.dtype)
+        module.split_size = [q_size, kv_size, kv_size]
+
+
+class OPTGQAAttention(_SeparateKV, OPTAttention):
+    """The parent views K/V with `self.num_heads`; only those two views change below."""
+
+    base = OPTAttention
+    kv_names = ("k_proj", "v_proj")
+
+    # Mirrors OPTAttention.forward (transformers 5.x); K/V are viewed at num_key_value_heads.
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bsz, tgt_len, _ = hidden_states.size()
+        query_states = self.q_proj(hidden_states) * self.scaling  # OPT scales q before the matmul
+        query_states = query_states.view(bsz, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        kv_shape = (bsz, -1, self.num_key_value_heads, self.head_dim)
+        key_states = self.k_proj(hidden_states).view(kv_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(kv_shape).transpose(1, 2)
+
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, opt_eager
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.dropout,
+            scaling=1.0,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(bsz, tgt_len, -1).contiguous()
+        return self.out_proj(attn_output), attn_weights
+
+
+class GPTNeoXGQAAttention(_GQA, GPTNeoXAttention):
+    """query_key_value rows are grouped per kv head g: [G query heads | k_g | v_g] (each d rows).
+
+    With G = 1 this is GPT-NeoX's own per-head [q, k, v] interleave.
+    """
+
+    base = GPTNeoXAttention
+
+    @classmethod
+    def _shrink(cls, module: nn.Module, q_size: int, kv_size: int) -> None:
+        module.query_key_value = _resized_linear(module.query_key_value, q_size + 2 * kv_size)
+
+    def _split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        input_shape = hidden_states.shape[:-1]
+        groups = self.num_key_value_groups
+        qkv = self.query_key_value(hidden_states)
+        qkv = qkv.view(*input_shape, self.num_key_value_heads, groups + 2, self.head_size)
+        query = qkv[..., :groups, :].reshape(*input_shape, -1, self.head_size)
+        key, value = qkv[..., groups, :], qkv[..., groups + 1, :]
+        return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+    # Mirrors GPTNeoXAttention.forward (transformers 5.x) with the grouped split above.
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor,
+        layer_past: Cache | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        query_states, key_states, value_states = self._split_qkv(hidden_states)
+
+        cos, sin = position_embeddings  # partial rotary: cos/sin cover rotary_ndims only
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if layer_past is not None:
+            key_states, value_states = layer_past.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, neox_eager
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.dense(attn_output), attn_weights
+
+
+# model_type -> GQA attention class, for families whose transformers code has no GQA.
+GQA_ATTENTION: dict[str, type[_GQA]] = {
+    "gpt2": GPT2GQAAttention,
+    "gpt_neox": GPTNeoXGQAAttention,
+    "opt": OPTGQAAttention,
+    "bert": BertGQASelfAttention,
+    "roberta": RobertaGQASelfAttention,
+}
+
+
+def _check_forward_signature(cls: type[_GQA]) -> None:
+    """A copied forward must take what the family's layers pass, or cache/kwargs get lost silently."""
+    if "forward" not in vars(cls):
+        return
+    ours = list(inspect.signature(cls.forward).parameters)
+    theirs = list(inspect.signature(cls.base.forward).parameters)
+    if ours != theirs:
+        raise RuntimeError(
+            f"transformers {transformers.__version__} changed {cls.base.__name__}.forward{tuple(theirs)}; "
+            f"update headfold's {cls.__name__} to match"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint folder: config, model class, tensor index.
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_config(folder: Path) -> transformers.PretrainedConfig:
+    if not (folder / "config.json").is_file():
+        raise BadInput(f"no config.json in {folder}: pass a Hugging Face checkpoint folder")
+    try:
+        return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise BadInput(
+            f"cannot read {folder / 'config.json'} ({first_line}); headfold needs a built-in transformers model type"
+        ) from None
+
+
+def _model_class(config: transformers.PretrainedConfig) -> type[transformers.PreTrainedModel]:
+    """The class named by config.architectures[0], from transformers itself (never remote code)."""
+    names = getattr(config, "architectures", None) or []
+    if not names:
+        raise BadInput("config.json has no 'architectures' entry: add the model class, e.g. \"LlamaForCausalLM\"")
+    cls = getattr(transformers, names[0], None)
+    concrete = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and cls.config_class
+    if not concrete:
+        raise BadInput(
+            f"unknown architecture {names[0]!r} in config.json: headfold loads built-in transformers "
+            "classes only (no remote code); set 'architectures' to one of them"
+        )
+    if not isinstance(config, cls.config_class):
+        raise BadInput(
+            f"architecture {names[0]} does not match model_type {config.model_type!r} in config.json; fix one of them"
+        )
+    return cls
+
+
+def _kv_heads(config: transformers.PretrainedConfig) -> tuple[int, int]:
+    """(num_attention_heads, num_key_value_heads), validated."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not (1 <= kv_heads <= heads and heads % kv_heads == 0):
+        raise BadInput(
+            f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}; fix config.json"
+        )
+    return heads, kv_heads
+
+
+def _gqa_class(config: transformers.PretrainedConfig, heads: int, kv_heads: int) -> type[_GQA] | None:
+    """The attention class to swap in, or None when transformers loads the checkpoint as is."""
+    if kv_heads == heads:
+        return None
+    if config.model_type in GQA_ATTENTION:
+        return GQA_ATTENTION[config.model_type]
+    if hasattr(type(config), "num_key_value_heads"):  # native GQA: the config class declares it
+        return None
+    raise BadInput(
+        f"model_type {config.model_type!r} has no grouped-query support in transformers or headfold "
+        f"(headfold adds it for {', '.join(GQA_ATTENTION)}); use num_key_value_heads={heads}"
+    )
+
+
+def _open(file: Path) -> safe_open:
+    """safe_open, with a corrupt or truncated file reported as BadInput."""
+    try:
+        return safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise BadInput(f"cannot read {file} ({err}); re-save or re-download the checkpoint") from None
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> safetensors file, from the shard index or the single file."""
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise BadInput(f"{index} is not a safetensors index (no weight_map); re-save the checkpoint") from None
+        files = {name: folder / file for name, file in weight_map.items()}
+        missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        if missing:
+            raise BadInput(f"{index.name} lists missing shard(s) {', '.join(missing)}; copy the whole checkpoint")
+        return files
+    single = folder / _SINGLE_FILE
+    if not single.is_file():
+        raise BadInput(f"no {_SINGLE_FILE} or {_INDEX_FILE} in {folder}: headfold reads safetensors checkpoints")
+    with _open(single) as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _tensor_meta(files: dict[str, Path]) -> _Meta:
+    """Name -> (shape, safetensors dtype), read from the file headers only."""
+    meta: _Meta = {}
+    for file in sorted(set(files.values())):
+        with _open(file) as f:
+            for name in f.keys():
+                if files.get(name) == file:
+                    sl = f.get_slice(name)
+                    meta[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    if meta.keys() != files.keys():
+        absent = sorted(files.keys() - meta.keys())[:3]
+        raise BadInput(f"tensors {absent} are in the index but not in their shard; re-save the checkpoint")
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and strict loading.
+# ---------------------------------------------------------------------------------------------
+
+
+def _swap_attention(
+    model: nn.Module, gqa: type[_GQA], config: transformers.PretrainedConfig, kv_heads: int
+) -> None:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    found = [m for m in model.modules() if type(m) is gqa.base and not getattr(m, "is_cross_attention", False)]
+    if not found:  # pragma: no cover - guards against renamed classes in a future transformers
+        raise RuntimeError(f"no {gqa.base.__name__} modules in {type(model).__name__}")
+    for module in found:
+        gqa.adopt(module, heads, kv_heads, head_dim)
+
+
+def _build(
+    cls: type[transformers.PreTrainedModel],
+    config: transformers.PretrainedConfig,
+    gqa: type[_GQA] | None,
+    kv_heads: int,
+    dtype: torch.dtype | None,
+    device: str,
+) -> transformers.PreTrainedModel:
+    """The model with GQA attention swapped in, weights uninitialized (they are loaded next), tied."""
+    config = copy.deepcopy(config)  # _from_config writes dtype / attention choice into it
+    with torch.device(device), no_init_weights():
+        model = cls._from_config(config, dtype=dtype, attn_implementation=_ATTN_IMPLEMENTATION)
+        if gqa is not None:
+            _swap_attention(model, gqa, config, kv_heads)
+    model.tie_weights()  # no_init_weights also skipped tying
+    return model
+
+
+class _Renamer:
+    """Checkpoint name -> model name, with transformers' own load-time renames (e.g. gpt_neox
+    embed_out -> lm_head, LayerNorm.gamma -> weight) and base-model prefix added or dropped.
+
+    save_pretrained writes the original names back, so converted checkpoints carry them too.
+    """
+
+    def __init__(self, model: transformers.PreTrainedModel, expected: dict[str, torch.Tensor]) -> None:
+        mapping = get_model_conversion_mapping(model)
+        self.renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        self.converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        self.prefix = model.base_model_prefix
+        self.expected = expected
+
+    def __call__(self, name: str) -> tuple[str, bool]:
+        """(model name, whether a transformers WeightConverter merges/splits it on load)."""
+        renamed, pattern = rename_source_key(name, self.renamings, self.converters, self.prefix, self.expected)
+        if renamed not in self.expected and name in self.expected:  # as transformers does: keep exact hits
+            renamed, pattern = name, None
+        return renamed, pattern is not None
+
+
+def _plan(model: transformers.PreTrainedModel, meta: _Meta, *, converters_ok: bool) -> dict[str, str]:
+    """model tensor -> checkpoint tensor; BadInput unless every tensor is accounted for, shapes included.
+
+    Tensors that a transformers WeightConverter merges or splits (MoE experts, ...) can only be
+    loaded by from_pretrained: they count as present but are not planned (`converters_ok`).
+    """
+    expected = model.state_dict()  # parameters + persistent buffers; tied weights under both names
+    rename = _Renamer(model, expected)
+    plan: dict[str, str] = {}
+    converted: set[str] = set()
+    for ckpt_name in meta:
+        name, is_converted = rename(ckpt_name)
+        if is_converted:
+            converted.add(name)
+        else:
+            plan[name] = ckpt_name
+    if converted and not converters_ok:
+        raise BadInput(
+            f"{type(model).__name__} needs transformers' weight conversion for {sorted(converted)[0]!r}, "
+            "which headfold's GQA loader does not do; load an unconverted checkpoint"
+        )
+    _check_extra(model, plan, expected)
+    _check_shapes(model, plan, expected, meta)
+    _check_missing(model, plan.keys() | converted, expected)
+    return {name: ckpt_name for name, ckpt_name in plan.items() if name in expected}
+
+
+def _check_extra(model: transformers.PreTrainedModel, plan: dict[str, str], expected: dict) -> None:
+    ignorable = [*_STALE_BUFFERS, *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    extra = sorted(
+        ckpt_name
+        for name, ckpt_name in plan.items()
+        if name not in expected and not any(re.search(p, name) for p in ignorable)
+    )
+    if extra:
+        raise BadInput(
+            f"{len(extra)} checkpoint tensor(s) unknown to {type(model).__name__}, e.g. {extra[0]!r}; "
+            "check 'architectures' in config.json"
+        )
+
+
+def _check_shapes(model: transformers.PreTrainedModel, plan: dict[str, str], expected: dict, meta: _Meta) -> None:
+    config = model.config
+    for name, ckpt_name in plan.items():
+        if name in expected and tuple(expected[name].shape) != meta[ckpt_name][0]:
+            raise BadInput(
+                f"tensor {ckpt_name} has shape {list(meta[ckpt_name][0])} but config.json "
+                f"(num_attention_heads={config.num_attention_heads}, "
+                f"num_key_value_heads={getattr(config, 'num_key_value_heads', None)}) implies "
+                f"{list(expected[name].shape)}; fix num_key_value_heads or re-run headfold convert"
+            )
+
+
+def _check_missing(model: transformers.PreTrainedModel, present: set[str], expected: dict) -> None:
+    """Only tied weights may be absent (non-persistent buffers are not in the state dict at all)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    partners = {**tied, **{source: target for target, source in tied.items()}}
+    missing = sorted(n for n in expected if n not in present and partners.get(n) not in present)
+    if missing:
+        raise BadInput(
+            f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[0]!r}; "
+            "the checkpoint is incomplete or does not match config.json"
+        )
+
+
+def _load_weights(model: nn.Module, plan: dict[str, str], files: dict[str, Path]) -> None:
+    """Copy tensors file by file into the model (casting to its dtype); one tensor in memory at a time."""
+    targets = model.state_dict()  # shares storage with the parameters
+    by_file: dict[Path, list[str]] = {}
+    for name, ckpt_name in plan.items():
+        by_file.setdefault(files[ckpt_name], []).append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with _open(file) as f:
+                for name in names:
+                    targets[name].copy_(f.get_tensor(plan[name]))
+
+
+def _resolve_dtype(
+    dtype: torch.dtype | None, config: transformers.PretrainedConfig, meta: _Meta
+) -> torch.dtype:
+    """Like from_pretrained's dtype="auto": explicit, else config.json's dtype, else the weights' own."""
+    if dtype is not None:
+        return dtype
+    configured = getattr(config, "dtype", None)
+    if isinstance(configured, str):
+        configured = getattr(torch, configured, None)
+    if isinstance(configured, torch.dtype):
+        return configured
+    stored = (_SAFETENSORS_DTYPES.get(code) for _, code in meta.values())
+    return next((d for d in stored if d is not None), torch.float32)
+
+
+def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> transformers.PreTrainedModel:
+    """A runnable model (eval mode, SDPA attention) for the checkpoint folder at `path`.
+
+    Raises BadInput for a missing/unknown config, remote-code or unknown architectures, and tensors
+    whose names or shapes don't match config.json (e.g. K/V sized for another num_key_value_heads).
+    """
+    folder = Path(path)
+    config = _read_config(folder)
+    cls = _model_class(config)
+    heads, kv_heads = _kv_heads(config)
+    gqa = _gqa_class(config, heads, kv_heads)
+    files = _tensor_files(folder)
+    meta = _tensor_meta(files)
+
+    if gqa is None:
+        # Check names and shapes on a weightless skeleton first, so mismatches are one-line BadInput.
+        _plan(_build(cls, config, None, kv_heads, dtype, device="meta"), meta, converters_ok=True)
+        model = cls.from_pretrained(
+            folder,
+            dtype=dtype if dtype is not None else "auto",
+            attn_implementation=_ATTN_IMPLEMENTATION,
+            local_files_only=True,
+        )
+    else:
+        model = _build(cls, config, gqa, kv_heads, _resolve_dtype(dtype, config, meta), device="cpu")
+        _load_weights(model, _plan(model, meta, converters_ok=False), files)
+        _finish_like_from_pretrained(model, folder)
+    return model.eval()
+
+
+def _finish_like_from_pretrained(model: transformers.PreTrainedModel, folder: Path) -> None:
+    """What from_pretrained also does: record the source and use its generation defaults."""
+    model.config.name_or_path = str(folder)
+    if model.can_generate() and (folder / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)

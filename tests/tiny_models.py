@@ -1,0 +1,191 @@
+"""Tiny random-weight models for every supported family (a factory, not a test module).
+
+All configs share 2 layers and 8 attention heads so that kv-heads 8/4/2/1 are all valid.
+Weights are seeded and every parameter is non-trivial: HF init zeroes biases and sets
+norms to 1, which would let bugs in bias/norm handling pass unnoticed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+FAMILIES: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gpt2",
+    "gpt_neox",
+    "opt",
+    "bert",
+    "roberta",
+)
+ENCODERS: frozenset[str] = frozenset({"bert", "roberta"})
+
+VOCAB = 160
+HEADS = 8
+_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+# Per-family config kwargs: (config class, architecture, kwargs). Hidden 64 / 8 heads -> head_dim 8.
+_LLAMA_LIKE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=HEADS,
+    num_key_value_heads=HEADS,
+    max_position_embeddings=64,
+    attention_dropout=0.0,
+    **_IDS,
+)
+_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA_LIKE)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_LLAMA_LIKE, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA_LIKE)),
+    # head_dim != hidden / heads covers the explicit-head_dim path; qwen3 has q_norm / k_norm.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_LLAMA_LIKE, hidden_size=32, head_dim=8)),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(_LLAMA_LIKE, resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=64),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            vocab_size=VOCAB,
+            n_positions=64,
+            n_embd=64,
+            n_layer=2,
+            n_head=HEADS,
+            n_inner=96,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **_IDS,
+        ),
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=HEADS,
+            max_position_embeddings=64,
+            rotary_pct=0.5,  # partial rotary: half of each head is rotated
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            **_IDS,
+        ),
+    ),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            word_embed_proj_dim=64,
+            ffn_dim=96,
+            num_hidden_layers=2,
+            num_attention_heads=HEADS,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            **_IDS,
+        ),
+    ),
+    "bert": (
+        "BertConfig",
+        "BertModel",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=HEADS,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **_IDS,
+        ),
+    ),
+    "roberta": (
+        "RobertaConfig",
+        "RobertaModel",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=HEADS,
+            max_position_embeddings=66,  # roberta offsets positions by padding_idx + 1
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
+}
+
+
+def tiny_config(model_type: str, **overrides: Any) -> transformers.PretrainedConfig:
+    """A 2-layer, 8-head config of `model_type` with its LM-head (decoders) or base (encoders) class."""
+    config_cls, architecture, kwargs = _SPECS[model_type]
+    config = getattr(transformers, config_cls)(**{**kwargs, **overrides})
+    config.architectures = [architecture]
+    return config
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter random: weights N(0, 0.1), biases N(0, 0.1), norm scales 1 + N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied parameters are listed once
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.1
+            is_scale = param.ndim == 1 and not name.endswith("bias")
+            param.copy_(noise + 1.0 if is_scale else noise)
+
+
+def make_checkpoint(
+    model_type: str,
+    path: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **config_overrides: Any,
+) -> Path:
+    """Write a seeded random tiny checkpoint (config.json + safetensors) to `path`; return `path`."""
+    config = tiny_config(model_type, **config_overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, config.architectures[0])(config)
+    _randomize(model, seed)
+    model.to(dtype)
+    path = Path(path)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)  # transformers 5 always writes safetensors
+    return path
+
+
+def sample_batch(
+    config: transformers.PretrainedConfig, batch: int = 2, seq: int = 7, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """input_ids + attention_mask; the last row is padded (left for decoders, right for encoders)."""
+    gen = torch.Generator().manual_seed(seed)
+    first_free = 3  # keep clear of pad/bos/eos
+    input_ids = torch.randint(first_free, config.vocab_size, (batch, seq), generator=gen)
+    attention_mask = torch.ones(batch, seq, dtype=torch.long)
+    n_pad = min(2, seq - 1)
+    pad_slice = slice(seq - n_pad, seq) if config.model_type in ENCODERS else slice(0, n_pad)
+    attention_mask[-1, pad_slice] = 0
+    input_ids[-1, pad_slice] = config.pad_token_id if config.pad_token_id is not None else 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
