@@ -1,0 +1,62 @@
+"""The streaming writer produces files that the safetensors library reads back exactly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from headfold.converter.writer import PlannedTensor, ShardedWriter, plan_shards
+
+TENSORS = {
+    "f32": torch.randn(3, 5),
+    "bf16": torch.randn(7).to(torch.bfloat16),
+    "f16": torch.randn(2, 2, 2).to(torch.float16),
+    "i64": torch.arange(6).reshape(2, 3),
+    "bool": torch.tensor([True, False, True]),
+    "scalar": torch.tensor(3.5),
+    "empty": torch.zeros(0, 4),
+    "u8": torch.arange(5, dtype=torch.uint8),
+}
+
+
+def plan(tensors: dict[str, torch.Tensor]) -> list[PlannedTensor]:
+    return [PlannedTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+
+
+@pytest.mark.parametrize("shard_bytes", [1 << 30, 40])
+def test_round_trip(shard_bytes: int, tmp_path: Path) -> None:
+    with ShardedWriter(tmp_path, plan(TENSORS), shard_bytes, {"format": "pt"}) as writer:
+        for name, t in TENSORS.items():
+            writer.write(name, t)
+        hashes = writer.finish()
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert (len(files) == 1) == (shard_bytes == 1 << 30)
+    read = {}
+    for f in files:
+        with safe_open(f, framework="pt") as handle:
+            assert handle.metadata() == {"format": "pt"}
+            read.update({k: handle.get_tensor(k) for k in handle.keys()})
+        assert hashes[f.name] == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert read.keys() == TENSORS.keys()
+    for name, t in TENSORS.items():
+        assert read[name].dtype == t.dtype and torch.equal(read[name], t), name
+    if len(files) > 1:
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == set(TENSORS)
+
+
+def test_plan_keeps_order_and_isolates_large_tensors() -> None:
+    sizes = [PlannedTensor(str(i), torch.uint8, (n,)) for i, n in enumerate([10, 10, 100, 5, 5])]
+    shards = plan_shards(sizes, 25)
+    assert [[t.name for t in s] for s in shards] == [["0", "1"], ["2"], ["3", "4"]]
+
+
+def test_out_of_plan_write_is_refused(tmp_path: Path) -> None:
+    with ShardedWriter(tmp_path, plan(TENSORS), 1 << 30, {}) as writer:
+        with pytest.raises(RuntimeError, match="expected"):
+            writer.write("bf16", TENSORS["bf16"])
