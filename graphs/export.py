@@ -1,0 +1,277 @@
+"""Export a (converted) checkpoint to ONNX with one fused, GQA-shaped `Attention` node per layer.
+
+Decoders get two graphs: prefill.onnx (input_ids, attention_mask → logits, present K/V) and
+decode.onnx (one new token + past K/V → logits, present K/V); encoders get model.onnx
+(→ last_hidden_state). Each graph is exported by torch.onnx (dynamo), rewritten by
+headfold.graphs.rewrite, checked, and saved with external weights; export.json summarises them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import torch
+import transformers
+from torch import nn
+from torch.export import Dim
+from tqdm import tqdm
+from transformers.cache_utils import DynamicCache
+
+from headfold.atomic import atomic_output, check_output
+from headfold.errors import BadInput
+from headfold.graphs.modeling import load_model
+from headfold.graphs.rewrite import optimize
+
+__all__ = [
+    "export",
+    "export_graph",
+    "torch_export",
+    "decoder_graphs",
+    "encoder_graphs",
+    "position_ids",
+    "check_opset",
+    "OPSETS",
+    "DTYPES",
+]
+
+# 23 is the first opset with Attention; torch 2.13 writes an invalid model (opset_import 18
+# next to an Attention node) for ≥ 26, see shared/notes/runtime-facts.md.
+OPSETS = (23, 24, 25)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SUMMARY_FILE = "export.json"
+
+# Example sizes for tracing; all are dynamic in the graph. Avoid 0/1, which torch.export specialises.
+_BATCH, _SEQUENCE, _PAST = 2, 7, 5
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens (left padding allowed), as transformers' generate does.
+
+    Passing them explicitly (B, S) also keeps torch.onnx from fusing RotaryEmbedding with a
+    batch-1 cos cache, which fails in ORT for batch > 1.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+
+
+def _present(cache: DynamicCache) -> tuple[torch.Tensor, ...]:
+    return tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+class Prefill(nn.Module):
+    """input_ids, attention_mask → logits, present.{i}.key, present.{i}.value (kv-heads)."""
+
+    def __init__(self, model: transformers.PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            cache=cache,
+            use_cache=True,
+        )
+        return (out.logits, *_present(cache))
+
+
+class Decode(nn.Module):
+    """One new token: input_ids (B, 1), attention_mask (B, past + 1), past K/V → logits, present K/V."""
+
+    def __init__(self, model: transformers.PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        cache = DynamicCache(list(zip(past[0::2], past[1::2])), config=self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask)[:, -1:],
+            cache=cache,
+            use_cache=True,
+        )
+        return (out.logits, *_present(cache))
+
+
+class Encoder(nn.Module):
+    """input_ids, attention_mask [, token_type_ids] → last_hidden_state."""
+
+    def __init__(self, model: transformers.PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *token_type_ids: torch.Tensor) -> torch.Tensor:
+        types = token_type_ids[0] if token_type_ids else None
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=types).last_hidden_state
+
+
+@dataclass
+class GraphSpec:
+    """One graph to export: the module, example inputs, names and dynamic axes."""
+
+    file: str
+    module: nn.Module
+    args: tuple[torch.Tensor, ...]
+    input_names: list[str]
+    output_names: list[str]
+    dynamic_shapes: tuple
+
+
+def _kv_names(prefix: str, layers: int) -> list[str]:
+    return [f"{prefix}.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+
+
+def _example_tokens(config: transformers.PretrainedConfig, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return ids, torch.ones(batch, seq, dtype=torch.long)
+
+
+def decoder_graphs(model: transformers.PreTrainedModel, layers: int) -> list[GraphSpec]:
+    batch, sequence, past = Dim("batch"), Dim("sequence"), Dim("past_sequence")
+    ids, mask = _example_tokens(model.config, _BATCH, _SEQUENCE)
+    prefill = Prefill(model)
+    with torch.no_grad():
+        past_kv = prefill(*_example_tokens(model.config, _BATCH, _PAST))[1:]
+    kv_axes = {0: batch, 2: past}
+    return [
+        GraphSpec(
+            "prefill.onnx",
+            prefill,
+            (ids, mask),
+            ["input_ids", "attention_mask"],
+            ["logits", *_kv_names("present", layers)],
+            ({0: batch, 1: sequence}, {0: batch, 1: sequence}),
+        ),
+        GraphSpec(
+            "decode.onnx",
+            Decode(model),
+            (ids[:, :1], torch.ones(_BATCH, _PAST + 1, dtype=torch.long), *past_kv),
+            ["input_ids", "attention_mask", *_kv_names("past_key_values", layers)],
+            ["logits", *_kv_names("present", layers)],
+            ({0: batch}, {0: batch, 1: past + 1}, (kv_axes,) * len(past_kv)),  # *past is one tuple
+        ),
+    ]
+
+
+def encoder_graphs(model: transformers.PreTrainedModel) -> list[GraphSpec]:
+    batch, sequence = Dim("batch"), Dim("sequence")
+    ids, mask = _example_tokens(model.config, _BATCH, _SEQUENCE)
+    inputs, names = [ids, mask], ["input_ids", "attention_mask"]
+    if getattr(model.config, "type_vocab_size", 0) > 1:  # segment embeddings are trained: expose them
+        inputs.append(torch.zeros_like(ids))
+        names.append("token_type_ids")
+    axes = {0: batch, 1: sequence}
+    dynamic = (axes, axes, (axes,) * (len(inputs) - 2))  # *token_type_ids is one tuple
+    return [GraphSpec("model.onnx", Encoder(model), tuple(inputs), names, ["last_hidden_state"], dynamic)]
+
+
+def check_opset(opset: int) -> None:
+    if opset not in OPSETS:
+        why = (
+            "torch.onnx writes an invalid model above 25 (opset_import 18 next to Attention nodes)"
+            if opset > OPSETS[-1]
+            else "the fused Attention op exists from opset 23 on"
+        )
+        raise BadInput(f"opset {opset} is not supported: {why}; use --opset 23, 24 or 25")
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise BadInput(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def torch_export(spec: GraphSpec, opset: int) -> ir.Model:
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # torch.onnx warns per op about missing optional packages
+        program = torch.onnx.export(
+            spec.module,
+            spec.args,
+            dynamo=True,
+            opset_version=opset,
+            input_names=spec.input_names,
+            output_names=spec.output_names,
+            dynamic_shapes=spec.dynamic_shapes,
+            verbose=False,
+        )
+    return program.model
+
+
+def save(model: ir.Model, path: Path) -> None:
+    """Weights to `<name>.data` next to the graph; the checker reads both (path-based)."""
+    ir.save(model, path, external_data=f"{path.name}.data")
+    onnx.checker.check_model(str(path))
+
+
+def export_graph(spec: GraphSpec, folder: Path, *, opset: int, kv_heads: int, layers: int) -> dict:
+    """Export, rewrite, check and save one graph; return its summary."""
+    start = time.perf_counter()
+    model = torch_export(spec, opset)
+    exported = time.perf_counter()
+    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=spec.file)
+    rewritten = time.perf_counter()
+    save(model, folder / spec.file)
+    return {
+        "inputs": spec.input_names,
+        "outputs": spec.output_names,
+        "fusions": report.fusions,
+        "attention_nodes": len(report.attention),
+        "attention_kv_heads": [node.kv_heads for node in report.attention],
+        "torch_export_s": round(exported - start, 2),
+        "rewrite_s": round(rewritten - exported, 2),
+    }
+
+
+def attention_shape(config: transformers.PretrainedConfig) -> tuple[int, int, int]:
+    """(layers, heads, kv_heads) from the config; load_model has validated them."""
+    heads = config.num_attention_heads
+    return config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def export(
+    src: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    opset: int = 23,
+    dtype: str = "fp32",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Export the checkpoint folder `src` to ONNX graphs in `out_dir` (atomically); return the summary.
+
+    Raises BadInput for unsupported opsets/dtypes and unloadable checkpoints, CheckFailed when a
+    graph does not end up with exactly one Attention node per layer with K/V at kv-heads.
+    """
+    check_opset(opset)
+    torch_dtype = _torch_dtype(dtype)
+    src, out = Path(src), Path(out_dir)
+    out = check_output(out, overwrite=overwrite, sources=(src,))
+    model = load_model(src, dtype=torch_dtype)
+    layers, heads, kv_heads = attention_shape(model.config)
+    graphs = decoder_graphs(model, layers) if model.can_generate() else encoder_graphs(model)
+    summary = {
+        "source": str(src),
+        "model_type": model.config.model_type,
+        "opset": opset,
+        "dtype": dtype,
+        "layers": layers,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "graphs": {},
+    }
+    with atomic_output(out) as tmp:
+        for spec in tqdm(graphs, desc="export", unit="graph", disable=not progress):
+            summary["graphs"][spec.file] = export_graph(spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers)
+        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,103 @@
+"""Graph rewrite pipeline: one fused ONNX `Attention` per layer, K/V at kv-heads, counted and checked.
+
+Each rule is a pattern/check/rewrite class (onnxscript's rewriter) in its own module, exposing
+`rules`; adding a rule is adding a module and listing it in RULES. Order matters: decomposed
+attention is fused first so that its repeated K/V can then be collapsed.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+from onnxscript.rewriter import RewriteRule
+
+from headfold.errors import CheckFailed
+from headfold.graphs.rewrite import decomposed, repeat_kv
+from headfold.graphs.rewrite.cleanup import cleanup, upgrade_opset
+
+__all__ = ["RULES", "AttentionNode", "FusionReport", "optimize", "attention_nodes", "check_attention"]
+
+RULES: tuple[RewriteRule, ...] = (*decomposed.rules, *repeat_kv.rules)
+
+_NAME_SCOPES = "pkg.torch.onnx.name_scopes"  # written by torch.onnx.export on every node
+_LAYER_INDEX = re.compile(r"\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class AttentionNode:
+    name: str
+    layer: int | None  # from the exporter's module scopes; None when the graph has no such metadata
+    kv_heads: int | None  # None when K's head axis is not static
+
+
+@dataclass
+class FusionReport:
+    fusions: dict[str, int]  # rule name -> times applied
+    attention: list[AttentionNode] = field(default_factory=list)
+
+
+def optimize(model: ir.Model, *, kv_heads: int, layers: int, graph: str = "graph") -> FusionReport:
+    """Apply every rule in place, then fail (CheckFailed) unless each layer has one GQA Attention."""
+    upgrade_opset(model)
+    cleanup(model)  # the rules' checks read shapes and constants
+    fusions = {rule.name: rule.apply_to_model(model) for rule in RULES}
+    cleanup(model)
+    report = FusionReport(fusions, attention_nodes(model))
+    check_attention(report.attention, kv_heads=kv_heads, layers=layers, graph=graph)
+    return report
+
+
+def attention_nodes(model: ir.Model) -> list[AttentionNode]:
+    """Standard-domain Attention nodes in graph order, with their layer and K/V head count."""
+    return [
+        AttentionNode(node.name or f"#{i}", _layer(node), _kv_heads(node))
+        for i, node in enumerate(model.graph)
+        if node.op_type == "Attention" and node.domain in ("", "ai.onnx")
+    ]
+
+
+def check_attention(found: list[AttentionNode], *, kv_heads: int, layers: int, graph: str) -> None:
+    """One Attention per layer 0..layers-1, each with K/V at `kv_heads`; else CheckFailed naming layers."""
+    # Without scope metadata the i-th node (graph order) is layer i: layers depend on each other.
+    per_layer = [n.layer if n.layer is not None else i for i, n in enumerate(found)]
+    problems = []
+    missing = [i for i in range(layers) if per_layer.count(i) == 0]
+    extra = sorted({i for i in per_layer if per_layer.count(i) > 1 or not 0 <= i < layers})
+    wrong = [f"{i} ({n.kv_heads})" for i, n in zip(per_layer, found) if n.kv_heads != kv_heads]
+    if missing:
+        problems.append(f"no fused Attention in layer(s) {_join(missing)}")
+    if extra:
+        problems.append(f"more than one Attention in layer(s) {_join(extra)}")
+    if wrong:
+        problems.append(f"K/V heads ≠ {kv_heads} in layer(s) {', '.join(wrong)}")
+    if problems:
+        raise CheckFailed(
+            f"{graph}: {'; '.join(problems)} — expected one Attention per layer ({layers} layers) "
+            f"with {kv_heads} kv-heads; the exporter produced a pattern no rewrite rule covers"
+        )
+
+
+def _join(indices: list[int]) -> str:
+    return ", ".join(map(str, indices))
+
+
+def _layer(node: ir.Node) -> int | None:
+    """Index of the innermost numbered module around the node (model.layers.3.self_attn → 3)."""
+    scopes = node.metadata_props.get(_NAME_SCOPES)
+    if not scopes:
+        return None
+    numbered = [m.group(1) for s in ast.literal_eval(scopes) if (m := _LAYER_INDEX.search(s))]
+    return int(numbered[-1]) if numbered else None
+
+
+def _kv_heads(node: ir.Node) -> int | None:
+    """K's head count: axis 1 of 4D K, or the kv_num_heads attribute of the 3D form."""
+    key = node.inputs[1]
+    if key is not None and key.shape is not None and key.shape.rank() == 4:
+        heads = key.shape[1]
+        return heads if isinstance(heads, int) else None
+    attr = node.attributes.get("kv_num_heads")
+    return attr.as_int() if attr is not None else None

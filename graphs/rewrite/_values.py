@@ -1,0 +1,45 @@
+"""Small, shared facts about ir.Values used by the rules' checks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+Dim = int | ir.SymbolicDim
+
+
+def dims(value: ir.Value | None, rank: int) -> tuple[Dim, ...] | None:
+    """The value's dimensions when its rank is `rank`, else None."""
+    if value is None or value.shape is None or value.shape.rank() != rank:
+        return None
+    return tuple(value.shape)
+
+
+def same_dim(a: Dim, b: Dim) -> bool:
+    """Equal and known: two unnamed symbolic dims compare equal in onnx_ir but prove nothing."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a.value is not None and a.value == b.value
+
+
+def same_dims(a: Sequence[Dim], b: Sequence[Dim]) -> bool:
+    return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
+
+
+def constant(value: ir.Value | None) -> np.ndarray | None:
+    """The value's constant contents (initializer or folded Constant), else None."""
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return None if tensor is None else tensor.numpy()
+
+
+def scalar(value: ir.Value | None) -> float | None:
+    """A one-element constant as a float, else None."""
+    array = constant(value)
+    return float(array.reshape(())) if array is not None and array.size == 1 else None
+
+
+def int_list(value: ir.Value | None) -> list[int] | None:
+    array = constant(value)
+    return None if array is None else [int(x) for x in array.reshape(-1)]

@@ -1,0 +1,34 @@
+"""Cleanup between and after the rules: constant folding, dead code, shape inference (onnx_ir passes)."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common
+from onnxscript.optimizer import fold_constants
+from onnxscript.version_converter import ConvertVersionPass
+
+ATTENTION_OPSET = 23  # first opset with a standard Attention op
+
+
+class FoldConstantsPass(ir.passes.InPlacePass):
+    """onnxscript's constant folding as a pass: the rules read scales and axes as constants."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return fold_constants(model)  # a PassResult
+
+
+def cleanup(model: ir.Model) -> None:
+    """Fold constants, drop unused nodes/initializers, sort, and give every value a shape."""
+    ir.passes.Sequential(
+        FoldConstantsPass(),
+        common.RemoveUnusedNodesPass(),
+        common.RemoveUnusedOpsetsPass(),
+        common.TopologicalSortPass(),
+        common.ShapeInferencePass(),
+    )(model)
+
+
+def upgrade_opset(model: ir.Model) -> None:
+    """Models from older exporters are converted to the opset that has Attention before fusing."""
+    if model.opset_imports.get("", ATTENTION_OPSET) < ATTENTION_OPSET:
+        ConvertVersionPass(ATTENTION_OPSET)(model)

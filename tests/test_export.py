@@ -1,0 +1,185 @@
+"""headfold.graphs.export: ORT vs torch numbers, KV-cache greedy decoding, one GQA Attention per layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+
+from headfold.converter import convert
+from headfold.errors import BadInput, CheckFailed
+from headfold.graphs import rewrite
+from headfold.graphs.export import export, position_ids
+from headfold.graphs.modeling import load_model
+from tiny_models import ENCODERS, HEADS, sample_batch
+
+ATOL = 1e-4
+NEW_TOKENS = 16
+SEQUENCES = (5, 11)
+
+# (family, kv-heads): every family once as GQA/MQA and once as MHA; kv ∈ {h/2, h/4, 1} across them.
+FAST = [("llama", 2), ("gpt2", 1), ("bert", 4)]
+SLOW = [
+    ("llama", HEADS),
+    ("gpt2", HEADS),
+    ("bert", HEADS),
+    ("mistral", 4),
+    ("mistral", HEADS),
+    ("qwen2", 1),
+    ("qwen2", HEADS),
+    ("qwen3", 2),
+    ("qwen3", HEADS),
+    ("phi3", 4),
+    ("phi3", HEADS),
+    ("gpt_neox", 2),
+    ("gpt_neox", HEADS),
+    ("opt", 4),
+    ("opt", HEADS),
+    ("roberta", 1),
+    ("roberta", HEADS),
+]
+CASES = [pytest.param(*case, id=f"{case[0]}-kv{case[1]}") for case in FAST] + [
+    pytest.param(*case, id=f"{case[0]}-kv{case[1]}", marks=pytest.mark.slow) for case in SLOW
+]
+DECODER_CASES = [case for case in CASES if case.values[0] not in ENCODERS]
+
+
+@pytest.fixture(scope="session")
+def exported(tiny_checkpoint, tmp_path_factory):
+    """exported(family, kv) → (checkpoint folder, ONNX folder), built once per session."""
+    cache: dict[tuple[str, int], tuple[Path, Path]] = {}
+
+    def get(family: str, kv: int) -> tuple[Path, Path]:
+        if (family, kv) not in cache:
+            folder = tmp_path_factory.mktemp(f"{family}-kv{kv}")
+            checkpoint = tiny_checkpoint(family)
+            if kv != HEADS:
+                checkpoint = convert(checkpoint, folder / "checkpoint", kv, progress=False)
+            export(checkpoint, folder / "onnx", progress=False)
+            cache[family, kv] = checkpoint, folder / "onnx"
+        return cache[family, kv]
+
+    return get
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _batch(config: transformers.PretrainedConfig, batch: int, seq: int) -> dict[str, torch.Tensor]:
+    inputs = sample_batch(config, batch, seq, seed=seq)
+    if getattr(config, "type_vocab_size", 0) > 1:
+        inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    return inputs
+
+
+def _torch_outputs(model: transformers.PreTrainedModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        if model.can_generate():
+            return model(**inputs, position_ids=position_ids(inputs["attention_mask"])).logits
+        return model(**inputs).last_hidden_state
+
+
+def _max_error(ours: np.ndarray, reference: torch.Tensor, mask: torch.Tensor) -> float:
+    """Max abs difference over real (unpadded) positions."""
+    valid = mask.bool().numpy()
+    return float(np.abs(ours[valid] - reference.numpy()[valid]).max())
+
+
+@pytest.mark.parametrize("family, kv", CASES)
+def test_ort_matches_torch(exported, family: str, kv: int) -> None:
+    checkpoint, onnx_dir = exported(family, kv)
+    model = load_model(checkpoint)
+    graph = "model.onnx" if family in ENCODERS else "prefill.onnx"
+    session = _session(onnx_dir / graph)
+    for batch in (1, 3):
+        for seq in SEQUENCES:
+            inputs = _batch(model.config, batch, seq)
+            ours = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+            error = _max_error(ours[0], _torch_outputs(model, inputs), inputs["attention_mask"])
+            assert error <= ATOL, f"{graph} batch {batch} seq {seq}: max abs error {error:.2e}"
+            for present in ours[1:]:  # decoders: K/V cache leaves the graph at kv-heads
+                assert present.shape[:3] == (batch, kv, seq)
+
+
+@pytest.mark.parametrize("family, kv", CASES)
+def test_one_gqa_attention_per_layer(exported, family: str, kv: int) -> None:
+    checkpoint, onnx_dir = exported(family, kv)
+    summary = json.loads((onnx_dir / "export.json").read_text())
+    assert summary["kv_heads"] == kv and summary["opset"] == 23
+    for name, info in summary["graphs"].items():
+        model = onnx.load(onnx_dir / name, load_external_data=False)
+        attention = [n for n in model.graph.node if n.op_type == "Attention"]
+        assert len(attention) == summary["layers"] == info["attention_nodes"]
+        assert info["attention_kv_heads"] == [kv] * summary["layers"]
+        assert sum(info["fusions"].values()) == (summary["layers"] if kv != HEADS else 0)
+        assert all(o.type.tensor_type.HasField("shape") for o in model.graph.output)
+        assert (onnx_dir / f"{name}.data").is_file()
+        onnx.checker.check_model(str(onnx_dir / name))
+
+
+def _ort_greedy(onnx_dir: Path, input_ids: np.ndarray, mask: np.ndarray, layers: int) -> tuple[np.ndarray, list]:
+    """Prefill once, then NEW_TOKENS - 1 single-token decode steps with the KV cache."""
+    prefill, decode = _session(onnx_dir / "prefill.onnx"), _session(onnx_dir / "decode.onnx")
+    logits, *present = prefill.run(None, {"input_ids": input_ids, "attention_mask": mask})
+    tokens = [logits[:, -1].argmax(-1)]
+    names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    for _ in range(NEW_TOKENS - 1):
+        mask = np.concatenate([mask, np.ones_like(mask[:, :1])], axis=1)
+        feeds = {"input_ids": tokens[-1][:, None], "attention_mask": mask, **dict(zip(names, present))}
+        logits, *present = decode.run(None, feeds)
+        tokens.append(logits[:, -1].argmax(-1))
+    return np.stack(tokens, axis=1), present
+
+
+@pytest.mark.parametrize("family, kv", DECODER_CASES)
+def test_decode_greedy_matches_torch_generate(exported, family: str, kv: int) -> None:
+    checkpoint, onnx_dir = exported(family, kv)
+    model = load_model(checkpoint)
+    inputs = sample_batch(model.config, 3, 6, seed=1)  # last row left-padded
+    with torch.no_grad():
+        expected = model.generate(
+            **inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )[:, inputs["input_ids"].shape[1] :]
+    tokens, present = _ort_greedy(onnx_dir, inputs["input_ids"].numpy(), inputs["attention_mask"].numpy(), model.config.num_hidden_layers)
+    np.testing.assert_array_equal(tokens, expected.numpy())
+    assert all(t.shape[:3] == (3, kv, 6 + NEW_TOKENS - 1) for t in present)
+
+
+@pytest.mark.parametrize("opset", [18, 22, 26, 27])
+def test_unsupported_opsets_are_refused(tmp_path: Path, opset: int) -> None:
+    with pytest.raises(BadInput, match=f"opset {opset} is not supported"):
+        export(tmp_path / "missing", tmp_path / "out", opset=opset)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_fusion_fails_and_writes_nothing(tiny_checkpoint, tmp_path: Path, monkeypatch) -> None:
+    """Without the repeat_kv rule a GQA graph keeps MHA-shaped K/V: exit-1 error, no output."""
+    checkpoint = convert(tiny_checkpoint("bert"), tmp_path / "kv2", 2, progress=False)
+    monkeypatch.setattr(rewrite, "RULES", ())
+    with pytest.raises(CheckFailed, match=r"model.onnx: K/V heads ≠ 2 in layer\(s\) 0 \(8\), 1 \(8\)"):
+        export(checkpoint, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fp16_typed_weights_fp32_normalisation(tiny_checkpoint, tmp_path: Path) -> None:
+    """fp16: half weights, norms computed in fp32 (stash_type=1); ORT within 1e-2 of fp32 torch."""
+    checkpoint = convert(tiny_checkpoint("bert"), tmp_path / "kv2", 2, progress=False)
+    export(checkpoint, tmp_path / "onnx", dtype="fp16", progress=False)
+    graph = onnx.load(tmp_path / "onnx" / "model.onnx", load_external_data=False).graph
+    floats = {t.data_type for t in graph.initializer} - {onnx.TensorProto.INT64, onnx.TensorProto.BOOL}
+    assert floats == {onnx.TensorProto.FLOAT16}
+    norms = [n for n in graph.node if n.op_type == "LayerNormalization"]
+    assert norms and all(onnx.helper.get_attribute_value(a) == 1 for n in norms for a in n.attribute if a.name == "stash_type")
+    model = load_model(checkpoint)
+    inputs = _batch(model.config, 3, 9)
+    ours = _session(tmp_path / "onnx" / "model.onnx").run(None, {k: v.numpy() for k, v in inputs.items()})[0]
+    assert ours.dtype == np.float16
+    error = _max_error(ours.astype(np.float32), _torch_outputs(model, inputs), inputs["attention_mask"])
+    assert error <= 1e-2, f"fp16 max abs error {error:.2e}"
