@@ -95,6 +95,15 @@ def head_shape(config: dict[str, Any], spec: ArchitectureSpec) -> HeadShape:
     return HeadShape(heads, kv_heads, head_dim)
 
 
+def rotary_dims(config: dict[str, Any], spec: ArchitectureSpec, head_dim: int) -> int:
+    """Leading head dims RoPE rotates (0 without RoPE); partial rotary under its several config names."""
+    if not spec.rope:
+        return 0
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    fraction = params.get("partial_rotary_factor") or config.get("partial_rotary_factor") or config.get("rotary_pct") or 1.0
+    return int(head_dim * fraction) // 2 * 2
+
+
 def _safetensors_header(file: Path) -> list[TensorInfo]:
     """Validate a safetensors file with the library, then take data offsets from its header."""
     try:

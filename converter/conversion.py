@@ -15,9 +15,11 @@ import torch
 from tqdm.auto import tqdm
 
 from headfold.atomic import atomic_output, check_output
-from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint
+from headfold import corpus
+from headfold.converter.calibration import attention_inputs
+from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, rotary_dims
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
-from headfold.converter.methods import Method, get_method
+from headfold.converter.methods import LayerContext, Recipe, get_method
 from headfold.converter.writer import PlannedTensor, ShardedWriter
 from headfold.errors import BadInput
 
@@ -34,24 +36,34 @@ def convert(
     overwrite: bool = False,
     max_shard_size: str | int | None = None,
     allow_pickle: bool = False,
+    calibration: str | Path | None = None,
+    calibration_tokens: int = 4096,
+    seed: int = 0,
     progress: bool = True,
 ) -> Path:
     """Convert the checkpoint folder `source` to `kv_heads` K/V heads; return the output path.
 
+    Data-aware methods (grouped, aligned, refit) read activations on `calibration`: a text
+    file, None for the built-in offline text, or "weights" to work on the weights alone.
     Raises BadInput (nothing written) for anything wrong with the request or the source.
     """
     source = Path(source)
-    pool = get_method(method)
+    recipe = get_method(method)
     with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
         target = target_shape(ckpt.shape, kv_heads)
         out = check_output(Path(output), overwrite=overwrite, sources=(source,))
         shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else default_shard_bytes(ckpt)
+        text = calibration_text(calibration) if recipe.data_aware else None
+        contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)
         with atomic_output(out) as tmp:
-            files = write_weights(ckpt, target, pool, tmp, shard_bytes, progress)
+            files, groups = write_weights(ckpt, target, recipe, contexts, tmp, shard_bytes, progress)
             files |= write_config(ckpt, target, tmp)
             copied, skipped = copy_other_files(ckpt, tmp)
             files |= copied
-            manifest = build_manifest(ckpt, target, method, files, skipped)
+            manifest = build_manifest(ckpt, target, recipe, groups, files, skipped)
+            if recipe.data_aware:
+                used = "weights" if text is None else str(calibration or "built-in")
+                manifest["conversion"]["calibration"] = {"text": used, "tokens": calibration_tokens, "seed": seed}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out
 
@@ -102,26 +114,55 @@ def plan_outputs(ckpt: SourceCheckpoint, target: HeadShape) -> list[PlannedTenso
     return planned
 
 
-def convert_layer(ckpt: SourceCheckpoint, layer: dict[str, str], target: HeadShape, pool: Method) -> dict[str, torch.Tensor]:
-    """One layer's attention tensors, pooled in fp32 and cast back to their source dtypes."""
+def calibration_text(calibration: str | Path | None) -> str | None:
+    """None → the built-in offline text; "weights" → no activations (weight-space methods)."""
+    if calibration is None:
+        return corpus.calibration_text()
+    if str(calibration) == "weights":
+        return None
+    path = Path(calibration)
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot read calibration text {path} ({type(e).__name__}); pass a UTF-8 text file") from None
+
+
+def layer_contexts(ckpt: SourceCheckpoint, text: str | None, tokens: int, seed: int, progress: bool) -> list[LayerContext]:
+    """What a method may know about each layer: calibration inputs, RoPE dims, whether K may rotate."""
+    inputs = attention_inputs(ckpt, text, tokens, seed, progress) if text is not None else [None] * ckpt.layers
+    rotary = rotary_dims(ckpt.config, ckpt.spec, ckpt.shape.head_dim)
+    normed = ckpt.spec.qk_norm is not None and any(ckpt.spec.tensor_pattern(ckpt.spec.qk_norm).match(n) for n in ckpt.tensors)
+    return [LayerContext(x, rotary, rotate_keys=not normed) for x in inputs]
+
+
+def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, recipe: Recipe, ctx: LayerContext) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """One layer's attention tensors, converted in fp32 and cast back to their source dtypes."""
+    layer = ckpt.attention.layers[index]
     codec = AttentionCodec(ckpt.spec, ckpt.shape)
-    tensors = {suffix: ckpt.get(name).float() for suffix, name in layer.items()}
-    pooled = codec.encode(pool(codec.decode(tensors), target.kv_heads))
-    return {layer[s]: t.to(ckpt.tensors[layer[s]].dtype) for s, t in pooled.items()}
+    result = recipe(codec.decode({suffix: ckpt.get(name).float() for suffix, name in layer.items()}), target.kv_heads, ctx)
+    tensors = {layer[s]: t.to(ckpt.tensors[layer[s]].dtype) for s, t in codec.encode(result.attn).items()}
+    return tensors, result.groups
 
 
-def write_weights(ckpt: SourceCheckpoint, target: HeadShape, pool: Method, folder: Path, shard_bytes: int, progress: bool) -> dict[str, str]:
+def write_weights(
+    ckpt: SourceCheckpoint, target: HeadShape, recipe: Recipe, contexts: list[LayerContext], folder: Path, shard_bytes: int, progress: bool
+) -> tuple[dict[str, str], list[list[list[int]]]]:
+    """Stream every tensor to the output; return file hashes and each layer's head groups."""
     plan = plan_outputs(ckpt, target)
     owner = ckpt.attention.owner()
     pending: dict[str, torch.Tensor] = {}  # converted tensors of the current layer not yet written
+    groups: list[list[list[int]]] = [[] for _ in range(ckpt.layers)]
     bar = tqdm(total=sum(t.nbytes for t in plan), unit="B", unit_scale=True, desc="convert", disable=not progress)
     with bar, ShardedWriter(folder, plan, shard_bytes, metadata={"format": "pt"}) as writer:
         for t in plan:
             if t.name in owner and t.name not in pending:
-                pending.update(convert_layer(ckpt, ckpt.attention.layers[owner[t.name]], target, pool))
+                layer = owner[t.name]
+                converted, groups[layer] = convert_layer(ckpt, layer, target, recipe, contexts[layer])
+                contexts[layer] = LayerContext()  # calibration inputs of a done layer: free them
+                pending.update(converted)
             writer.write(t.name, pending.pop(t.name) if t.name in owner else ckpt.get(t.name))
             bar.update(t.nbytes)
-        return writer.finish()
+        return writer.finish(), groups
 
 
 def write_config(ckpt: SourceCheckpoint, target: HeadShape, folder: Path) -> dict[str, str]:
@@ -162,9 +203,11 @@ def _copy_hashed(src: Path, dst: Path) -> str:
     return digest.hexdigest()
 
 
-def build_manifest(ckpt: SourceCheckpoint, target: HeadShape, method: str, files: dict[str, str], skipped: list[str]) -> dict[str, Any]:
+def build_manifest(
+    ckpt: SourceCheckpoint, target: HeadShape, recipe: Recipe, groups: list[list[list[int]]], files: dict[str, str], skipped: list[str]
+) -> dict[str, Any]:
     src = ckpt.shape
-    per_group = src.kv_heads // target.kv_heads
+    uniform = all(layer == groups[0] for layer in groups)
     parent = ckpt.folder / MANIFEST
     return {
         "format": 1,
@@ -179,11 +222,13 @@ def build_manifest(ckpt: SourceCheckpoint, target: HeadShape, method: str, files
             "manifest": json.loads(parent.read_text()) if parent.is_file() else None,
         },
         "conversion": {
-            "method": method,
+            "method": recipe.name,
             "kv_heads": target.kv_heads,
             "group_size": target.group,
             "kv_head_of_query_head": [h // target.group for h in range(src.heads)],
-            "source_kv_heads_of_kv_head": [list(range(g * per_group, (g + 1) * per_group)) for g in range(target.kv_heads)],
+            # which source kv heads each new kv head pools; the same for every layer unless
+            # `grouped` chose per layer (query heads were then permuted to match)
+            "source_kv_heads_of_kv_head": groups[0] if uniform else groups,
         },
         "loader": "transformers" if ckpt.spec.native_gqa else "headfold.load_model",
         "versions": _versions(),

@@ -1,47 +1,285 @@
-"""Pooling methods: how the K/V heads of each contiguous group become one.
+"""Pooling methods: how the K/V heads of a group become one.
 
-A method maps a layer's canonical attention weights to ones with ``kv_heads`` K/V heads.
-Source kv head j joins target group j // (source_kv // kv_heads): contiguous groups, as
-the ONNX Attention op, TensorRT and torch's repeat_interleave expect.
+A method maps one layer's canonical attention weights to ones with ``kv_heads`` K/V heads.
+By default source kv head j joins group j // (source_kv // kv_heads): contiguous groups, as the
+ONNX Attention op, TensorRT and torch's repeat_interleave expect. Methods are recipes:
+
+- ``mean``    average the K and V projection heads and biases of a group (Ainslie et al. 2023)
+- ``first``   keep the first head of each group (the paper's ablation)
+- ``grouped`` choose which heads share a KV head by activation similarity, then permute heads
+              (query heads and W_O rows with them) so the chosen groups are contiguous
+- ``aligned`` rotate heads inside a group towards a common basis first (function-preserving:
+              the rotation is folded into W_Q / W_O), pool, restore the norm lost to averaging
+- ``refit``   after pooling, fit per head the linear map from the pooled K/V back to the head's
+              own K/V (least squares on calibration activations) and fold it into W_Q / W_O
+
+Modifiers combine with ``+`` (``aligned+grouped+refit``); they pool with ``mean`` unless
+``first`` is named. With RoPE, every K-side transform is restricted to what commutes with the
+rotary rotation (see alignment.py); with a per-dimension norm on Q/K (Qwen3) K is left alone.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
+from headfold.converter import alignment
 from headfold.converter.layout import AttentionWeights
 from headfold.errors import BadInput
 
-Method = Callable[[AttentionWeights, int], AttentionWeights]
+POOLS = ("mean", "first")
+MODIFIERS = ("grouped", "aligned", "refit")
 
 
-def _grouped(t: torch.Tensor | None, kv_heads: int) -> torch.Tensor | None:
-    """[source_kv, ...] → [kv_heads, group, ...]."""
-    return None if t is None else t.reshape(kv_heads, -1, *t.shape[1:])
+@dataclass(frozen=True)
+class LayerContext:
+    inputs: torch.Tensor | None = None  # [tokens, hidden]: this layer's attention input on calibration text
+    rotary: int = 0  # leading head dims that RoPE rotates in (i, i + rotary/2) pairs; 0 = no RoPE
+    rotate_keys: bool = True  # False when a per-dimension norm follows W_Q / W_K
 
 
-def _pool_kv(attn: AttentionWeights, kv_heads: int, pool: Callable[[torch.Tensor], torch.Tensor]) -> AttentionWeights:
-    k, v, kb, vb = (_grouped(t, kv_heads) for t in (attn.k, attn.v, attn.k_bias, attn.v_bias))
-    return attn.with_kv(pool(k), pool(v), kb if kb is None else pool(kb), vb if vb is None else pool(vb))
+@dataclass(frozen=True)
+class LayerResult:
+    attn: AttentionWeights
+    groups: list[list[int]]  # source kv heads pooled into each new kv head, in order
 
 
-def mean(attn: AttentionWeights, kv_heads: int) -> AttentionWeights:
-    """Ainslie et al. (2023): average the K and V projection heads (and biases) of a group."""
-    return _pool_kv(attn, kv_heads, lambda g: g.mean(dim=1))
+@dataclass(frozen=True)
+class Recipe:
+    pool: str = "mean"
+    grouped: bool = False
+    aligned: bool = False
+    refit: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [m for m in MODIFIERS if getattr(self, m)]
+        return "+".join(parts + ([self.pool] if self.pool != "mean" or not parts else []))
+
+    @property
+    def data_aware(self) -> bool:
+        return self.grouped or self.aligned or self.refit
+
+    def __call__(self, attn: AttentionWeights, kv_heads: int, ctx: LayerContext = LayerContext()) -> LayerResult:
+        n = attn.kv_heads
+        groups = [list(range(g * n // kv_heads, (g + 1) * n // kv_heads)) for g in range(kv_heads)]
+        if not self.data_aware:
+            return LayerResult(_pool(attn, groups, self.pool), groups)
+        keys, values = _activations(attn.k, attn.k_bias, ctx), _activations(attn.v, attn.v_bias, ctx)
+        key_rotary = ctx.rotary if ctx.rotate_keys else None
+        if self.grouped:
+            groups = similar_groups(keys, values, kv_heads, key_rotary)
+        if self.aligned:
+            attn = align(attn, groups, keys, values, key_rotary)
+            keys, values = _activations(attn.k, attn.k_bias, ctx), _activations(attn.v, attn.v_bias, ctx)
+        pooled = _pool(attn, groups, self.pool)
+        if self.aligned:
+            pooled = _restore_norms(pooled, groups, keys, values, ctx)
+        if self.refit:
+            pooled = refit(pooled, groups, keys, values, ctx, key_rotary)
+        return LayerResult(_group_queries(pooled, attn, groups), groups)
 
 
-def first(attn: AttentionWeights, kv_heads: int) -> AttentionWeights:
-    """The paper's ablation: keep the first head of each group."""
-    return _pool_kv(attn, kv_heads, lambda g: g[:, 0])
+def get_method(name: str) -> Recipe:
+    """'mean', 'first', or modifiers joined by '+', e.g. 'aligned+grouped+refit'."""
+    parts = name.split("+")
+    unknown = [p for p in parts if p not in POOLS + MODIFIERS]
+    pools = [p for p in parts if p in POOLS]
+    if unknown or len(pools) > 1 or len(set(parts)) != len(parts):
+        raise BadInput(
+            f"unknown method {name!r}; use mean or first, or combine {', '.join(MODIFIERS)} with '+' (e.g. aligned+grouped)"
+        )
+    return Recipe(pool=pools[0] if pools else "mean", **{m: m in parts for m in MODIFIERS})
 
 
-METHODS: dict[str, Method] = {"mean": mean, "first": first}
+METHODS = ("mean", "first", "aligned", "grouped", "refit", "aligned+grouped", "aligned+grouped+refit")
 
 
-def get_method(name: str) -> Method:
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise BadInput(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}") from None
+# -- activations ------------------------------------------------------------------------
+
+
+def _activations(w: torch.Tensor, bias: torch.Tensor | None, ctx: LayerContext) -> list[torch.Tensor]:
+    """Per source kv head [tokens, d]: X W_jᵀ + b_j, or the weights themselves (with the bias as
+    one more row) when there is no calibration input."""
+    if ctx.inputs is None:
+        acts = w.transpose(1, 2)
+        if bias is not None:
+            acts = torch.cat([acts, bias[:, None]], dim=1)
+    else:
+        acts = torch.einsum("tD,ndD->ntd", ctx.inputs, w)
+        if bias is not None:
+            acts = acts + bias[:, None]
+    return list(acts)
+
+
+# -- grouping ---------------------------------------------------------------------------
+
+
+def similar_groups(keys: list[torch.Tensor], values: list[torch.Tensor], kv_heads: int, key_rotary: int | None) -> list[list[int]]:
+    """Equal-size groups of heads with high (aligned) K and V similarity: greedy, then pair swaps."""
+    n = len(keys)
+    size = n // kv_heads
+    sim = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in range(i + 1, n):
+            k = alignment.alignment_similarity(keys[i], keys[j], key_rotary or 0) if key_rotary is not None else _cosine(keys[i], keys[j])
+            sim[i, j] = sim[j, i] = k + alignment.alignment_similarity(values[i], values[j])
+    groups = _greedy_groups(sim, size)
+    _improve_by_swaps(groups, sim)
+    return sorted(sorted(g) for g in groups)
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
+def _greedy_groups(sim: torch.Tensor, size: int) -> list[list[int]]:
+    free = list(range(sim.shape[0]))
+    groups = []
+    while free:
+        group = [free[0]]  # swaps below repair a poor seed
+        while len(group) < size:
+            group.append(max((j for j in free if j not in group), key=lambda j: float(sim[j, group].sum())))
+        groups.append(group)
+        free = [i for i in free if i not in group]
+    return groups
+
+
+def _within(groups: list[list[int]], sim: torch.Tensor) -> float:
+    return sum(float(sim[g][:, g].sum()) for g in groups)
+
+
+def _improve_by_swaps(groups: list[list[int]], sim: torch.Tensor) -> None:
+    """Swap heads between groups while the total within-group similarity grows."""
+    improved = True
+    while improved:
+        improved = False
+        for a in range(len(groups)):
+            for b in range(a + 1, len(groups)):
+                for i in range(len(groups[a])):
+                    for j in range(len(groups[b])):
+                        before = _within([groups[a], groups[b]], sim)
+                        groups[a][i], groups[b][j] = groups[b][j], groups[a][i]
+                        if _within([groups[a], groups[b]], sim) > before + 1e-12:
+                            improved = True
+                        else:
+                            groups[a][i], groups[b][j] = groups[b][j], groups[a][i]
+
+
+# -- function-preserving transforms --------------------------------------------------------
+
+
+def _query_heads(attn: AttentionWeights, j: int) -> slice:
+    per_kv = attn.q.shape[0] // attn.kv_heads
+    return slice(j * per_kv, (j + 1) * per_kv)
+
+
+def _weights(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A head-space map applied to canonical weights [(heads,) d, hidden]: m @ w."""
+    return m @ w
+
+
+def _biases(m: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The same map applied to biases [(heads,) d]."""
+    return b @ m.T
+
+
+def rotate(attn: AttentionWeights, key_maps: list[torch.Tensor | None], value_maps: list[torch.Tensor]) -> AttentionWeights:
+    """Fold per-kv-head maps (activations A_j → A_j M_j) into K/V and, inversely, into Q/O."""
+    q, k, v, o = attn.q.clone(), attn.k.clone(), attn.v.clone(), attn.o.clone()
+    qb, kb, vb = (None if t is None else t.clone() for t in (attn.q_bias, attn.k_bias, attn.v_bias))
+    for j, (mk, mv) in enumerate(zip(key_maps, value_maps)):
+        heads = _query_heads(attn, j)
+        if mk is not None:  # scores (q R)·(k R) = q·k for orthogonal R: Q and K rows both rotate
+            k[j], q[heads] = _weights(mk.T, k[j]), _weights(mk.T, q[heads])
+            if kb is not None:
+                kb[j] = _biases(mk.T, kb[j])
+            if qb is not None:
+                qb[heads] = _biases(mk.T, qb[heads])
+        v[j], o[heads] = _weights(mv.T, v[j]), _weights(mv.T, o[heads])  # (v R) Rᵀ W_O = v W_O
+        if vb is not None:
+            vb[j] = _biases(mv.T, vb[j])
+    return replace(attn, q=q, k=k, v=v, o=o, q_bias=qb, k_bias=kb, v_bias=vb)
+
+
+def align(attn: AttentionWeights, groups: list[list[int]], keys, values, key_rotary: int | None) -> AttentionWeights:
+    """Generalized Procrustes inside each group; K only where rotations are allowed."""
+    n = attn.kv_heads
+    key_maps: list[torch.Tensor | None] = [None] * n
+    value_maps: list[torch.Tensor] = [torch.eye(attn.v.shape[1])] * n
+    for group in groups:
+        for j, r in zip(group, alignment.generalized_procrustes([values[j] for j in group])):
+            value_maps[j] = r
+        if key_rotary is not None:
+            for j, r in zip(group, alignment.generalized_procrustes([keys[j] for j in group], key_rotary)):
+                key_maps[j] = r
+    return rotate(attn, key_maps, value_maps)
+
+
+def _queries_of(attn: AttentionWeights, order: list[int]) -> list[int]:
+    """Query heads in the order of their kv heads in `order`."""
+    per_kv = attn.q.shape[0] // attn.kv_heads
+    return [h for j in order for h in range(j * per_kv, (j + 1) * per_kv)]
+
+
+def _take(t: torch.Tensor | None, index: list[int]) -> torch.Tensor | None:
+    return None if t is None else t[index]
+
+
+def permute(attn: AttentionWeights, order: list[int]) -> AttentionWeights:
+    """Reorder kv heads, their query heads and O rows with them: the function is unchanged."""
+    queries = _queries_of(attn, order)
+    return replace(
+        attn, q=attn.q[queries], o=attn.o[queries], q_bias=_take(attn.q_bias, queries),
+        k=attn.k[order], v=attn.v[order], k_bias=_take(attn.k_bias, order), v_bias=_take(attn.v_bias, order),
+    )  # fmt: skip
+
+
+def _group_queries(pooled: AttentionWeights, source: AttentionWeights, groups: list[list[int]]) -> AttentionWeights:
+    """Query heads (and O rows) follow their source kv head into its group: groups become contiguous."""
+    queries = _queries_of(source, [j for g in groups for j in g])
+    return replace(pooled, q=pooled.q[queries], o=pooled.o[queries], q_bias=_take(pooled.q_bias, queries))
+
+
+# -- pooling and what follows it --------------------------------------------------------------
+
+
+def _pool(attn: AttentionWeights, groups: list[list[int]], how: str) -> AttentionWeights:
+    def pool(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return torch.stack([t[g].mean(0) if how == "mean" else t[g[0]] for g in groups])
+
+    return attn.with_kv(pool(attn.k), pool(attn.v), pool(attn.k_bias), pool(attn.v_bias))
+
+
+def _restore_norms(pooled: AttentionWeights, groups, keys, values, ctx: LayerContext) -> AttentionWeights:
+    """Averaging unrelated directions shrinks activations (~1/√group): scale them back."""
+    pooled_keys = _activations(pooled.k, pooled.k_bias, ctx)
+    pooled_values = _activations(pooled.v, pooled.v_bias, ctx)
+    scale = lambda acts, pooled_acts, g: torch.stack([acts[j].norm() for j in groups[g]]).mean() / pooled_acts[g].norm().clamp_min(1e-30)  # noqa: E731
+    ks = torch.stack([scale(keys, pooled_keys, g) for g in range(len(groups))])
+    vs = torch.stack([scale(values, pooled_values, g) for g in range(len(groups))])
+    mul = lambda t, s: None if t is None else t * s.view(-1, *[1] * (t.ndim - 1))  # noqa: E731
+    return pooled.with_kv(mul(pooled.k, ks), mul(pooled.v, vs), mul(pooled.k_bias, ks), mul(pooled.v_bias, vs))
+
+
+def refit(pooled: AttentionWeights, groups, keys, values, ctx: LayerContext, key_rotary: int | None) -> AttentionWeights:
+    """Per source head j: T_j = argmin ‖Ā T − A_j‖ from the pooled activations Ā to the head's own,
+    folded into W_Q (scores use Q T_jᵀ · Ā) and W_O (outputs use Ā T_j W_O)."""
+    pooled_keys = _activations(pooled.k, pooled.k_bias, ctx)
+    pooled_values = _activations(pooled.v, pooled.v_bias, ctx)
+    q, o = pooled.q.clone(), pooled.o.clone()
+    qb = None if pooled.q_bias is None else pooled.q_bias.clone()
+    per_kv = q.shape[0] // len(keys)
+    for g, group in enumerate(groups):
+        for j in group:
+            heads = slice(j * per_kv, (j + 1) * per_kv)
+            if key_rotary is not None:
+                t = alignment.linear_fit(pooled_keys[g], keys[j], key_rotary)
+                q[heads] = _weights(t, q[heads])
+                if qb is not None:
+                    qb[heads] = _biases(t, qb[heads])
+            o[heads] = _weights(alignment.linear_fit(pooled_values[g], values[j]), o[heads])
+    return replace(pooled, q=q, o=o, q_bias=qb)

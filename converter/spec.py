@@ -64,6 +64,7 @@ class ArchitectureSpec:
     layer_prefix: str  # e.g. "layers.{layer}.self_attn."
     projections: dict[Role, Projection]  # q/k/v/o, or only o when fused
     fused_qkv: FusedQKV | None = None
+    qk_norm: str | None = None  # per-dimension norm after W_K (Qwen3): K may not be rotated
 
     def tensor_pattern(self, suffix: str) -> re.Pattern[str]:
         """Regex for a per-layer tensor: group 1 = prefix, group 2 = layer index."""
@@ -87,6 +88,7 @@ def _parse(raw: dict[str, Any]) -> ArchitectureSpec:
         layer_prefix=raw["layer_prefix"],
         projections={role: _projection(p) for role, p in raw["projections"].items()},
         fused_qkv=_projection(fused, FusedQKV) if fused else None,
+        qk_norm=raw.get("qk_norm"),
     )
 
 

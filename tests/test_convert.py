@@ -11,12 +11,10 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from safetensors.torch import save_file
+from checkpoint_edits import edit_attention, identical_heads
 from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
 from headfold.converter import convert
-from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.converter.layout import AttentionCodec
 from headfold.graphs.modeling import load_model
 
 NATIVE_GQA = ("llama", "mistral", "qwen2", "qwen3", "phi3")
@@ -41,18 +39,7 @@ def outputs(folder: Path, model: torch.nn.Module | None = None) -> torch.Tensor:
 
 def with_identical_heads(src: Path, dst: Path, group: int) -> Path:
     """Copy of `src` whose K/V heads are identical inside each group of `group` heads."""
-    with SourceCheckpoint(src) as ckpt:
-        tensors = {name: ckpt.get(name).clone() for name in ckpt.tensors}
-        codec = AttentionCodec(ckpt.spec, ckpt.shape)
-        for layer in ckpt.attention.layers:
-            attn = codec.decode({s: tensors[n].float() for s, n in layer.items()})
-            copies = [t if t is None else t[::group].repeat_interleave(group, 0) for t in (attn.k, attn.v, attn.k_bias, attn.v_bias)]
-            for suffix, t in codec.encode(attn.with_kv(*copies)).items():
-                tensors[layer[suffix]] = t.to(tensors[layer[suffix]].dtype).contiguous()
-    dst.mkdir()
-    (dst / "config.json").write_bytes((src / "config.json").read_bytes())
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
+    return edit_attention(src, dst, identical_heads(group))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,0 +1,100 @@
+"""Data-aware methods: every transform they fold into the weights preserves the function, and
+each method is lossless where nothing needs pooling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_edits import edit_attention
+from test_convert import outputs
+from tiny_models import HEADS
+
+from headfold.converter import alignment, convert
+from headfold.converter.layout import AttentionWeights
+from headfold.converter.methods import LayerContext, _activations, align, get_method, permute
+from headfold.errors import BadInput
+
+# RoPE (full and partial rotary), RoPE with q/k norms, no RoPE with fused QKV, encoder with biases
+FAMILIES = ("llama", "gpt_neox", "qwen3", "gpt2", "bert")
+METHODS = ("aligned", "grouped", "refit", "aligned+grouped", "aligned+grouped+refit", "first+aligned")
+
+
+def align_in_pairs(attn: AttentionWeights, ctx: LayerContext) -> AttentionWeights:
+    """Alignment rotations for groups of two heads, folded in, but nothing pooled."""
+    groups = [[j, j + 1] for j in range(0, attn.kv_heads, 2)]
+    keys, values = _activations(attn.k, attn.k_bias, ctx), _activations(attn.v, attn.v_bias, ctx)
+    return align(attn, groups, keys, values, ctx.rotary if ctx.rotate_keys else None)
+
+
+def reverse_heads(attn: AttentionWeights, ctx: LayerContext) -> AttentionWeights:
+    return permute(attn, list(reversed(range(attn.kv_heads))))
+
+
+@pytest.mark.parametrize("edit", [align_in_pairs, reverse_heads])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_function_preserving_transforms(family: str, edit, tiny_checkpoint, tmp_path: Path) -> None:
+    src = tiny_checkpoint(family)
+    edited = edit_attention(src, tmp_path / "edited", edit)
+    diff = (outputs(src) - outputs(edited)).abs().max().item()
+    assert diff <= 1e-5, f"{family} {edit.__name__}: {diff}"
+
+
+def test_alignment_really_rotates(tiny_checkpoint, tmp_path: Path) -> None:
+    """Guards the test above: the rotations are far from the identity, so weights change."""
+    src = tiny_checkpoint("llama")
+    edited = edit_attention(src, tmp_path / "edited", align_in_pairs)
+    from test_convert import read_tensors
+
+    before, after = read_tensors(src), read_tensors(edited)
+    name = next(k for k in before if k.endswith("layers.0.self_attn.k_proj.weight"))
+    assert (before[name] - after[name]).abs().max() > 0.05
+
+
+@pytest.mark.parametrize(
+    "family, method", [(f, "aligned+grouped+refit") for f in FAMILIES] + [("gpt_neox", m) for m in METHODS[:-2]] + [("bert", METHODS[-1])]
+)
+def test_methods_lossless_at_identity(family: str, method: str, tiny_checkpoint, tmp_path: Path) -> None:
+    src = tiny_checkpoint(family)
+    out = convert(src, tmp_path / "out", kv_heads=HEADS, method=method, calibration="weights", progress=False)
+    diff = (outputs(src) - outputs(out)).abs().max().item()
+    assert diff <= 1e-4, f"{family} {method}: {diff}"
+
+
+def test_rope_pairs_rotate_only_within_pairs() -> None:
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(50, 8, generator=gen), torch.randn(50, 8, generator=gen)
+    r = alignment.orthogonal_fit(a, b, rotary=8)
+    assert torch.allclose(r @ r.T, torch.eye(8), atol=1e-5)
+    i, j = torch.arange(4), torch.arange(4) + 4
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    mask[i, i] = mask[i, j] = mask[j, i] = mask[j, j] = True
+    assert r[~mask].abs().max() == 0
+    assert torch.allclose(r[i, i], r[j, j]) and torch.allclose(r[i, j], -r[j, i])  # rotations, no reflections
+
+
+def test_procrustes_recovers_a_known_rotation() -> None:
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(200, 6, dtype=torch.float64, generator=gen)
+    q, _ = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64, generator=gen))
+    assert torch.allclose(alignment.orthogonal_fit(a, a @ q), q, atol=1e-8)
+    assert torch.allclose(alignment.linear_fit(a, a @ q), q, atol=1e-5)
+
+
+def test_grouped_records_its_groups(tiny_checkpoint, tmp_path: Path) -> None:
+    byte_level = tiny_checkpoint("llama", vocab_size=256)  # calibrates on the built-in text as bytes
+    out = convert(byte_level, tmp_path / "out", kv_heads=2, method="aligned+grouped", progress=False)
+    conversion = json.loads((out / "headfold.json").read_text())["conversion"]
+    groups = conversion["source_kv_heads_of_kv_head"]
+    layers = groups if isinstance(groups[0][0], list) else [groups]
+    for layer in layers:
+        assert sorted(j for g in layer for j in g) == list(range(HEADS)) and all(len(g) == 4 for g in layer)
+    assert conversion["method"] == "grouped+aligned" and conversion["calibration"]["text"] == "built-in"
+
+
+@pytest.mark.parametrize("name", ["median", "mean+first", "aligned+aligned", ""])
+def test_unknown_methods_are_bad_input(name: str) -> None:
+    with pytest.raises(BadInput, match="unknown method"):
+        get_method(name)
