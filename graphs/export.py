@@ -27,7 +27,7 @@ from transformers.cache_utils import DynamicCache
 from headfold.atomic import atomic_output, check_output
 from headfold.errors import BadInput
 from headfold.graphs.modeling import load_model
-from headfold.graphs.rewrite import optimize
+from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 
 __all__ = [
     "export",
@@ -214,12 +214,14 @@ def save(model: ir.Model, path: Path) -> None:
     onnx.checker.check_model(str(path))
 
 
-def export_graph(spec: GraphSpec, folder: Path, *, opset: int, kv_heads: int, layers: int) -> dict:
+def export_graph(
+    spec: GraphSpec, folder: Path, *, opset: int, kv_heads: int, layers: int, attention: AttentionKind = "onnx"
+) -> dict:
     """Export, rewrite, check and save one graph; return its summary."""
     start = time.perf_counter()
     model = torch_export(spec, opset)
     exported = time.perf_counter()
-    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=spec.file)
+    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=spec.file, attention=attention)
     rewritten = time.perf_counter()
     save(model, folder / spec.file)
     return {
@@ -245,26 +247,35 @@ def export(
     *,
     opset: int = 23,
     dtype: str = "fp32",
+    attention: AttentionKind = "onnx",
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
     """Export the checkpoint folder `src` to ONNX graphs in `out_dir` (atomically); return the summary.
 
-    Raises BadInput for unsupported opsets/dtypes and unloadable checkpoints, CheckFailed when a
-    graph does not end up with exactly one Attention node per layer with K/V at kv-heads.
+    attention="ort-gqa" (decoders) writes com.microsoft.GroupQueryAttention nodes for ONNX Runtime;
+    those graphs need unpadded or right-padded batches (headfold.graphs.rewrite.ort_gqa).
+    Raises BadInput for unsupported opsets/dtypes/attention kinds and unloadable checkpoints,
+    CheckFailed when a graph does not end up with exactly one fused attention node per layer
+    with K/V at kv-heads.
     """
     check_opset(opset)
+    if attention not in ATTENTION_OPS:
+        raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
     torch_dtype = _torch_dtype(dtype)
     src, out = Path(src), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     model = load_model(src, dtype=torch_dtype)
     layers, heads, kv_heads = attention_shape(model.config)
+    if attention == "ort-gqa" and not model.can_generate():
+        raise BadInput(f"--attention ort-gqa is for decoders (ORT's GroupQueryAttention is causal); {src} is an encoder")
     graphs = decoder_graphs(model, layers) if model.can_generate() else encoder_graphs(model)
     summary = {
         "source": str(src),
         "model_type": model.config.model_type,
         "opset": opset,
         "dtype": dtype,
+        "attention": attention,
         "layers": layers,
         "heads": heads,
         "kv_heads": kv_heads,
@@ -272,6 +283,8 @@ def export(
     }
     with atomic_output(out) as tmp:
         for spec in tqdm(graphs, desc="export", unit="graph", disable=not progress):
-            summary["graphs"][spec.file] = export_graph(spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers)
+            summary["graphs"][spec.file] = export_graph(
+                spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention
+            )
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary

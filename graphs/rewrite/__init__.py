@@ -2,7 +2,8 @@
 
 Each rule is a pattern/check/rewrite class (onnxscript's rewriter) in its own module, exposing
 `rules`; adding a rule is adding a module and listing it in RULES. Order matters: decomposed
-attention is fused first so that its repeated K/V can then be collapsed.
+attention is fused first so that its repeated K/V can then be collapsed. With
+attention="ort-gqa" the fused nodes then become ONNX Runtime's GroupQueryAttention (ort_gqa).
 """
 
 from __future__ import annotations
@@ -10,17 +11,31 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
 
-from headfold.errors import CheckFailed
-from headfold.graphs.rewrite import decomposed, repeat_kv
-from headfold.graphs.rewrite.cleanup import cleanup, upgrade_opset
+from headfold.errors import BadInput, CheckFailed
+from headfold.graphs.rewrite import decomposed, ort_gqa, repeat_kv
+from headfold.graphs.rewrite.cleanup import cleanup, deduplicate, upgrade_opset
 
-__all__ = ["RULES", "AttentionNode", "FusionReport", "optimize", "attention_nodes", "check_attention"]
+__all__ = [
+    "RULES",
+    "ATTENTION_OPS",
+    "AttentionKind",
+    "AttentionNode",
+    "FusionReport",
+    "optimize",
+    "attention_nodes",
+    "check_attention",
+]
 
 RULES: tuple[RewriteRule, ...] = (*decomposed.rules, *repeat_kv.rules)
+
+AttentionKind = Literal["onnx", "ort-gqa"]
+# The fused node each kind ends with: (domain, op_type).
+ATTENTION_OPS: dict[str, tuple[str, str]] = {"onnx": ("", "Attention"), "ort-gqa": (ort_gqa.DOMAIN, ort_gqa.OP_TYPE)}
 
 _NAME_SCOPES = "pkg.torch.onnx.name_scopes"  # written by torch.onnx.export on every node
 _LAYER_INDEX = re.compile(r"\.(\d+)$")
@@ -39,28 +54,45 @@ class FusionReport:
     attention: list[AttentionNode] = field(default_factory=list)
 
 
-def optimize(model: ir.Model, *, kv_heads: int, layers: int, graph: str = "graph") -> FusionReport:
-    """Apply every rule in place, then fail (CheckFailed) unless each layer has one GQA Attention."""
+def optimize(
+    model: ir.Model, *, kv_heads: int, layers: int, graph: str = "graph", attention: AttentionKind = "onnx"
+) -> FusionReport:
+    """Apply every rule in place, then fail (CheckFailed) unless each layer has one fused GQA node.
+
+    attention="ort-gqa" (decoder graphs only: the contrib op is causal) ends with
+    com.microsoft.GroupQueryAttention instead of the standard Attention; see ort_gqa for its
+    padding contract.
+    """
+    if attention not in ATTENTION_OPS:
+        raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
     upgrade_opset(model)
     cleanup(model)  # the rules' checks read shapes and constants
     fusions = {rule.name: rule.apply_to_model(model) for rule in RULES}
     cleanup(model)
-    report = FusionReport(fusions, attention_nodes(model))
-    check_attention(report.attention, kv_heads=kv_heads, layers=layers, graph=graph)
+    if attention == "ort-gqa":
+        fusions |= {rule.name: rule.apply_to_model(model) for rule in ort_gqa.rules(model)}
+        deduplicate(model)  # one seqlens_k / total_sequence_length for all layers
+        cleanup(model)
+    report = FusionReport(fusions, attention_nodes(model, attention))
+    check_attention(report.attention, kv_heads=kv_heads, layers=layers, graph=graph, op=ATTENTION_OPS[attention][1])
     return report
 
 
-def attention_nodes(model: ir.Model) -> list[AttentionNode]:
-    """Standard-domain Attention nodes in graph order, with their layer and K/V head count."""
+def attention_nodes(model: ir.Model, kind: AttentionKind = "onnx") -> list[AttentionNode]:
+    """The fused attention nodes of `kind` in graph order, with their layer and K/V head count."""
+    domain, op_type = ATTENTION_OPS[kind]
+    domains = ("", "ai.onnx") if domain == "" else (domain,)
     return [
         AttentionNode(node.name or f"#{i}", _layer(node), _kv_heads(node))
         for i, node in enumerate(model.graph)
-        if node.op_type == "Attention" and node.domain in ("", "ai.onnx")
+        if node.op_type == op_type and node.domain in domains
     ]
 
 
-def check_attention(found: list[AttentionNode], *, kv_heads: int, layers: int, graph: str) -> None:
-    """One Attention per layer 0..layers-1, each with K/V at `kv_heads`; else CheckFailed naming layers."""
+def check_attention(
+    found: list[AttentionNode], *, kv_heads: int, layers: int, graph: str, op: str = "Attention"
+) -> None:
+    """One `op` node per layer 0..layers-1, each with K/V at `kv_heads`; else CheckFailed naming layers."""
     # Without scope metadata the i-th node (graph order) is layer i: layers depend on each other.
     per_layer = [n.layer if n.layer is not None else i for i, n in enumerate(found)]
     problems = []
@@ -68,14 +100,14 @@ def check_attention(found: list[AttentionNode], *, kv_heads: int, layers: int, g
     extra = sorted({i for i in per_layer if per_layer.count(i) > 1 or not 0 <= i < layers})
     wrong = [f"{i} ({n.kv_heads})" for i, n in zip(per_layer, found) if n.kv_heads != kv_heads]
     if missing:
-        problems.append(f"no fused Attention in layer(s) {_join(missing)}")
+        problems.append(f"no fused {op} in layer(s) {_join(missing)}")
     if extra:
-        problems.append(f"more than one Attention in layer(s) {_join(extra)}")
+        problems.append(f"more than one {op} in layer(s) {_join(extra)}")
     if wrong:
         problems.append(f"K/V heads ≠ {kv_heads} in layer(s) {', '.join(wrong)}")
     if problems:
         raise CheckFailed(
-            f"{graph}: {'; '.join(problems)} — expected one Attention per layer ({layers} layers) "
+            f"{graph}: {'; '.join(problems)} — expected one {op} per layer ({layers} layers) "
             f"with {kv_heads} kv-heads; the exporter produced a pattern no rewrite rule covers"
         )
 
@@ -94,7 +126,7 @@ def _layer(node: ir.Node) -> int | None:
 
 
 def _kv_heads(node: ir.Node) -> int | None:
-    """K's head count: axis 1 of 4D K, or the kv_num_heads attribute of the 3D form."""
+    """K's head count: axis 1 of 4D K, or the kv_num_heads attribute of the 3D form (and of GQA)."""
     key = node.inputs[1]
     if key is not None and key.shape is not None and key.shape.rank() == 4:
         heads = key.shape[1]

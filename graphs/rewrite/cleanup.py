@@ -32,3 +32,8 @@ def upgrade_opset(model: ir.Model) -> None:
     """Models from older exporters are converted to the opset that has Attention before fusing."""
     if model.opset_imports.get("", ATTENTION_OPSET) < ATTENTION_OPSET:
         ConvertVersionPass(ATTENTION_OPSET)(model)
+
+
+def deduplicate(model: ir.Model) -> None:
+    """Merge identical nodes, e.g. the per-layer copies of a value a rule derives from a graph input."""
+    common.CommonSubexpressionEliminationPass()(model)
