@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "load_model", "__version__"]
+__all__ = ["convert", "load_model", "verify", "run", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: `import headfold` stays cheap
@@ -20,4 +20,12 @@ def __getattr__(name: str):  # lazy: `import headfold` stays cheap
         from headfold.graphs.modeling import load_model
 
         return load_model
+    if name == "verify":
+        from headfold.verification import verify
+
+        return verify
+    if name == "run":
+        from headfold.pipeline import run
+
+        return run
     raise AttributeError(f"module 'headfold' has no attribute {name!r}")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from headfold.errors import HeadfoldError
 
-METHOD_CHOICES = ("mean", "first")  # mirrors headfold.converter.METHODS without importing torch
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -22,22 +22,39 @@ def cli() -> None:
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--kv-heads", type=int, required=True, help="K/V heads per layer after conversion; must divide the attention heads (1 = MQA, all heads = unchanged).")
-@click.option("--method", type=click.Choice(METHOD_CHOICES), default="mean", help="How the K/V heads of a group become one: mean = average them (Ainslie et al. 2023), first = keep the first.")
+@click.option(
+    "--method", default="mean", metavar="METHOD",
+    help="How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
+    "or combine with '+': grouped (pick groups by activation similarity), aligned (rotate heads to a common basis "
+    "first, function-preserving), refit (least-squares fit of W_Q/W_O to the pooled K/V). Best: aligned+grouped+refit.",
+)  # fmt: skip
+@click.option("--calibration", default=None, metavar="TEXT_FILE", help="Text for the data-aware methods (default: built-in offline text); 'weights' uses the weights alone.")
+@click.option("--calibration-tokens", type=int, default=4096, help="Tokens of calibration text to run through the source model.")
+@click.option("--seed", type=int, default=0, help="Seed for picking calibration windows.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (atomically, only after the conversion succeeded).")
 @click.option("--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file).")
 @click.option("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin pickles (loaded with weights_only=True). Off by default: pickles can run code.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def convert(src: Path, out: Path, kv_heads: int, method: str, overwrite: bool, shard_size: str | None, allow_pickle: bool, quiet: bool) -> None:
+def convert(src: Path, out: Path, kv_heads: int, method: str, quiet: bool, shard_size: str | None, **options) -> None:
     """Convert the Hugging Face checkpoint folder SRC to a GQA/MQA checkpoint in OUT.
 
     Reads config.json and model.safetensors (or sharded safetensors with their index),
-    pools the K/V projection heads of each contiguous group of query heads, and writes
-    weights in the source dtype, the updated config.json, every tokenizer/other file and a
-    headfold.json manifest. OUT appears only when complete; SRC is never modified.
+    pools the K/V projection heads of each group of query heads, and writes weights in the
+    source dtype, the updated config.json, every tokenizer/other file and a headfold.json
+    manifest. OUT appears only when complete; SRC is never modified.
+
+    SRC may also be an MHA model.onnx (methods mean/first): its K/V projection
+    initializers are pooled and the graph rewritten to GQA Attention nodes, into OUT.onnx.
     """
+    if src.suffix == ".onnx":
+        from headfold.graphs.onnx_convert import convert_onnx
+
+        summary = convert_onnx(src, out, kv_heads, method, overwrite=options["overwrite"])
+        click.echo(f"wrote {out} ({summary['attention_nodes']} Attention nodes, {kv_heads} kv heads, method {method})")
+        return
     from headfold.converter import convert as run_convert
 
-    result = run_convert(src, out, kv_heads, method, overwrite=overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle, progress=not quiet)
+    result = run_convert(src, out, kv_heads, method, max_shard_size=shard_size, progress=not quiet, **options)
     click.echo(f"wrote {result} ({kv_heads} kv heads, method {method})")
 
 
@@ -46,9 +63,10 @@ def convert(src: Path, out: Path, kv_heads: int, method: str, overwrite: bool, s
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25 (Attention exists from 23; torch writes invalid models above 25).")
 @click.option("--dtype", type=click.Choice(("fp32", "fp16", "bf16")), default="fp32", help="Weight dtype; normalisations stay fp32 inside.")
+@click.option("--attention", type=click.Choice(("onnx", "ort-gqa")), default="onnx", help="Fused node: onnx = standard Attention (ORT, TensorRT); ort-gqa = com.microsoft.GroupQueryAttention for ONNX Runtime CUDA decoding (decoders only; unpadded or right-padded batches; CUDA runs it in fp16/bf16).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, overwrite: bool, quiet: bool) -> None:
+def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, overwrite: bool, quiet: bool) -> None:
     """Export the checkpoint folder SRC to ONNX with one GQA Attention node per layer.
 
     Decoders get prefill.onnx and decode.onnx (KV cache at kv-heads), encoders model.onnx;
@@ -56,29 +74,144 @@ def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, overwrite: bool
     """
     from headfold.graphs.export import export
 
-    summary = export(src, out_dir, opset=opset, dtype=dtype, overwrite=overwrite, progress=not quiet)
+    summary = export(src, out_dir, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=not quiet)
     for name, graph in summary["graphs"].items():
         click.echo(f"wrote {out_dir / name}: {graph['attention_nodes']} Attention nodes, kv-heads {graph['attention_kv_heads']}")
 
 
-@cli.command()
-@click.option("--kv-heads", "kv_heads", type=int, multiple=True, default=(4, 2, 1), help="Targets to convert to (repeat the option).")
-@click.option("--method", "methods", type=click.Choice(METHOD_CHOICES), multiple=True, default=METHOD_CHOICES, help="Methods to compare (repeat the option).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the table as JSON.")
-def demo(kv_heads: tuple[int, ...], methods: tuple[str, ...], json_path: Path | None) -> None:
-    """Convert the embedded trained model (Llama layout, 8 heads) and measure the cost.
+class Fraction(click.ParamType):
+    """0.05 or 5%."""
 
-    For each target: KV-cache bytes per token, held-out perplexity, KL to the original and
-    top-1 agreement, on Python documentation text the model never saw in training.
+    name = "FRACTION"
+
+    def convert(self, value, param, ctx):
+        from headfold.verification.budget import parse_fraction
+
+        try:
+            return parse_fraction(value, f"--{param.name.replace('_', '-')}") if isinstance(value, str) else value
+        except HeadfoldError as err:
+            self.fail(str(err), param, ctx)
+
+
+def _options(*options: Callable) -> Callable:
+    """Apply a group of click options as one decorator (shared by verify, run and demo)."""
+
+    def apply(f: Callable) -> Callable:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return apply
+
+
+input_options = _options(
+    click.option("--text", type=click.Path(path_type=Path), default=None, help="UTF-8 text to feed both sides. Default: the built-in held-out text."),
+    click.option("--window", type=int, default=256, help="Longest row in tokens; rows are cut at seeded lengths between half and this."),
+    click.option("--max-rows", type=int, default=128, help="Use a seeded subset of this many rows when the text has more (0 = all)."),
+    click.option("--batch-size", type=int, default=8, help="Rows per padded batch."),
+    click.option("--seed", type=int, default=0, help="Seed for row lengths and the row subset."),
+)
+threshold_options = _options(
+    click.option("--budget", "budget_file", type=click.Path(path_type=Path), default=None, help="TOML/YAML/JSON file with [fidelity] and [loss] budgets (options below override it)."),
+    click.option("--max-ppl-increase", type=Fraction(), default=None, help="Loss: largest relative perplexity increase, e.g. 5% or 0.05. [default: 5%]"),
+    click.option("--max-kl", type=Fraction(), default=None, help="Loss: largest mean per-token KL(original || converted), nats. [default: 0.05]"),
+    click.option("--min-top1", type=Fraction(), default=None, help="Smallest top-1 agreement (loss check; in verify, whichever check runs). [default: loss 90%, fidelity fp32 99.9%]"),
+    click.option("--min-cosine", type=Fraction(), default=None, help="Smallest cosine (loss: encoder embeddings; in verify, whichever check runs). [default: loss 0.99, fidelity fp32 0.99999]"),
+    click.option("--atol", type=Fraction(), default=None, help="Fidelity: an element fails when it exceeds both atol and rtol. [default fp32: 1e-4, fp16: 1e-2]"),
+    click.option("--rtol", type=Fraction(), default=None, help="Fidelity: relative tolerance. [default fp32: 1e-3, fp16: 1e-2]"),
+)
+report_options = _options(
+    click.option("--report", "json_path", type=click.Path(path_type=Path), default=None, help="Write every metric, budget, verdict, version and input hash as JSON."),
+    click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), default=None, help="Write the tables as Markdown (for a PR comment)."),
+    click.option("--junit", "junit_path", type=click.Path(path_type=Path), default=None, help="Write JUnit XML: one testcase per check."),
+)
+
+
+def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, seed: int):
+    from headfold.verification.inputs import InputSpec
+
+    return InputSpec(text, window, max_rows or None, batch_size, seed)
+
+
+def _thresholds(budget_file: Path | None, **values: float | None):
+    from headfold.verification.budget import Thresholds
+
+    return Thresholds(budget_file, **values)
+
+
+def _finish(report) -> None:
+    """Print the table (click drops the colours when not a terminal), then exit 1 on a failed budget."""
+    click.echo(report.table())
+    report.raise_for_failures()
+    click.secho("all checks passed", fg="green")
+
+
+def _quiet_libraries() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per runner otherwise
+    hf_logging.set_verbosity_error()
+
+
+@cli.command("verify")
+@click.argument("reference", type=click.Path(path_type=Path))
+@click.argument("candidate", type=click.Path(path_type=Path))
+@click.option("--check", type=click.Choice(("auto", "fidelity", "loss")), default="auto", help="auto: same model on both sides → fidelity; CANDIDATE converted from REFERENCE → loss.")
+@input_options
+@threshold_options
+@report_options
+def verify_cmd(reference: Path, candidate: Path, check: str, text, window, max_rows, batch_size, seed, budget_file, json_path, markdown_path, junit_path, **thresholds) -> None:
+    """Compare CANDIDATE with REFERENCE on the same text; exit 1 when a budget is exceeded.
+
+    Each side is a checkpoint folder (run in torch), an export folder or a .onnx file (run in
+    ONNX Runtime). Fidelity: the same model on two backends (abs/rel error, cosine, top-1).
+    Conversion loss: original vs converted (perplexity increase, KL, top-1; encoders: cosine).
     """
-    import json
+    from headfold.verification.api import verify
 
-    from headfold.demo import format_table, run_demo
+    _quiet_libraries()
+    report = verify(reference, candidate, inputs=_input_spec(text, window, max_rows, batch_size, seed), thresholds=_thresholds(budget_file, **thresholds), check=check)
+    report.write(json_path, markdown_path, junit_path)
+    _finish(report)
 
-    rows = run_demo(kv_heads, methods)
-    click.echo(format_table(rows))
-    if json_path:
-        json_path.write_text(json.dumps(rows, indent=2) + "\n")
+
+@cli.command("run")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--kv-heads", type=int, required=True, help="K/V heads per layer after conversion (1 = MQA).")
+@click.option("--method", default="mean", metavar="METHOD", help="How the K/V heads of a group become one, as for `headfold convert --method`.")
+@click.option("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25.")
+@click.option("--dtype", type=click.Choice(("fp32", "fp16", "bf16")), default="fp32", help="Export precision; picks the fidelity defaults.")
+@input_options
+@threshold_options
+def run_cmd(src: Path, out_dir: Path, kv_heads: int, method: str, opset: int, dtype: str, text, window, max_rows, batch_size, seed, budget_file, **thresholds) -> None:
+    """Convert → export → build → verify SRC into OUT_DIR/{convert,export,build,verify}.
+
+    Stages whose inputs (content hashes and options, in OUT_DIR/stages.json) are unchanged are
+    skipped. Engines are built only where TensorRT and a GPU are present. The reports land in
+    OUT_DIR/verify (report.json, report.md, junit.xml); exit 1 when a budget is exceeded.
+    """
+    from headfold.pipeline import run
+
+    _quiet_libraries()
+    report = run(src, out_dir, kv_heads, method=method, opset=opset, dtype=dtype, inputs=_input_spec(text, window, max_rows, batch_size, seed), thresholds=_thresholds(budget_file, **thresholds), log=click.echo)
+    _finish(report)
+
+
+@cli.command()
+@click.option("--kv-heads", type=int, default=4, help="K/V heads to convert the embedded 8-head model to (1 = MQA).")
+@click.option("--method", default="mean", metavar="METHOD", help="How the K/V heads of a group become one, as for `headfold convert --method`.")
+@threshold_options
+def demo(kv_heads: int, method: str, budget_file, **thresholds) -> None:
+    """`headfold run` on the embedded trained model (Llama layout, 8 heads) in a temporary folder.
+
+    Converts, exports, (builds where TensorRT is present) and verifies on Python documentation
+    text the model never saw in training, then prints the report table.
+    """
+    from headfold.demo import demo as run_demo
+
+    _quiet_libraries()
+    _finish(run_demo(kv_heads, method, log=click.echo, thresholds=_thresholds(budget_file, **thresholds)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,27 @@
+"""`headfold demo`: the whole pipeline (`headfold run`) on the embedded default model."""
+
+from __future__ import annotations
+
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from headfold.pipeline import Log, run
+from headfold.verification.inputs import InputSpec
+from headfold.verification.report import Report
+
+# 32 rows (~6k bytes of held-out text) keep the demo under 2 minutes on 2 CPU cores.
+DEMO_INPUTS = InputSpec(max_rows=32)
+
+
+def default_model_path() -> Path:
+    """The embedded trained MHA decoder (Llama layout, 4 layers × 8 heads, byte vocabulary)."""
+    return Path(str(resources.files("headfold") / "data" / "default_model"))
+
+
+def demo(kv_heads: int = 4, method: str = "mean", log: Log = print, **options: Any) -> Report:
+    """`run` on the embedded model in a temporary folder, removed afterwards; the verify report."""
+    with tempfile.TemporaryDirectory(prefix="headfold-demo-") as tmp:
+        options.setdefault("inputs", DEMO_INPUTS)
+        return run(default_model_path(), Path(tmp) / "run", kv_heads, method=method, log=log, **options)

@@ -1,0 +1,148 @@
+"""What a path given to `headfold verify` is, which model it holds, and which check two of them need.
+
+A checkpoint folder (config.json) runs in torch; an export folder (export.json) or a .onnx file
+runs in ONNX Runtime. An ONNX graph's model is the checkpoint export.json names as its source.
+Same model on both sides → fidelity; a candidate whose model is a headfold conversion
+(headfold.json) of the reference's → conversion loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from headfold.errors import BadInput
+from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
+
+EXPORT_SUMMARY = "export.json"
+CONVERSION_MANIFEST = "headfold.json"
+GRAPHS = ("prefill.onnx", "model.onnx")  # the full-sequence graph of a decoder / an encoder
+ENGINE_SUFFIXES = (".engine", ".plan")
+_TORCH_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_LOOSENESS = ("fp32", "fp16", "bf16")  # bf16 keeps the fewest mantissa bits
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Artifact:
+    path: Path
+    kind: str  # "checkpoint" | "onnx"
+    model: Path | None  # the checkpoint folder of this model; None for an ONNX file of unknown origin
+    precision: str
+
+    def runner(self) -> BaseRunner:
+        return TorchRunner(self.path) if self.kind == "checkpoint" else OnnxRuntimeRunner(self.path)
+
+    @property
+    def is_conversion(self) -> bool:
+        return self.model is not None and (self.model / CONVERSION_MANIFEST).is_file()
+
+    def describe(self) -> dict[str, Any]:
+        """Path, kind, precision, head counts and the sha256 of the file that identifies it."""
+        key_file = self.path / "config.json" if self.kind == "checkpoint" else self.path
+        info: dict[str, Any] = {
+            "path": str(self.path),
+            "kind": self.kind,
+            "model": str(self.model) if self.model else None,
+            "precision": self.precision,
+            f"{key_file.name}_sha256": sha256_file(key_file),
+        }
+        if self.model is not None:
+            info |= attention_info(self.model, self.precision)
+        if self.is_conversion:
+            info["conversion"] = json.loads((self.model / CONVERSION_MANIFEST).read_text())["conversion"]
+        return info
+
+
+def attention_info(checkpoint: Path, precision: str) -> dict[str, int]:
+    """Heads, kv heads and the KV-cache bytes per token they imply at `precision`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint, local_files_only=True, trust_remote_code=False)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    bytes_per_value = 4 if precision == "fp32" else 2
+    cache = 2 * config.num_hidden_layers * kv_heads * head_dim * bytes_per_value  # K and V
+    return {"heads": heads, "kv_heads": kv_heads, "kv_cache_bytes_per_token": cache}
+
+
+def _checkpoint_precision(folder: Path) -> str:
+    config = json.loads((folder / "config.json").read_text())
+    return _TORCH_PRECISION.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), "fp32")
+
+
+def _export_source(summary_file: Path) -> tuple[Path | None, str]:
+    """(source checkpoint if it still exists, dtype) from an export.json."""
+    try:
+        summary = json.loads(summary_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise BadInput(f"cannot read {summary_file}: {str(err).splitlines()[0]}") from None
+    source = Path(summary.get("source", ""))
+    candidates = [source] if source.is_absolute() else [Path.cwd() / source, summary_file.parent.parent / source]
+    found = next((p.resolve() for p in candidates if (p / "config.json").is_file()), None)
+    return found, summary.get("dtype", "fp32")
+
+
+def _onnx_artifact(graph: Path) -> Artifact:
+    summary = graph.parent / EXPORT_SUMMARY
+    model, dtype = _export_source(summary) if summary.is_file() else (None, "fp32")
+    return Artifact(graph, "onnx", model, dtype)
+
+
+def resolve(path: Path) -> Artifact:
+    """Classify a path; BadInput for anything headfold cannot run."""
+    if path.is_dir() and (path / "config.json").is_file():
+        return Artifact(path.resolve(), "checkpoint", path.resolve(), _checkpoint_precision(path))
+    if path.is_dir() and (path / EXPORT_SUMMARY).is_file():
+        graph = next((path / g for g in GRAPHS if (path / g).is_file()), None)
+        if graph is None:
+            raise BadInput(f"export folder {path} has neither {' nor '.join(GRAPHS)}; re-run headfold export")
+        return _onnx_artifact(graph.resolve())
+    if path.is_file() and path.suffix == ".onnx":
+        return _onnx_artifact(path.resolve())
+    if path.suffix in ENGINE_SUFFIXES:
+        raise BadInput(f"{path}: verifying TensorRT engines needs the engine runner (issue 6), not available yet")
+    if not path.exists():
+        raise BadInput(f"{path} does not exist")
+    raise BadInput(f"{path} is not a checkpoint folder (config.json), an export folder (export.json) or a .onnx file")
+
+
+def loosest(a: str, b: str) -> str:
+    return max(a, b, key=_LOOSENESS.index)
+
+
+def _converted_from(reference: Path, candidate: Path) -> bool:
+    source = json.loads((candidate / CONVERSION_MANIFEST).read_text())["source"]
+    return source.get("config_sha256") == sha256_file(reference / "config.json")
+
+
+def check_kind(reference: Artifact, candidate: Artifact, requested: str = "auto") -> str:
+    """"fidelity" or "loss" for this pair; `requested` other than auto is taken as is."""
+    if reference.model is None and candidate.model is None:
+        raise BadInput("neither side names a checkpoint (tokenizer, vocabulary); pass a checkpoint folder or an export folder")
+    if requested != "auto":
+        return requested
+    if reference.model == candidate.model or None in (reference.model, candidate.model):
+        return "fidelity"  # an ONNX file of unknown origin is taken to be the other side's export
+    if candidate.is_conversion and _converted_from(reference.model, candidate.model):
+        return "loss"
+    if candidate.is_conversion:
+        raise BadInput(
+            f"{candidate.path} was converted from another model than {reference.path} (config.json differs); "
+            "pass --check loss to compare them anyway"
+        )
+    raise BadInput(
+        f"cannot tell how {reference.path} and {candidate.path} relate (neither the same model nor a headfold "
+        "conversion of it); pass --check fidelity or --check loss"
+    )

@@ -1,0 +1,149 @@
+"""Budgets: the thresholds each check is gated on, from defaults, a TOML/YAML file and options.
+
+Precedence, lowest first: built-in defaults for the precision → the file's `[fidelity]` /
+`[loss]` tables → their per-precision sub-tables (`[fidelity.fp16]`) → command-line options.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from headfold.errors import BadInput
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+# atol/rtol follow Polygraphy: an element fails only when it exceeds both. The fp32 numbers
+# leave ~100× headroom over ORT-vs-torch errors measured on CPU (~1e-6 relative); the
+# half-precision ones follow NVIDIA's fp16 transformer recipe (1e-2), bf16 has 3 fewer bits.
+_FIDELITY_DEFAULTS: dict[str, dict[str, float]] = {
+    "fp32": {"atol": 1e-4, "rtol": 1e-3, "min_top1": 0.999, "min_cosine": 0.99999},
+    "fp16": {"atol": 1e-2, "rtol": 1e-2, "min_top1": 0.99, "min_cosine": 0.999},
+    "bf16": {"atol": 5e-2, "rtol": 5e-2, "min_top1": 0.98, "min_cosine": 0.995},
+}
+# A deployment gate, not a description of what pooling without uptraining achieves: GQA/MQA
+# of a small model usually fails it; relax it per model in a budget file.
+_LOSS_DEFAULTS: dict[str, float] = {"max_ppl_increase": 0.05, "max_kl": 0.05, "min_top1": 0.90, "min_cosine": 0.99}
+
+
+@dataclass(frozen=True)
+class FidelityBudget:
+    """Same model, two backends: per-element atol/rtol, and top-1 / cosine floors."""
+
+    atol: float
+    rtol: float
+    min_top1: float
+    min_cosine: float
+
+
+@dataclass(frozen=True)
+class LossBudget:
+    """Original vs converted: perplexity increase (fraction), KL in nats, top-1 / cosine floors."""
+
+    max_ppl_increase: float
+    max_kl: float
+    min_top1: float
+    min_cosine: float
+
+
+def parse_fraction(value: Any, name: str) -> float:
+    """0.05, "0.05" or "5%" → 0.05; BadInput for anything else or a negative value."""
+    text = str(value).strip()
+    try:
+        number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise BadInput(f"{name} = {value!r} is not a number; write e.g. 0.05 or 5%") from None
+    if number < 0 or number != number:
+        raise BadInput(f"{name} = {value!r} must be a non-negative number")
+    return number
+
+
+def _apply(budget, table: dict[str, Any], where: str):
+    """Override `budget`'s fields from `table` (unknown keys are an error, sub-tables skipped)."""
+    names = {f.name for f in fields(budget)}
+    values = {}
+    for key, value in table.items():
+        if isinstance(value, dict) and key in PRECISIONS:
+            continue
+        if key not in names:
+            raise BadInput(f"unknown budget key {key!r} in {where}; known keys: {', '.join(sorted(names))}")
+        if value is not None:
+            values[key] = parse_fraction(value, f"{where}.{key}")
+    return replace(budget, **values)
+
+
+def _parse(path: Path, text: str) -> Any:
+    if path.suffix == ".toml":
+        return tomllib.loads(text)
+    if path.suffix in (".yaml", ".yml"):
+        return yaml.safe_load(text) or {}
+    if path.suffix == ".json":
+        return json.loads(text)
+    raise BadInput(f"budget file {path} must end in .toml, .yaml, .yml or .json")
+
+
+def load_budget_file(path: Path) -> dict[str, Any]:
+    """Read a .toml, .yaml/.yml or .json budget file into {"fidelity": {...}, "loss": {...}}."""
+    if not path.is_file():
+        raise BadInput(f"budget file {path} does not exist")
+    try:
+        data = _parse(path, path.read_text())
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadInput(f"cannot parse budget file {path}: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict) or set(data) - {"fidelity", "loss"}:
+        raise BadInput(f"budget file {path} must hold only [fidelity] and [loss] tables")
+    if not all(isinstance(t, dict) for t in data.values()):
+        raise BadInput(f"budget file {path}: [fidelity] and [loss] must be tables")
+    return data
+
+
+def fidelity_budget(precision: str, file: dict[str, Any] | None = None, **options: float | None) -> FidelityBudget:
+    if precision not in PRECISIONS:
+        raise BadInput(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    return _resolve(FidelityBudget(**_FIDELITY_DEFAULTS[precision]), "fidelity", precision, file, options)
+
+
+def loss_budget(precision: str = "fp32", file: dict[str, Any] | None = None, **options: float | None) -> LossBudget:
+    return _resolve(LossBudget(**_LOSS_DEFAULTS), "loss", precision, file, options)
+
+
+def _resolve(budget, kind: str, precision: str, file: dict[str, Any] | None, options: dict[str, float | None]):
+    table = (file or {}).get(kind, {})
+    budget = _apply(budget, table, kind)
+    budget = _apply(budget, table.get(precision, {}), f"{kind}.{precision}")
+    return _apply(budget, options, "options")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What the user asked for: a budget file and option overrides (None = file or default).
+
+    min_top1 / min_cosine gate the loss check, and a fidelity check only with `floors=True`
+    (headfold verify, where one check runs; headfold run applies them to the loss check).
+    """
+
+    file: Path | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    max_ppl_increase: float | None = None
+    max_kl: float | None = None
+    min_top1: float | None = None
+    min_cosine: float | None = None
+
+    def _file(self) -> dict[str, Any] | None:
+        return load_budget_file(self.file) if self.file else None
+
+    def fidelity(self, precision: str, floors: bool = False) -> FidelityBudget:
+        extra = {"min_top1": self.min_top1, "min_cosine": self.min_cosine} if floors else {}
+        return fidelity_budget(precision, self._file(), atol=self.atol, rtol=self.rtol, **extra)
+
+    def loss(self, precision: str = "fp32") -> LossBudget:
+        return loss_budget(
+            precision, self._file(), max_ppl_increase=self.max_ppl_increase, max_kl=self.max_kl,
+            min_top1=self.min_top1, min_cosine=self.min_cosine,
+        )  # fmt: skip

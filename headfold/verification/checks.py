@@ -1,0 +1,164 @@
+"""A check feeds the same inputs to a reference and a candidate runner and gates the metrics.
+
+Fidelity (same model, two backends) gates elements outside atol and rtol, top-1 agreement and
+cosine; conversion loss (original vs converted) gates the perplexity increase, KL and top-1
+for decoders, the embedding cosine for encoders. A gate is hard: one failure fails the check.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from headfold.errors import BadInput
+from headfold.verification.budget import FidelityBudget, LossBudget
+from headfold.verification.inputs import Inputs
+from headfold.verification.metrics import EmbeddingMeter, FidelityMeter, LossMeter
+from headfold.verification.runners import Runner
+
+DECODER_OUTPUT, ENCODER_OUTPUT = "logits", "last_hidden_state"
+
+
+@dataclass(frozen=True)
+class Gate:
+    metric: str
+    value: float
+    op: str  # "<=" or ">="
+    budget: float
+
+    @property
+    def passed(self) -> bool:
+        return self.value <= self.budget if self.op == "<=" else self.value >= self.budget
+
+    def message(self) -> str:
+        worse = ">" if self.op == "<=" else "<"
+        return f"{self.metric} = {self.value:.6g} {worse} budget {self.budget:.6g}"
+
+
+@dataclass
+class CheckResult:
+    name: str
+    kind: str  # "fidelity" | "loss"
+    reference: dict[str, Any]
+    candidate: dict[str, Any]
+    metrics: dict[str, Any]
+    gates: list[Gate]
+    budget: dict[str, float]
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(g.passed for g in self.gates)
+
+    @property
+    def failures(self) -> list[Gate]:
+        return [g for g in self.gates if not g.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        gates = [{**asdict(g), "passed": g.passed} for g in self.gates]
+        return {**asdict(self), "gates": gates, "passed": self.passed}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CheckResult:
+        """Inverse of `to_dict` (a stored report.json)."""
+        fields = {k: v for k, v in data.items() if k != "passed"}
+        gates = [Gate(g["metric"], g["value"], g["op"], g["budget"]) for g in data["gates"]]
+        return cls(**{**fields, "gates": gates})
+
+
+def fidelity_gates(metrics: dict[str, float], budget: FidelityBudget) -> list[Gate]:
+    gates = [Gate("mismatched", metrics["mismatched"], "<=", 0), Gate("cosine", metrics["cosine"], ">=", budget.min_cosine)]
+    if "top1" in metrics:
+        gates.append(Gate("top1", metrics["top1"], ">=", budget.min_top1))
+    return gates
+
+
+def loss_gates(metrics: dict[str, float], budget: LossBudget) -> list[Gate]:
+    if "embedding_cosine" in metrics:
+        return [Gate("embedding_cosine", metrics["embedding_cosine"], ">=", budget.min_cosine)]
+    return [
+        Gate("ppl_increase", metrics["ppl_increase"], "<=", budget.max_ppl_increase),
+        Gate("kl", metrics["kl"], "<=", budget.max_kl),
+        Gate("top1", metrics["top1"], ">=", budget.min_top1),
+    ]
+
+
+@dataclass
+class CheckSpec:
+    """One check to run: its name and kind, the two runners and the budget."""
+
+    name: str
+    kind: str
+    reference: Runner
+    candidate: Runner
+    budget: FidelityBudget | LossBudget
+
+
+def _output_name(outputs: dict[str, Any]) -> str:
+    for name in (DECODER_OUTPUT, ENCODER_OUTPUT):
+        if name in outputs:
+            return name
+    raise BadInput(f"no {DECODER_OUTPUT} or {ENCODER_OUTPUT} among the outputs {sorted(outputs)}")
+
+
+def _meter(kind: str, output: str, budget) -> FidelityMeter | LossMeter | EmbeddingMeter:
+    if kind == "fidelity":
+        return FidelityMeter(budget.atol, budget.rtol, top1=output == DECODER_OUTPUT)
+    return LossMeter() if output == DECODER_OUTPUT else EmbeddingMeter()
+
+
+def _gate(spec: CheckSpec, metrics: dict[str, Any]) -> list[Gate]:
+    return fidelity_gates(metrics, spec.budget) if spec.kind == "fidelity" else loss_gates(metrics, spec.budget)
+
+
+def _timed(runner: Runner, feed: dict[str, Any], clock: dict[int, float]) -> dict[str, Any]:
+    start = time.perf_counter()
+    out = runner.infer(feed)
+    clock[id(runner)] = clock.get(id(runner), 0.0) + time.perf_counter() - start
+    return out
+
+
+def run_checks(specs: list[CheckSpec], inputs: Inputs) -> list[CheckResult]:
+    """Run every check on every feed; a runner shared by several checks runs once per feed.
+
+    A check's seconds are its two runners' inference time (a shared runner's counts in both).
+    """
+    runners = list({id(r): r for s in specs for r in (s.reference, s.candidate)}.values())
+    meters: list[Any] = [None] * len(specs)
+    names: list[str] = [""] * len(specs)
+    clock: dict[int, float] = {}
+    with ExitStack() as stack:
+        for runner in runners:
+            stack.enter_context(runner)
+        for feed in inputs.feeds:
+            outputs = {id(r): _timed(r, feed, clock) for r in runners}
+            for i, spec in enumerate(specs):
+                ref, cand = outputs[id(spec.reference)], outputs[id(spec.candidate)]
+                names[i] = names[i] or _output_name(ref)
+                if names[i] not in cand:
+                    raise BadInput(f"{spec.candidate.name} has no output {names[i]!r} (it returned {', '.join(sorted(cand))})")
+                meters[i] = meters[i] or _meter(spec.kind, names[i], spec.budget)
+                meters[i].add(ref[names[i]], cand[names[i]], feed)
+        described = {id(r): _describe(r) for r in runners}
+    results = []
+    for spec, meter, name in zip(specs, meters, names):
+        metrics = {"output": name, **meter.metrics()}
+        ref, cand = described[id(spec.reference)], described[id(spec.candidate)]
+        took = clock[id(spec.reference)] + clock[id(spec.candidate)]
+        results.append(CheckResult(spec.name, spec.kind, ref, cand, metrics, _gate(spec, metrics), asdict(spec.budget), took))
+    return results
+
+
+def run_check(
+    name: str, kind: str, reference: Runner, candidate: Runner, inputs: Inputs, budget: FidelityBudget | LossBudget
+) -> CheckResult:
+    """One check; both runners are loaded at once."""
+    return run_checks([CheckSpec(name, kind, reference, candidate, budget)], inputs)[0]
+
+
+def _describe(runner: Runner) -> dict[str, Any]:
+    describe = getattr(runner, "describe", None)  # Polygraphy's runners have only a name
+    return describe() if describe else {"runner": runner.name}

@@ -1,0 +1,157 @@
+"""The verification report: JSON (everything), Markdown (a PR comment), JUnit XML (CI), terminal table."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import click
+
+from headfold.errors import CheckFailed
+from headfold.verification.checks import CheckResult
+
+_PACKAGES = ("headfold", "torch", "transformers", "onnx", "onnxruntime", "numpy", "tensorrt")
+_PERCENT = ("top1", "ppl_increase", "mismatched_fraction", "max_ppl_increase", "min_top1")
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for package in _PACKAGES:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no inf/nan: write them as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def fmt(metric: str, value: Any) -> str:
+    if isinstance(value, (int, str)) or value is None:
+        return str(value)
+    if metric.split(".")[-1] in _PERCENT:
+        return f"{value:.2%}"
+    return f"{value:.4g}"
+
+
+@dataclass
+class Report:
+    checks: list[CheckResult]
+    inputs: dict[str, Any]
+    versions: dict[str, str] = field(default_factory=versions)
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    stages: dict[str, Any] = field(default_factory=dict)  # `headfold run`: what each stage did
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def failure_message(self) -> str:
+        failed = [f"{c.name}: {g.message()}" for c in self.checks for g in c.failures]
+        return "verification failed: " + "; ".join(failed)
+
+    def raise_for_failures(self) -> None:
+        """CheckFailed (exit 1) naming every failed metric, its value and its budget."""
+        if not self.passed:
+            raise CheckFailed(self.failure_message())
+
+    def to_dict(self) -> dict[str, Any]:
+        return _finite(
+            {
+                "passed": self.passed,
+                "created": self.created,
+                "inputs": self.inputs,
+                "versions": self.versions,
+                "stages": self.stages,
+                "checks": [c.to_dict() for c in self.checks],
+            }
+        )
+
+    def write(self, json_path: Path | None = None, markdown_path: Path | None = None, junit_path: Path | None = None) -> None:
+        for path, text in ((json_path, self.to_json), (markdown_path, self.markdown), (junit_path, self.junit)):
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text())
+
+    @classmethod
+    def load(cls, path: Path) -> Report:
+        data = json.loads(path.read_text())
+        checks = [CheckResult.from_dict(c) for c in data["checks"]]
+        return cls(checks, data["inputs"], data["versions"], data["created"], data["stages"])
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def rows(self, check: CheckResult) -> list[tuple[str, str, str, str]]:
+        """(metric, value, budget, PASS/FAIL/"") per metric; gated metrics carry their budget."""
+        gates = {g.metric: g for g in check.gates}
+        rows = []
+        for metric, value in check.metrics.items():
+            if metric == "output":
+                continue
+            gate = gates.get(metric)
+            budget = f"{gate.op} {fmt(metric, gate.budget)}" if gate else ""
+            verdict = ("PASS" if gate.passed else "FAIL") if gate else ""
+            rows.append((metric, fmt(metric, value), budget, verdict))
+        return rows
+
+    def _title(self, check: CheckResult) -> str:
+        return f"{check.name}: {check.reference['runner']} vs {check.candidate['runner']}"
+
+    def markdown(self) -> str:
+        verdict = "✅ passed" if self.passed else "❌ failed"
+        lines = [f"## headfold verify: {verdict}", "", f"Text: `{self.inputs['text']}`, {self.inputs['tokens']} tokens in {self.inputs['rows']} rows (seed {self.inputs['seed']}).", ""]
+        for check in self.checks:
+            lines += [f"### {'✅' if check.passed else '❌'} {self._title(check)}", "", "| metric | value | budget | result |", "|---|---:|---|---|"]
+            lines += [f"| {m} | {v} | {b} | {r} |" for m, v, b, r in self.rows(check)]
+            lines.append("")
+        return "\n".join(lines)
+
+    def junit(self) -> str:
+        """JUnit XML: one testsuite, one testcase per check, a <failure> naming every failed gate."""
+        failures = sum(not c.passed for c in self.checks)
+        seconds = f"{sum(c.seconds for c in self.checks):.3f}"
+        root = ET.Element("testsuites", name="headfold", tests=str(len(self.checks)), failures=str(failures), errors="0", time=seconds)
+        suite = ET.SubElement(
+            root, "testsuite", name="headfold.verify", tests=str(len(self.checks)), failures=str(failures),
+            errors="0", skipped="0", time=seconds, timestamp=self.created,
+        )  # fmt: skip
+        props = ET.SubElement(suite, "properties")
+        for key in ("text", "text_sha256", "input_ids_sha256", "tokens"):
+            ET.SubElement(props, "property", name=key, value=str(self.inputs[key]))
+        for check in self.checks:
+            case = ET.SubElement(suite, "testcase", classname=f"headfold.verification.{check.kind}", name=check.name, time=f"{check.seconds:.3f}")
+            if not check.passed:
+                message = "; ".join(g.message() for g in check.failures)
+                ET.SubElement(case, "failure", message=message, type="ThresholdExceeded").text = message
+            ET.SubElement(case, "system-out").text = "\n".join(f"{m} = {v} {b} {r}".rstrip() for m, v, b, r in self.rows(check))
+        ET.indent(root)
+        return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+    def table(self) -> str:
+        """The terminal summary: one block per check, failed gates in red (click.unstyle for plain)."""
+        paint = {"PASS": "green", "FAIL": "red"}
+        lines = []
+        for check in self.checks:
+            status = click.style("PASS" if check.passed else "FAIL", fg=paint["PASS" if check.passed else "FAIL"], bold=True)
+            lines += [f"{status} {self._title(check)}  [{check.seconds:.1f} s]", f"  {'metric':<22} {'value':>12}  {'budget':<12} result"]
+            for metric, value, budget, verdict in self.rows(check):
+                mark = click.style(verdict, fg=paint[verdict]) if verdict else ""
+                lines.append(f"  {metric:<22} {value:>12}  {budget:<12} {mark}".rstrip())
+        return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""headfold run / demo on the embedded model: end to end on CPU, stage skipping, MQA gate, perplexity."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from headfold import corpus
+from headfold.cli import main
+from headfold.converter import convert
+from headfold.demo import default_model_path
+from headfold.pipeline import run
+from headfold.verification import InputSpec, Thresholds, verify
+from headfold.verification.inputs import cut_rows
+
+EMBEDDED = default_model_path()
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = InputSpec(max_rows=32)  # ~6k held-out bytes: enough for stable numbers, quick on 2 cores
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> tuple[Path, list[str], object]:
+    out = tmp_path_factory.mktemp("run") / "out"
+    log: list[str] = []
+    report = run(EMBEDDED, out, 4, inputs=ROWS, log=log.append)
+    return out, log, report
+
+
+def test_perplexity_matches_an_independent_loop() -> None:
+    """Our batched, padded, masked perplexity equals plain cross-entropy over each row alone."""
+    spec = InputSpec(max_rows=12)
+    (check,) = verify(EMBEDDED, EMBEDDED, inputs=spec, check="loss").checks
+    model = transformers.AutoModelForCausalLM.from_pretrained(EMBEDDED, local_files_only=True).eval()
+    ids = list(corpus.heldout_text().encode("utf-8"))
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for row in cut_rows(ids, spec.window, spec.max_rows, spec.seed):
+            tokens = torch.from_numpy(row)[None]
+            logits = model(input_ids=tokens).logits[0, :-1].double()
+            nll += float(F.cross_entropy(logits, tokens[0, 1:], reduction="sum"))
+            count += len(row) - 1
+    assert check.metrics["tokens"] == count
+    assert check.metrics["reference_ppl"] == pytest.approx(np.exp(nll / count), rel=1e-5)
+    assert check.metrics["kl"] == pytest.approx(0, abs=1e-9) and check.metrics["top1"] == 1.0
+
+
+def test_mqa_against_a_tight_budget_exits_1_naming_the_metric(tmp_path: Path, capsys) -> None:
+    mqa = convert(EMBEDDED, tmp_path / "mqa", 1, progress=False)
+    report = tmp_path / "r.json"
+    code = main(["verify", str(EMBEDDED), str(mqa), "--max-ppl-increase", "5%", "--max-kl", "10", "--min-top1", "0", "--max-rows", "32", "--report", str(report)])
+    assert code == 1
+    data = json.loads(report.read_text())
+    increase = data["checks"][0]["metrics"]["ppl_increase"]
+    assert increase > 0.05 and not data["passed"]
+    assert f"conversion-loss: ppl_increase = {increase:.6g} > budget 0.05" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_end_to_end(first_run) -> None:
+    out, log, report = first_run
+    assert [c.name for c in report.checks] == ["conversion-loss", "fidelity-onnx"]
+    loss, fidelity = report.checks
+    assert fidelity.passed and fidelity.metrics["max_abs_err"] < 1e-3 and fidelity.metrics["top1"] > 0.999
+    assert loss.candidate["kv_heads"] == 4 and loss.reference["kv_heads"] == 8
+    assert loss.candidate["kv_cache_bytes_per_token"] * 2 == loss.reference["kv_cache_bytes_per_token"]
+    assert 0 < loss.metrics["kl"] and loss.metrics["reference_ppl"] < loss.metrics["candidate_ppl"]
+    for path in ("convert/headfold.json", "export/prefill.onnx", "export/decode.onnx", "verify/report.json", "verify/junit.xml", "verify/report.md"):
+        assert (out / path).is_file(), path
+    assert any(line.startswith("build: skipped, ") for line in log)
+    assert report.stages == {"convert": "ran", "export": "ran", "build": report.stages["build"], "verify": "ran"}
+    assert json.loads((out / "verify/report.json").read_text())["passed"] == report.passed
+
+
+@pytest.mark.slow
+def test_second_run_skips_stage_by_stage(first_run) -> None:
+    out, _, first = first_run
+    log: list[str] = []
+    again = run(EMBEDDED, out, 4, inputs=ROWS, log=log.append)
+    assert [line.split(":")[0] for line in log if "unchanged, skipped" in line] == ["convert", "export", "verify"]
+    assert again.to_dict()["checks"] == first.to_dict()["checks"]
+    assert again.stages["verify"] == "skipped"
+
+    log.clear()
+    looser = run(EMBEDDED, out, 4, inputs=ROWS, thresholds=Thresholds(max_kl=5.0), log=log.append)  # only the budget changed
+    assert [line.split(":")[0] for line in log if "unchanged, skipped" in line] == ["convert", "export"]
+    assert looser.checks[0].budget["max_kl"] == 5.0
+
+
+@pytest.mark.slow
+def test_demo_prints_the_report_table(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("headfold.demo.DEMO_INPUTS", InputSpec(max_rows=8))
+    code = main(["demo", "--max-ppl-increase", "1000%", "--max-kl", "10", "--min-top1", "0"])
+    out = capsys.readouterr().out
+    assert code == 0 and "conversion-loss: torch:default_model vs torch:convert" in out and "all checks passed" in out
+    assert "fidelity-onnx: torch:convert vs onnxruntime:prefill.onnx" in out
+
+
+@pytest.mark.slow
+def test_python_api_example(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, ROOT / "examples/python_api.py", EMBEDDED, tmp_path, "--kv-heads", "8", "--max-rows", "8"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "loss.json").read_text())["checks"][0]["metrics"]["kl"] == 0
+    assert (tmp_path / "fidelity.xml").read_text().count("<testcase ") == 1
