@@ -66,7 +66,8 @@ def convert(src: Path, out: Path, kv_heads: int, method: str, quiet: bool, shard
 @click.option("--attention", type=click.Choice(("onnx", "ort-gqa")), default="onnx", help="Fused node: onnx = standard Attention (ORT, TensorRT); ort-gqa = com.microsoft.GroupQueryAttention for ONNX Runtime CUDA decoding (decoders only; unpadded or right-padded batches; CUDA runs it in fp16/bf16).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, overwrite: bool, quiet: bool) -> None:
+@click.option("--trt-version", default=None, metavar="MAJOR.MINOR", help="Also print which exported graphs this TensorRT version's ONNX parser takes (a lint on CPU; rule sets 10.13, 10.14, 10.15, 11.0).")
+def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, overwrite: bool, quiet: bool, trt_version: str | None) -> None:
     """Export the checkpoint folder SRC to ONNX with one GQA Attention node per layer.
 
     Decoders get prefill.onnx and decode.onnx (KV cache at kv-heads), encoders model.onnx;
@@ -74,9 +75,17 @@ def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str,
     """
     from headfold.graphs.export import export
 
+    if trt_version:
+        from headfold.graphs.trt_lint import rule_set
+
+        rule_set(trt_version)  # an unknown version is bad input before anything is written
     summary = export(src, out_dir, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=not quiet)
     for name, graph in summary["graphs"].items():
         click.echo(f"wrote {out_dir / name}: {graph['attention_nodes']} Attention nodes, kv-heads {graph['attention_kv_heads']}")
+    if trt_version:
+        from headfold.graphs.trt_lint import export_table
+
+        click.echo(export_table(out_dir, trt_version))
 
 
 class Fraction(click.ParamType):
@@ -200,18 +209,20 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int, method: str, opset: int, dt
 
 @cli.command()
 @click.option("--kv-heads", type=int, default=4, help="K/V heads to convert the embedded 8-head model to (1 = MQA).")
-@click.option("--method", default="mean", metavar="METHOD", help="How the K/V heads of a group become one, as for `headfold convert --method`.")
+@click.option("--method", default="aligned+grouped+refit", metavar="METHOD", help="How the K/V heads of a group become one, as for `headfold convert --method`.")
 @threshold_options
 def demo(kv_heads: int, method: str, budget_file, **thresholds) -> None:
     """`headfold run` on the embedded trained model (Llama layout, 8 heads) in a temporary folder.
 
     Converts, exports, (builds where TensorRT is present) and verifies on Python documentation
-    text the model never saw in training, then prints the report table.
+    text the model never saw in training, then prints the report table. Without --budget the
+    gates are the embedded model's reference budget (headfold/data/default_model/demo-budget.toml).
     """
     from headfold.demo import demo as run_demo
+    from headfold.demo import demo_budget
 
     _quiet_libraries()
-    _finish(run_demo(kv_heads, method, log=click.echo, thresholds=_thresholds(budget_file, **thresholds)))
+    _finish(run_demo(kv_heads, method, log=click.echo, thresholds=_thresholds(budget_file or demo_budget(), **thresholds)))
 
 
 def main(argv: list[str] | None = None) -> int:

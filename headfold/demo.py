@@ -20,7 +20,12 @@ def default_model_path() -> Path:
     return Path(str(resources.files("headfold") / "data" / "default_model"))
 
 
-def demo(kv_heads: int = 4, method: str = "mean", log: Log = print, **options: Any) -> Report:
+def demo_budget() -> Path:
+    """Reference gates for the embedded model at 4 kv heads with the best training-free method."""
+    return default_model_path() / "demo-budget.toml"
+
+
+def demo(kv_heads: int = 4, method: str = "aligned+grouped+refit", log: Log = print, **options: Any) -> Report:
     """`run` on the embedded model in a temporary folder, removed afterwards; the verify report."""
     with tempfile.TemporaryDirectory(prefix="headfold-demo-") as tmp:
         options.setdefault("inputs", DEMO_INPUTS)

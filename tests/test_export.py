@@ -143,10 +143,10 @@ def test_decode_greedy_matches_torch_generate(exported, family: str, kv: int) ->
     checkpoint, onnx_dir = exported(family, kv)
     model = load_model(checkpoint)
     inputs = sample_batch(model.config, 3, 6, seed=1)  # last row left-padded
+    model.generation_config.eos_token_id = None  # plain argmax for all 16 steps, like the ORT loop
     with torch.no_grad():
-        expected = model.generate(
-            **inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-        )[:, inputs["input_ids"].shape[1] :]
+        expected = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    expected = expected[:, inputs["input_ids"].shape[1] :]
     tokens, present = _ort_greedy(onnx_dir, inputs["input_ids"].numpy(), inputs["attention_mask"].numpy(), model.config.num_hidden_layers)
     np.testing.assert_array_equal(tokens, expected.numpy())
     assert all(t.shape[:3] == (3, kv, 6 + NEW_TOKENS - 1) for t in present)
