@@ -49,6 +49,15 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class FileRange:
+    """Tensor bytes as they sit in a file: the writer copies them in the kernel, unread."""
+
+    path: Path
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class AttentionLayout:
     """Where each layer's attention tensors are: layer → {spec suffix: tensor name}."""
 
@@ -235,6 +244,11 @@ class SourceCheckpoint:
             f.seek(info.offset)
             f.readinto(buffer.numpy())
         return buffer.view(info.dtype).reshape(info.shape)
+
+    def byte_range(self, name: str) -> FileRange | None:
+        """Where a tensor's bytes sit in a safetensors file (None for pickles)."""
+        info = self.tensors[name]
+        return None if info.file in self._pickles else FileRange(info.file, info.offset, info.nbytes)
 
     def close(self) -> None:
         self._pickles.clear()

@@ -160,7 +160,12 @@ def write_weights(
                 converted, groups[layer] = convert_layer(ckpt, layer, target, recipe, contexts[layer])
                 contexts[layer] = LayerContext()  # calibration inputs of a done layer: free them
                 pending.update(converted)
-            writer.write(t.name, pending.pop(t.name) if t.name in owner else ckpt.get(t.name))
+            if t.name in owner:
+                writer.write(t.name, pending.pop(t.name))
+            elif source := ckpt.byte_range(t.name):  # unchanged tensor: no trip through Python
+                writer.copy(t.name, t.dtype, t.shape, source)
+            else:
+                writer.write(t.name, ckpt.get(t.name))
             bar.update(t.nbytes)
         return writer.finish(), groups
 

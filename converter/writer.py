@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import os
 import struct
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
-from headfold.converter.checkpoint import SAFETENSORS_DTYPES, SAFETENSORS_INDEX
+from headfold.converter.checkpoint import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, FileRange
 
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
@@ -67,12 +69,42 @@ def _header(shard: list[PlannedTensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+def _copy_range(source: FileRange, out: BinaryIO) -> None:
+    """Kernel-side copy (copy_file_range); a plain read/write loop where the kernel refuses."""
+    done = 0
+    with open(source.path, "rb", buffering=0) as f:
+        try:
+            while done < source.nbytes:
+                n = os.copy_file_range(f.fileno(), out.fileno(), source.nbytes - done, source.offset + done)
+                if n == 0:
+                    raise EOFError(f"{source.path} ended before byte {source.offset + source.nbytes}")
+                done += n
+        except (AttributeError, OSError):  # no copy_file_range here, or not between these files
+            f.seek(source.offset + done)
+            while done < source.nbytes:
+                chunk = f.read(min(1 << 24, source.nbytes - done))
+                if not chunk:
+                    raise EOFError(f"{source.path} ended before byte {source.offset + source.nbytes}") from None
+                out.write(chunk)
+                done += len(chunk)
+
+
+def _hash_range(source: FileRange, digest: Any) -> None:
+    """Hash bytes straight from the page cache (mmap); unmapping keeps them out of our RSS."""
+    if source.nbytes == 0:
+        return
+    start = source.offset - source.offset % mmap.ALLOCATIONGRANULARITY
+    with open(source.path, "rb") as f, mmap.mmap(f.fileno(), source.offset + source.nbytes - start, offset=start, access=mmap.ACCESS_READ) as m:
+        with memoryview(m) as view:
+            digest.update(view[source.offset - start :])
+
+
 class ShardedWriter:
     """Write planned tensors, in plan order, into ``folder``; sha256 of every file kept.
 
-    Hashing and writing run on one background thread (both release the GIL) while the
-    caller reads and converts the next tensor; at most ``IN_FLIGHT`` tensors wait, so
-    memory stays bounded.
+    Writing and hashing each run on their own background thread (both release the GIL)
+    while the caller reads and converts the next tensor; at most ``IN_FLIGHT`` tensors
+    wait, so memory stays bounded.
     """
 
     IN_FLIGHT = 2
@@ -85,38 +117,65 @@ class ShardedWriter:
         self.sha256: dict[str, str] = {}
         self._queue = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
         self._next = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headfold-writer")
-        self._in_flight: deque[Future[None]] = deque()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headfold-write")
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headfold-hash")
+        self._in_flight: deque[tuple[Future[None], Future[None]]] = deque()
         self._file: BinaryIO | None = None
         self._hash = hashlib.sha256()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        shard_index, planned = self._queue[self._next]
-        if name != planned.name or tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
-            raise RuntimeError(f"writer expected {planned}, got {name} {tensor.dtype} {tuple(tensor.shape)}")
-        self._next += 1
-        last_of_shard = self._next == len(self._queue) or self._queue[self._next][0] != shard_index
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._in_flight.append(self._pool.submit(self._store, shard_index, data, last_of_shard))
-        while len(self._in_flight) > self.IN_FLIGHT:
-            self._in_flight.popleft().result()  # re-raises a failed write here
+        """Queue the next planned tensor."""
+        self._check(name, tensor.dtype, tuple(tensor.shape))
+        self._submit(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
 
-    def _store(self, shard_index: int, data: torch.Tensor, last_of_shard: bool) -> None:
-        """Runs on the writer thread, one call at a time, in order."""
-        if self._file is None:
-            self._file = open(self.folder / self.names[shard_index], "wb")
-            self._hash = hashlib.sha256()
-            self._emit(_header(self.shards[shard_index], self.metadata))
-        self._emit(memoryview(data.numpy()))
-        if last_of_shard:
+    def copy(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], source: FileRange) -> None:
+        """Queue the next planned tensor, taken unchanged from a byte range of a source file."""
+        self._check(name, dtype, shape)
+        self._submit(source)
+
+    def _check(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        planned = self._queue[self._next][1]
+        if (name, dtype, shape) != (planned.name, planned.dtype, planned.shape):
+            raise RuntimeError(f"writer expected {planned}, got {name} {dtype} {shape}")
+
+    def _submit(self, data: memoryview | FileRange) -> None:
+        shard_index = self._queue[self._next][0]
+        first = self._next == 0 or self._queue[self._next - 1][0] != shard_index
+        self._next += 1
+        last = self._next == len(self._queue) or self._queue[self._next][0] != shard_index
+        header = _header(self.shards[shard_index], self.metadata) if first else None
+        self._in_flight.append((
+            self._writer.submit(self._store, shard_index, header, data, last),
+            self._hasher.submit(self._digest, shard_index, header, data, last),
+        ))  # fmt: skip
+        while len(self._in_flight) > self.IN_FLIGHT:
+            for job in self._in_flight.popleft():
+                job.result()  # re-raises a failed write here
+
+    def _store(self, shard_index: int, header: bytes | None, data: memoryview | FileRange, last: bool) -> None:
+        """Writer thread: one call at a time, in order."""
+        if header is not None:
+            self._file = open(self.folder / self.names[shard_index], "wb", buffering=0)  # fd writes below
+            self._file.write(header)
+        assert self._file is not None
+        if isinstance(data, FileRange):
+            _copy_range(data, self._file)
+        else:
+            self._file.write(data)
+        if last:
             self._file.close()
             self._file = None
-            self.sha256[self.names[shard_index]] = self._hash.hexdigest()
 
-    def _emit(self, data: bytes | memoryview) -> None:
-        assert self._file is not None
-        self._file.write(data)
-        self._hash.update(data)
+    def _digest(self, shard_index: int, header: bytes | None, data: memoryview | FileRange, last: bool) -> None:
+        """Hash thread: one call at a time, in order."""
+        if header is not None:
+            self._hash = hashlib.sha256(header)
+        if isinstance(data, FileRange):
+            _hash_range(data, self._hash)
+        else:
+            self._hash.update(data)
+        if last:
+            self.sha256[self.names[shard_index]] = self._hash.hexdigest()
 
     def finish(self) -> dict[str, str]:
         """Wait for the writes, write the index (when sharded); return {file name: sha256}."""
@@ -135,9 +194,11 @@ class ShardedWriter:
         """Drain the writer thread (re-raising its first error) and close any open file."""
         try:
             while self._in_flight:
-                self._in_flight.popleft().result()
+                for job in self._in_flight.popleft():
+                    job.result()
         finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._writer.shutdown(wait=True, cancel_futures=True)
+            self._hasher.shutdown(wait=True, cancel_futures=True)
             if self._file is not None:
                 self._file.close()
                 self._file = None

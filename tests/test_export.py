@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 import transformers
@@ -17,6 +16,7 @@ from headfold.errors import BadInput, CheckFailed
 from headfold.graphs import rewrite
 from headfold.graphs.export import export, position_ids
 from headfold.graphs.modeling import load_model
+from ort_decoding import ort_greedy, session
 from tiny_models import ENCODERS, HEADS, sample_batch
 
 ATOL = 1e-4
@@ -68,10 +68,6 @@ def exported(tiny_checkpoint, tmp_path_factory):
     return get
 
 
-def _session(path: Path) -> ort.InferenceSession:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-
 def _batch(config: transformers.PretrainedConfig, batch: int, seq: int) -> dict[str, torch.Tensor]:
     inputs = sample_batch(config, batch, seq, seed=seq)
     if getattr(config, "type_vocab_size", 0) > 1:
@@ -97,11 +93,11 @@ def test_ort_matches_torch(exported, family: str, kv: int) -> None:
     checkpoint, onnx_dir = exported(family, kv)
     model = load_model(checkpoint)
     graph = "model.onnx" if family in ENCODERS else "prefill.onnx"
-    session = _session(onnx_dir / graph)
+    runner = session(onnx_dir / graph)
     for batch in (1, 3):
         for seq in SEQUENCES:
             inputs = _batch(model.config, batch, seq)
-            ours = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+            ours = runner.run(None, {k: v.numpy() for k, v in inputs.items()})
             error = _max_error(ours[0], _torch_outputs(model, inputs), inputs["attention_mask"])
             assert error <= ATOL, f"{graph} batch {batch} seq {seq}: max abs error {error:.2e}"
             for present in ours[1:]:  # decoders: K/V cache leaves the graph at kv-heads
@@ -124,20 +120,6 @@ def test_one_gqa_attention_per_layer(exported, family: str, kv: int) -> None:
         onnx.checker.check_model(str(onnx_dir / name))
 
 
-def _ort_greedy(onnx_dir: Path, input_ids: np.ndarray, mask: np.ndarray, layers: int) -> tuple[np.ndarray, list]:
-    """Prefill once, then NEW_TOKENS - 1 single-token decode steps with the KV cache."""
-    prefill, decode = _session(onnx_dir / "prefill.onnx"), _session(onnx_dir / "decode.onnx")
-    logits, *present = prefill.run(None, {"input_ids": input_ids, "attention_mask": mask})
-    tokens = [logits[:, -1].argmax(-1)]
-    names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-    for _ in range(NEW_TOKENS - 1):
-        mask = np.concatenate([mask, np.ones_like(mask[:, :1])], axis=1)
-        feeds = {"input_ids": tokens[-1][:, None], "attention_mask": mask, **dict(zip(names, present))}
-        logits, *present = decode.run(None, feeds)
-        tokens.append(logits[:, -1].argmax(-1))
-    return np.stack(tokens, axis=1), present
-
-
 @pytest.mark.parametrize("family, kv", DECODER_CASES)
 def test_decode_greedy_matches_torch_generate(exported, family: str, kv: int) -> None:
     checkpoint, onnx_dir = exported(family, kv)
@@ -147,7 +129,7 @@ def test_decode_greedy_matches_torch_generate(exported, family: str, kv: int) ->
     with torch.no_grad():
         expected = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     expected = expected[:, inputs["input_ids"].shape[1] :]
-    tokens, present = _ort_greedy(onnx_dir, inputs["input_ids"].numpy(), inputs["attention_mask"].numpy(), model.config.num_hidden_layers)
+    tokens, present = ort_greedy(onnx_dir, inputs["input_ids"].numpy(), inputs["attention_mask"].numpy(), model.config.num_hidden_layers, NEW_TOKENS)
     np.testing.assert_array_equal(tokens, expected.numpy())
     assert all(t.shape[:3] == (3, kv, 6 + NEW_TOKENS - 1) for t in present)
 
@@ -179,7 +161,7 @@ def test_fp16_typed_weights_fp32_normalisation(tiny_checkpoint, tmp_path: Path) 
     assert norms and all(onnx.helper.get_attribute_value(a) == 1 for n in norms for a in n.attribute if a.name == "stash_type")
     model = load_model(checkpoint)
     inputs = _batch(model.config, 3, 9)
-    ours = _session(tmp_path / "onnx" / "model.onnx").run(None, {k: v.numpy() for k, v in inputs.items()})[0]
+    ours = session(tmp_path / "onnx" / "model.onnx").run(None, {k: v.numpy() for k, v in inputs.items()})[0]
     assert ours.dtype == np.float16
     error = _max_error(ours.astype(np.float32), _torch_outputs(model, inputs), inputs["attention_mask"])
     assert error <= 1e-2, f"fp16 max abs error {error:.2e}"

@@ -12,11 +12,12 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 import transformers
 from pydoc_data import topics
+
+from ort_decoding import ort_greedy, session
 
 from headfold.converter import convert
 from headfold.corpus import encode, heldout_text
@@ -28,10 +29,6 @@ pytestmark = pytest.mark.slow
 
 ATOL = 1e-4
 NEW_TOKENS = 16
-
-
-def _session(path: Path) -> ort.InferenceSession:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
 def _export(src: Path, folder: Path, kv: int | None) -> tuple[Path, Path]:
@@ -64,9 +61,9 @@ def test_minilm_kv4_ort_matches_torch(tmp_path: Path) -> None:
     assert (batch["attention_mask"] == 0).any()  # padding is exercised
     with torch.no_grad():
         expected = load_model(checkpoint)(**batch).last_hidden_state
-    session = _session(onnx_dir / "model.onnx")
-    feeds = {i.name: batch[i.name].numpy() for i in session.get_inputs()}
-    error = _max_error(session.run(None, feeds)[0], expected, feeds["attention_mask"])
+    runner = session(onnx_dir / "model.onnx")
+    feeds = {i.name: batch[i.name].numpy() for i in runner.get_inputs()}
+    error = _max_error(runner.run(None, feeds)[0], expected, feeds["attention_mask"])
     assert error <= ATOL, f"all-MiniLM-L6-v2 kv4: max abs error {error:.2e}"
 
 
@@ -110,10 +107,10 @@ def _text_batch(lengths: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
 def test_default_model_prefill_matches_torch(default_export, kv: int | None) -> None:
     checkpoint, onnx_dir = default_export(kv)
     model = load_model(checkpoint)
-    session = _session(onnx_dir / "prefill.onnx")
+    runner = session(onnx_dir / "prefill.onnx")
     for lengths in ((48,), (48, 40, 29)):
         ids, mask = _text_batch(lengths)
-        logits, *present = session.run(None, {"input_ids": ids, "attention_mask": mask})
+        logits, *present = runner.run(None, {"input_ids": ids, "attention_mask": mask})
         with torch.no_grad():
             tensor_mask = torch.from_numpy(mask)
             expected = model(input_ids=torch.from_numpy(ids), attention_mask=tensor_mask, position_ids=position_ids(tensor_mask)).logits
@@ -121,19 +118,6 @@ def test_default_model_prefill_matches_torch(default_export, kv: int | None) -> 
         assert error <= ATOL, f"batch {len(lengths)}: max abs error {error:.2e}"
         kv_heads = model.config.num_key_value_heads
         assert all(p.shape[:3] == (len(lengths), kv_heads, ids.shape[1]) for p in present)
-
-
-def _ort_greedy(onnx_dir: Path, ids: np.ndarray, mask: np.ndarray, layers: int) -> np.ndarray:
-    """Prefill, then NEW_TOKENS - 1 single-token decode steps feeding the present K/V back."""
-    prefill, decode = _session(onnx_dir / "prefill.onnx"), _session(onnx_dir / "decode.onnx")
-    logits, *cache = prefill.run(None, {"input_ids": ids, "attention_mask": mask})
-    tokens = [logits[:, -1].argmax(-1)]
-    names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-    for _ in range(NEW_TOKENS - 1):
-        mask = np.concatenate([mask, np.ones_like(mask[:, :1])], axis=1)
-        logits, *cache = decode.run(None, {"input_ids": tokens[-1][:, None], "attention_mask": mask, **dict(zip(names, cache))})
-        tokens.append(logits[:, -1].argmax(-1))
-    return np.stack(tokens, axis=1)
 
 
 @needs_default
@@ -153,5 +137,5 @@ def test_default_model_greedy_decode_matches_torch(default_export, kv: int | Non
             do_sample=False,
             pad_token_id=0,
         )[:, ids.shape[1] :]
-    tokens = _ort_greedy(onnx_dir, ids, mask, model.config.num_hidden_layers)
+    tokens, _ = ort_greedy(onnx_dir, ids, mask, model.config.num_hidden_layers, NEW_TOKENS)
     np.testing.assert_array_equal(tokens, expected.numpy())

@@ -60,3 +60,28 @@ def test_out_of_plan_write_is_refused(tmp_path: Path) -> None:
     with ShardedWriter(tmp_path, plan(TENSORS), 1 << 30, {}) as writer:
         with pytest.raises(RuntimeError, match="expected"):
             writer.write("bf16", TENSORS["bf16"])
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_copied_ranges_equal_written_tensors(kernel_copy: bool, tmp_path: Path, monkeypatch) -> None:
+    """Unchanged tensors are copied from the source file's byte range (kernel copy, or the
+    read/write fallback where copy_file_range is refused) with the same bytes and hashes."""
+    from safetensors.torch import save_file
+
+    from headfold.converter.checkpoint import FileRange, _safetensors_header
+
+    save_file(TENSORS, tmp_path / "src.safetensors", metadata={"format": "pt"})
+    infos = _safetensors_header(tmp_path / "src.safetensors")
+    if not kernel_copy:
+        monkeypatch.setattr("os.copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(18, "EXDEV")))
+    (tmp_path / "out").mkdir()
+    planned = [PlannedTensor(i.name, i.dtype, i.shape) for i in infos]
+    with ShardedWriter(tmp_path / "out", planned, 64, {"format": "pt"}) as writer:
+        for i in infos:
+            writer.copy(i.name, i.dtype, i.shape, FileRange(i.file, i.offset, i.nbytes))
+        hashes = writer.finish()
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        assert hashes[f.name] == hashlib.sha256(f.read_bytes()).hexdigest()
+        with safe_open(f, framework="pt") as handle:
+            for k in handle.keys():
+                assert torch.equal(handle.get_tensor(k), TENSORS[k]), k
