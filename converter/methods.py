@@ -16,11 +16,13 @@ ONNX Attention op, TensorRT and torch's repeat_interleave expect. Methods are re
 Modifiers combine with ``+`` (``aligned+grouped+refit``); they pool with ``mean`` unless
 ``first`` is named. With RoPE, every K-side transform is restricted to what commutes with the
 rotary rotation (see alignment.py); with a per-dimension norm on Q/K (Qwen3) K is left alone.
+Data-aware recipes compute on the first CUDA GPU when torch sees one ($HEADFOLD_DEVICE overrides).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -28,6 +30,7 @@ from headfold.converter import alignment
 from headfold.converter.layout import AttentionWeights
 from headfold.errors import BadInput
 
+DEVICE_VARIABLE = "HEADFOLD_DEVICE"  # cpu, cuda or cuda:N; default: the first GPU when there is one
 POOLS = ("mean", "first")
 MODIFIERS = ("grouped", "aligned", "refit")
 
@@ -62,6 +65,15 @@ class Recipe:
         return self.grouped or self.aligned or self.refit
 
     def __call__(self, attn: AttentionWeights, kv_heads: int, ctx: LayerContext = LayerContext()) -> LayerResult:
+        """Pool `attn` to `kv_heads`; data-aware recipes compute on the GPU when there is one."""
+        device = compute_device() if self.data_aware else torch.device("cpu")
+        if device.type == "cpu":
+            return self._convert(attn, kv_heads, ctx)
+        inputs = None if ctx.inputs is None else ctx.inputs.to(device)
+        result = self._convert(_moved(attn, device), kv_heads, replace(ctx, inputs=inputs))
+        return replace(result, attn=_moved(result.attn, torch.device("cpu")))
+
+    def _convert(self, attn: AttentionWeights, kv_heads: int, ctx: LayerContext) -> LayerResult:
         n = attn.kv_heads
         groups = [list(range(g * n // kv_heads, (g + 1) * n // kv_heads)) for g in range(kv_heads)]
         if not self.data_aware:
@@ -96,6 +108,25 @@ def get_method(name: str) -> Recipe:
 METHODS = ("mean", "first", "aligned", "grouped", "refit", "aligned+grouped", "aligned+grouped+refit")
 
 
+def compute_device() -> torch.device:
+    """Where the data-aware methods' activations, fits and solves run: $HEADFOLD_DEVICE, else
+    the first CUDA GPU when torch sees one, else the CPU."""
+    requested = os.environ.get(DEVICE_VARIABLE)
+    if requested:
+        try:
+            device = torch.device(requested)
+        except RuntimeError:
+            raise BadInput(f"{DEVICE_VARIABLE}={requested!r} is not a torch device; use cpu, cuda or cuda:N") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise BadInput(f"{DEVICE_VARIABLE}={requested} but torch sees no CUDA GPU; unset it or use cpu")
+        return device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _moved(attn: AttentionWeights, device: torch.device) -> AttentionWeights:
+    return replace(attn, **{f.name: t.to(device) for f in fields(attn) if (t := getattr(attn, f.name)) is not None})
+
+
 # -- activations ------------------------------------------------------------------------
 
 
@@ -120,7 +151,7 @@ def similar_groups(keys: list[torch.Tensor], values: list[torch.Tensor], kv_head
     """Equal-size groups of heads with high (aligned) K and V similarity: greedy, then pair swaps."""
     n = len(keys)
     size = n // kv_heads
-    sim = torch.zeros(n, n, dtype=torch.float64)
+    sim = torch.zeros(n, n, dtype=torch.float64)  # filled from Python floats: stays on the CPU
     for i in range(n):
         for j in range(i + 1, n):
             k = alignment.alignment_similarity(keys[i], keys[j], key_rotary or 0) if key_rotary is not None else _cosine(keys[i], keys[j])
@@ -207,7 +238,7 @@ def align(attn: AttentionWeights, groups: list[list[int]], keys, values, key_rot
     """Generalized Procrustes inside each group; K only where rotations are allowed."""
     n = attn.kv_heads
     key_maps: list[torch.Tensor | None] = [None] * n
-    value_maps: list[torch.Tensor] = [torch.eye(attn.v.shape[1])] * n
+    value_maps: list[torch.Tensor] = [torch.eye(attn.v.shape[1], device=attn.v.device)] * n
     for group in groups:
         for j, r in zip(group, alignment.generalized_procrustes([values[j] for j in group])):
             value_maps[j] = r

@@ -98,3 +98,34 @@ def test_grouped_records_its_groups(tiny_checkpoint, tmp_path: Path) -> None:
 def test_unknown_methods_are_bad_input(name: str) -> None:
     with pytest.raises(BadInput, match="unknown method"):
         get_method(name)
+
+
+def _random_layer(seed: int = 0, heads: int = 4, d: int = 8, hidden: int = 16) -> tuple[AttentionWeights, LayerContext]:
+    gen = torch.Generator().manual_seed(seed)
+    w = lambda: torch.randn(heads, d, hidden, generator=gen)  # noqa: E731
+    return AttentionWeights(w(), w(), w(), w()), LayerContext(torch.randn(64, hidden, generator=gen), rotary=d)
+
+
+@pytest.mark.parametrize("value, message", [("bogus", "not a torch device"), ("cuda:0", "no CUDA GPU")])
+def test_bad_compute_device_is_bad_input(value: str, message: str, monkeypatch) -> None:
+    if value.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("a GPU is visible: cuda is a valid device here")
+    monkeypatch.setenv("HEADFOLD_DEVICE", value)
+    attn, ctx = _random_layer()
+    with pytest.raises(BadInput, match=message):
+        get_method("refit")(attn, 2, ctx)
+
+
+@pytest.mark.gpu
+def test_gpu_refit_matches_cpu(monkeypatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible to torch: the GPU path of the data-aware methods is not exercised")
+    attn, ctx = _random_layer()
+    results = {}
+    for device in ("cpu", "cuda"):
+        monkeypatch.setenv("HEADFOLD_DEVICE", device)
+        results[device] = get_method("aligned+grouped+refit")(attn, 2, ctx)
+    cpu, gpu = results["cpu"], results["cuda"]
+    assert cpu.groups == gpu.groups and gpu.attn.q.device.type == "cpu"
+    for name in ("q", "k", "v", "o"):
+        assert torch.allclose(getattr(cpu.attn, name), getattr(gpu.attn, name), atol=1e-4), name
