@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from headfold.converter.layout import HeadShape, head_axis_sizes
+from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
 from headfold.converter.spec import ArchitectureSpec, spec_for
 from headfold.errors import BadInput
 
@@ -104,6 +105,12 @@ def head_shape(config: dict[str, Any], spec: ArchitectureSpec) -> HeadShape:
     return HeadShape(heads, kv_heads, head_dim)
 
 
+def layer_head_shapes(config: dict[str, Any], shape: HeadShape, layers: int) -> tuple[HeadShape, ...]:
+    """Each layer's head shape: a chained conversion's source may hold per-layer kv heads."""
+    per_layer = config_kv_heads(shape.kv_heads, config.get(KV_HEADS_PER_LAYER), shape.heads, layers)
+    return tuple(HeadShape(shape.heads, kv, shape.head_dim) for kv in per_layer)
+
+
 def rotary_dims(config: dict[str, Any], spec: ArchitectureSpec, head_dim: int) -> int:
     """Leading head dims RoPE rotates (0 without RoPE); partial rotary under its several config names."""
     if not spec.rope:
@@ -142,8 +149,9 @@ class SourceCheckpoint:
         self.folder = folder
         self.config = read_config(folder)
         self.spec = spec_for(self.config.get("model_type"))
-        self.shape = head_shape(self.config, self.spec)
+        self.shape = head_shape(self.config, self.spec)  # kv_heads: the largest layer's
         self.layers = _positive_int(self.config, self.spec.config.layers)
+        self.layer_shapes = layer_head_shapes(self.config, self.shape, self.layers)
         self._index_names: set[str] = set()
         self._pickles: dict[Path, dict[str, torch.Tensor]] = {}
         self.weight_files = self._find_weight_files(allow_pickle)
@@ -197,10 +205,10 @@ class SourceCheckpoint:
 
     # -- attention tensors --------------------------------------------------------------
     def _locate_attention(self) -> AttentionLayout:
-        sizes = head_axis_sizes(self.spec, self.shape)
+        sizes = [head_axis_sizes(self.spec, shape) for shape in self.layer_shapes]
         found: dict[str, dict[int, str]] = defaultdict(dict)
         prefixes: set[str] = set()
-        for suffix in sizes:
+        for suffix in sizes[0]:
             pattern = self.spec.tensor_pattern(suffix)
             for name in self.tensors:
                 if m := pattern.match(name):
@@ -213,7 +221,7 @@ class SourceCheckpoint:
             if set(by_layer) != set(range(self.layers)):
                 raise BadInput(f"tensor '*{suffix}' found for layers {sorted(by_layer)}, expected 0..{self.layers - 1}; weights and config.json disagree")
             for i, name in by_layer.items():
-                self._check_size(name, *sizes[suffix])
+                self._check_size(name, *sizes[i][suffix], self.layer_shapes[i])
                 layers[i][suffix] = name
         required = self._required_suffixes()
         if missing := [s for s in required if s not in found]:
@@ -224,10 +232,9 @@ class SourceCheckpoint:
         weights = [p.weight for p in self.spec.projections.values()]
         return weights + ([self.spec.fused_qkv.weight] if self.spec.fused_qkv else [])
 
-    def _check_size(self, name: str, axis: int, size: int) -> None:
+    def _check_size(self, name: str, axis: int, size: int, s: HeadShape) -> None:
         shape = self.tensors[name].shape
         if axis >= len(shape) or shape[axis] != size:
-            s = self.shape
             raise BadInput(
                 f"tensor {name} has shape {list(shape)}, expected {size} on axis {axis} for "
                 f"{s.heads} heads, {s.kv_heads} kv heads, head_dim {s.head_dim}; weights and config.json disagree"

@@ -8,6 +8,7 @@ import platform
 import re
 import shutil
 from importlib import metadata
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from headfold.converter.calibration import attention_inputs
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, rotary_dims
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
 from headfold.converter.methods import LayerContext, Recipe, get_method
+from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.writer import PlannedTensor, ShardedWriter
 from headfold.errors import BadInput
 
@@ -30,7 +32,7 @@ SKIPPED_DIRS = {".git", ".cache", "__pycache__"}
 def convert(
     source: str | Path,
     output: str | Path,
-    kv_heads: int,
+    kv_heads: int | Sequence[int],
     method: str = "mean",
     *,
     overwrite: bool = False,
@@ -43,6 +45,8 @@ def convert(
 ) -> Path:
     """Convert the checkpoint folder `source` to `kv_heads` K/V heads; return the output path.
 
+    `kv_heads` is one count for every layer or one per layer; equal counts are the single count.
+
     Data-aware methods (grouped, aligned, refit) read activations on `calibration`: a text
     file, None for the built-in offline text, or "weights" to work on the weights alone.
     Raises BadInput (nothing written) for anything wrong with the request or the source.
@@ -50,17 +54,17 @@ def convert(
     source = Path(source)
     recipe = get_method(method)
     with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
-        target = target_shape(ckpt.shape, kv_heads)
+        targets = target_shapes(ckpt, kv_heads)
         out = check_output(Path(output), overwrite=overwrite, sources=(source,))
         shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else default_shard_bytes(ckpt)
         text = calibration_text(calibration) if recipe.data_aware else None
         contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)
         with atomic_output(out) as tmp:
-            files, groups = write_weights(ckpt, target, recipe, contexts, tmp, shard_bytes, progress)
-            files |= write_config(ckpt, target, tmp)
+            files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress)
+            files |= write_config(ckpt, targets, tmp)
             copied, skipped = copy_other_files(ckpt, tmp)
             files |= copied
-            manifest = build_manifest(ckpt, target, recipe, groups, files, skipped)
+            manifest = build_manifest(ckpt, targets, recipe, groups, files, skipped)
             if recipe.data_aware:
                 used = "weights" if text is None else str(calibration or "built-in")
                 manifest["conversion"]["calibration"] = {"text": used, "tokens": calibration_tokens, "seed": seed}
@@ -68,13 +72,22 @@ def convert(
     return out
 
 
-def target_shape(source: HeadShape, kv_heads: int) -> HeadShape:
+def target_shape(source: HeadShape, kv_heads: int, layer: int | None = None) -> HeadShape:
+    """`source` pooled to `kv_heads`; BadInput naming the valid counts (and `layer`, for a per-layer list)."""
     h, n = source.heads, source.kv_heads
     if not isinstance(kv_heads, int) or kv_heads < 1 or h % kv_heads or n % kv_heads:
         choices = ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
         have = f"{h} attention heads" + (f" and {n} kv heads" if n != h else "")
-        raise BadInput(f"--kv-heads {kv_heads} is impossible for a model with {have}; choose one of: {choices}")
+        where = "" if layer is None else f" for layer {layer}"
+        raise BadInput(f"--kv-heads {kv_heads}{where} is impossible for a model with {have}; choose one of: {choices}")
     return HeadShape(h, kv_heads, source.head_dim)
+
+
+def target_shapes(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int]) -> list[HeadShape]:
+    """Each layer's target; a list must have one entry per layer dividing that layer's kv heads."""
+    per_layer = expand(kv_heads, ckpt.layers)
+    by_layer = not isinstance(kv_heads, int) or len(set(ckpt.layer_shapes)) > 1  # name the layer in errors
+    return [target_shape(src, kv, i if by_layer else None) for i, (src, kv) in enumerate(zip(ckpt.layer_shapes, per_layer))]
 
 
 def parse_size(size: str | int) -> int:
@@ -100,15 +113,17 @@ def default_shard_bytes(ckpt: SourceCheckpoint) -> int:
     return max(f.stat().st_size for f in ckpt.weight_files)
 
 
-def plan_outputs(ckpt: SourceCheckpoint, target: HeadShape) -> list[PlannedTensor]:
+def plan_outputs(ckpt: SourceCheckpoint, targets: list[HeadShape]) -> list[PlannedTensor]:
     """Every output tensor's name, dtype and shape, in source storage order."""
-    sizes = head_axis_sizes(ckpt.spec, target)
-    suffix_of = {name: s for layer in ckpt.attention.layers for s, name in layer.items()}
+    resized: dict[str, tuple[int, int]] = {}  # attention tensor → (head axis, its new size)
+    for layer, target in zip(ckpt.attention.layers, targets):
+        sizes = head_axis_sizes(ckpt.spec, target)
+        resized |= {name: sizes[suffix] for suffix, name in layer.items()}
     planned = []
     for info in ckpt.tensors.values():
         shape = list(info.shape)
-        if info.name in suffix_of:
-            axis, size = sizes[suffix_of[info.name]]
+        if info.name in resized:
+            axis, size = resized[info.name]
             shape[axis] = size
         planned.append(PlannedTensor(info.name, info.dtype, tuple(shape)))
     return planned
@@ -138,17 +153,17 @@ def layer_contexts(ckpt: SourceCheckpoint, text: str | None, tokens: int, seed: 
 def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, recipe: Recipe, ctx: LayerContext) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     """One layer's attention tensors, converted in fp32 and cast back to their source dtypes."""
     layer = ckpt.attention.layers[index]
-    codec = AttentionCodec(ckpt.spec, ckpt.shape)
+    codec = AttentionCodec(ckpt.spec, ckpt.layer_shapes[index])
     result = recipe(codec.decode({suffix: ckpt.get(name).float() for suffix, name in layer.items()}), target.kv_heads, ctx)
     tensors = {layer[s]: t.to(ckpt.tensors[layer[s]].dtype) for s, t in codec.encode(result.attn).items()}
     return tensors, result.groups
 
 
 def write_weights(
-    ckpt: SourceCheckpoint, target: HeadShape, recipe: Recipe, contexts: list[LayerContext], folder: Path, shard_bytes: int, progress: bool
+    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, contexts: list[LayerContext], folder: Path, shard_bytes: int, progress: bool
 ) -> tuple[dict[str, str], list[list[list[int]]]]:
     """Stream every tensor to the output; return file hashes and each layer's head groups."""
-    plan = plan_outputs(ckpt, target)
+    plan = plan_outputs(ckpt, targets)
     owner = ckpt.attention.owner()
     pending: dict[str, torch.Tensor] = {}  # converted tensors of the current layer not yet written
     groups: list[list[list[int]]] = [[] for _ in range(ckpt.layers)]
@@ -157,7 +172,7 @@ def write_weights(
         for t in plan:
             if t.name in owner and t.name not in pending:
                 layer = owner[t.name]
-                converted, groups[layer] = convert_layer(ckpt, layer, target, recipe, contexts[layer])
+                converted, groups[layer] = convert_layer(ckpt, layer, targets[layer], recipe, contexts[layer])
                 contexts[layer] = LayerContext()  # calibration inputs of a done layer: free them
                 pending.update(converted)
             if t.name in owner:
@@ -170,9 +185,14 @@ def write_weights(
         return writer.finish(), groups
 
 
-def write_config(ckpt: SourceCheckpoint, target: HeadShape, folder: Path) -> dict[str, str]:
+def write_config(ckpt: SourceCheckpoint, targets: list[HeadShape], folder: Path) -> dict[str, str]:
+    """The source config with the new kv heads: the largest layer's, plus the per-layer list when they differ."""
     config = dict(ckpt.config)
-    config[ckpt.spec.config.kv_heads] = target.kv_heads
+    per_layer = [t.kv_heads for t in targets]
+    config[ckpt.spec.config.kv_heads] = max(per_layer)
+    config.pop(KV_HEADS_PER_LAYER, None)  # a per-layer source converted to one count
+    if len(set(per_layer)) > 1:
+        config[KV_HEADS_PER_LAYER] = per_layer
     raw = (json.dumps(config, indent=2) + "\n").encode()
     (folder / "config.json").write_bytes(raw)
     return {"config.json": hashlib.sha256(raw).hexdigest()}
@@ -209,10 +229,12 @@ def _copy_hashed(src: Path, dst: Path) -> str:
 
 
 def build_manifest(
-    ckpt: SourceCheckpoint, target: HeadShape, recipe: Recipe, groups: list[list[list[int]]], files: dict[str, str], skipped: list[str]
+    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, groups: list[list[list[int]]], files: dict[str, str], skipped: list[str]
 ) -> dict[str, Any]:
     src = ckpt.shape
     uniform = all(layer == groups[0] for layer in groups)
+    query_map = [[h // t.group for h in range(src.heads)] for t in targets]
+    kv_heads = collapse([t.kv_heads for t in targets])
     parent = ckpt.folder / MANIFEST
     return {
         "format": 1,
@@ -221,21 +243,23 @@ def build_manifest(
             "model_type": ckpt.config.get("model_type"),
             "family": ckpt.spec.family,
             "heads": src.heads,
-            "kv_heads": src.kv_heads,
+            "kv_heads": collapse([s.kv_heads for s in ckpt.layer_shapes]),
             "head_dim": src.head_dim,
             "config_sha256": hashlib.sha256((ckpt.folder / "config.json").read_bytes()).hexdigest(),
             "manifest": json.loads(parent.read_text()) if parent.is_file() else None,
         },
         "conversion": {
             "method": recipe.name,
-            "kv_heads": target.kv_heads,
-            "group_size": target.group,
-            "kv_head_of_query_head": [h // target.group for h in range(src.heads)],
+            # one value for every layer, or a list with one entry per layer
+            "kv_heads": kv_heads,
+            "group_size": collapse([t.group for t in targets]),
+            "kv_head_of_query_head": query_map[0] if len(set(map(tuple, query_map))) == 1 else query_map,
             # which source kv heads each new kv head pools; the same for every layer unless
             # `grouped` chose per layer (query heads were then permuted to match)
             "source_kv_heads_of_kv_head": groups[0] if uniform else groups,
         },
-        "loader": "transformers" if ckpt.spec.native_gqa else "headfold.load_model",
+        # per-layer kv heads are headfold's own config key: transformers would refuse them
+        "loader": "transformers" if ckpt.spec.native_gqa and isinstance(kv_heads, int) else "headfold.load_model",
         "versions": _versions(),
         "files": files,
         "skipped_weight_files": skipped,

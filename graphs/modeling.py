@@ -6,6 +6,10 @@ opt, bert and roberta have no GQA in transformers: for them each self-attention 
 swapped for a small subclass that projects K/V at N heads and sets `num_key_value_groups`, so
 transformers' own SDPA attention (masks, RoPE, DynamicCache, generate) runs the grouping,
 exactly as it does for llama. Weights are then loaded strictly from the safetensors files.
+
+A config with `num_key_value_heads_per_layer` (headfold's per-layer conversions) gives each layer
+its own kv heads: the GQA subclasses are adopted per layer, and native-GQA families get each
+layer's K/V projections resized (transformers itself would refuse the smaller layers).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from transformers.models.opt.modeling_opt import eager_attention_forward as opt_
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 from transformers.pytorch_utils import Conv1D
 
+from headfold.converter.layout import HeadShape, head_axis_sizes
+from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
+from headfold.converter.spec import spec_for
 from headfold.errors import BadInput
 
 
@@ -285,20 +292,21 @@ def _model_class(config: transformers.PretrainedConfig) -> type[transformers.Pre
     return cls
 
 
-def _kv_heads(config: transformers.PretrainedConfig) -> tuple[int, int]:
-    """(num_attention_heads, num_key_value_heads), validated."""
+def _kv_heads(config: transformers.PretrainedConfig) -> tuple[int, tuple[int, ...]]:
+    """(num_attention_heads, each layer's kv heads), validated."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not (1 <= kv_heads <= heads and heads % kv_heads == 0):
         raise BadInput(
             f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}; fix config.json"
         )
-    return heads, kv_heads
+    per_layer = getattr(config, KV_HEADS_PER_LAYER, None)
+    return heads, config_kv_heads(kv_heads, per_layer, heads, config.num_hidden_layers)
 
 
-def _gqa_class(config: transformers.PretrainedConfig, heads: int, kv_heads: int) -> type[_GQA] | None:
-    """The attention class to swap in, or None when transformers loads the checkpoint as is."""
-    if kv_heads == heads:
+def _gqa_class(config: transformers.PretrainedConfig, heads: int, kv_heads: tuple[int, ...]) -> type[_GQA] | None:
+    """The attention class to swap in, or None when transformers' own class serves (resized per layer if need be)."""
+    if all(kv == heads for kv in kv_heads):
         return None
     if config.model_type in GQA_ATTENTION:
         return GQA_ATTENTION[config.model_type]
@@ -358,23 +366,51 @@ def _tensor_meta(files: dict[str, Path]) -> _Meta:
 # ---------------------------------------------------------------------------------------------
 
 
+def _head_dim(config: transformers.PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _swap_attention(
-    model: nn.Module, gqa: type[_GQA], config: transformers.PretrainedConfig, kv_heads: int
+    model: nn.Module, gqa: type[_GQA], config: transformers.PretrainedConfig, kv_heads: tuple[int, ...]
 ) -> None:
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    """Each self-attention module (in layer order) becomes `gqa` at its layer's kv heads."""
     found = [m for m in model.modules() if type(m) is gqa.base and not getattr(m, "is_cross_attention", False)]
-    if not found:  # pragma: no cover - guards against renamed classes in a future transformers
-        raise RuntimeError(f"no {gqa.base.__name__} modules in {type(model).__name__}")
-    for module in found:
-        gqa.adopt(module, heads, kv_heads, head_dim)
+    if len(found) != len(kv_heads):  # pragma: no cover - guards against renamed classes in a future transformers
+        raise RuntimeError(f"{len(found)} {gqa.base.__name__} modules in {type(model).__name__}, expected {len(kv_heads)}")
+    for module, kv in zip(found, kv_heads):
+        gqa.adopt(module, config.num_attention_heads, kv, _head_dim(config))
+
+
+def _resize_native(model: nn.Module, config: transformers.PretrainedConfig, kv_heads: tuple[int, ...]) -> None:
+    """Native-GQA families build every layer at num_key_value_heads (the largest); give each layer
+    its own K/V projection size and counts. Their forwards view K/V with -1 heads (llama-likes)
+    or slice a fused qkv_proj by num_key_value_heads (phi3); SDPA groups by num_key_value_groups."""
+    spec = spec_for(config.model_type)
+    heads, head_dim = config.num_attention_heads, _head_dim(config)
+    kv_projections = [spec.fused_qkv] if spec.fused_qkv else [spec.projections["k"], spec.projections["v"]]
+    module_layer = spec.tensor_pattern("")  # module name + "." → (prefix, layer index)
+    resized = set()
+    for name, module in model.named_modules():
+        if not (m := module_layer.match(name + ".")):
+            continue
+        layer = int(m.group(2))
+        sizes = head_axis_sizes(spec, HeadShape(heads, kv_heads[layer], head_dim))
+        for projection in kv_projections:
+            attribute = projection.weight.removesuffix(".weight")
+            setattr(module, attribute, _resized_linear(getattr(module, attribute), sizes[projection.weight][1]))
+        module.num_key_value_groups = heads // kv_heads[layer]
+        if hasattr(module, "num_key_value_heads"):
+            module.num_key_value_heads = kv_heads[layer]
+        resized.add(layer)
+    if resized != set(range(len(kv_heads))):  # pragma: no cover - guards against renamed modules
+        raise RuntimeError(f"attention modules of layers {sorted(resized)} found in {type(model).__name__}, expected {len(kv_heads)}")
 
 
 def _build(
     cls: type[transformers.PreTrainedModel],
     config: transformers.PretrainedConfig,
     gqa: type[_GQA] | None,
-    kv_heads: int,
+    kv_heads: tuple[int, ...],
     dtype: torch.dtype | None,
     device: str,
 ) -> transformers.PreTrainedModel:
@@ -384,6 +420,8 @@ def _build(
         model = cls._from_config(config, dtype=dtype, attn_implementation=_ATTN_IMPLEMENTATION)
         if gqa is not None:
             _swap_attention(model, gqa, config, kv_heads)
+        elif len(set(kv_heads)) > 1:
+            _resize_native(model, config, kv_heads)
     model.tie_weights()  # no_init_weights also skipped tying
     return model
 
@@ -455,10 +493,12 @@ def _check_shapes(model: transformers.PreTrainedModel, plan: dict[str, str], exp
     config = model.config
     for name, ckpt_name in plan.items():
         if name in expected and tuple(expected[name].shape) != meta[ckpt_name][0]:
+            per_layer = getattr(config, KV_HEADS_PER_LAYER, None)
             raise BadInput(
                 f"tensor {ckpt_name} has shape {list(meta[ckpt_name][0])} but config.json "
                 f"(num_attention_heads={config.num_attention_heads}, "
-                f"num_key_value_heads={getattr(config, 'num_key_value_heads', None)}) implies "
+                f"num_key_value_heads={getattr(config, 'num_key_value_heads', None)}"
+                f"{f', {KV_HEADS_PER_LAYER}={per_layer}' if per_layer else ''}) implies "
                 f"{list(expected[name].shape)}; fix num_key_value_heads or re-run headfold convert"
             )
 
@@ -517,7 +557,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
     files = _tensor_files(folder)
     meta = _tensor_meta(files)
 
-    if gqa is None:
+    if gqa is None and len(set(kv_heads)) == 1:
         # Check names and shapes on a weightless skeleton first, so mismatches are one-line BadInput.
         _plan(_build(cls, config, None, kv_heads, dtype, device="meta"), meta, converters_ok=True)
         model = cls.from_pretrained(
@@ -538,3 +578,11 @@ def _finish_like_from_pretrained(model: transformers.PreTrainedModel, folder: Pa
     model.config.name_or_path = str(folder)
     if model.can_generate() and (folder / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+
+
+def parameter_names(model: transformers.PreTrainedModel, path: str | os.PathLike) -> dict[str, str]:
+    """Checkpoint tensor name -> name in `model`'s state dict (prefixes and load-time renames
+    resolved), for `model` loaded from the folder at `path`. Tensors that a transformers
+    WeightConverter merges or splits on load have no single counterpart and are left out."""
+    plan = _plan(model, _tensor_meta(_tensor_files(Path(path))), converters_ok=True)
+    return {ckpt_name: name for name, ckpt_name in plan.items()}

@@ -16,6 +16,7 @@ import itertools
 import os
 import tempfile
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from headfold.atomic import check_output
 from headfold.converter.conversion import target_shape
 from headfold.converter.layout import AttentionWeights, HeadShape, merge_heads, split_heads
 from headfold.converter.methods import Recipe, get_method
+from headfold.converter.per_layer import collapse, expand
 from headfold.errors import BadInput
 from headfold.graphs.rewrite import attention_nodes, check_attention
 
@@ -72,9 +74,11 @@ class Projection:
 
 
 def convert_onnx(
-    src: str | os.PathLike, out: str | os.PathLike, kv_heads: int, method: str = "mean", *, overwrite: bool = False
+    src: str | os.PathLike, out: str | os.PathLike, kv_heads: int | Sequence[int], method: str = "mean", *, overwrite: bool = False
 ) -> dict:
     """Convert the ONNX model `src` so every Attention node has `kv_heads` K/V heads; write `out`.
+
+    `kv_heads` is one count, or one per Attention node in graph order (= layer order).
 
     Raises BadInput (nothing written) for a missing/corrupt model, an impossible kv-heads, a
     graph without (traceable) Attention nodes, a method that rewrites Q/O, or an existing output.
@@ -88,16 +92,21 @@ def convert_onnx(
     nodes = attention_nodes(model)
     if not nodes:
         raise BadInput(f"{src}: no standard ONNX Attention node found; export with opset ≥ 23 (headfold export)")
-    source_kv = {_convert_attention(node, kv_heads, recipe) for node in [n for n in model.graph if _is_attention(n)]}
+    per_layer = expand(kv_heads, len(nodes))
+    by_layer = not isinstance(kv_heads, int)  # name the layer in errors
+    graph_nodes = [n for n in model.graph if _is_attention(n)]
+    source_kv = {
+        _convert_attention(node, kv, recipe, i if by_layer else None) for i, (node, kv) in enumerate(zip(graph_nodes, per_layer))
+    }
     _refresh_shapes(model)
-    check_attention(attention_nodes(model), kv_heads=kv_heads, layers=len(nodes), graph=src.name)
+    check_attention(attention_nodes(model), kv_heads=collapse(per_layer), layers=len(nodes), graph=src.name)
     _save(model, out)
     return {
         "source": str(src),
         "output": str(out),
         "attention_nodes": len(nodes),
         "source_kv_heads": sorted(source_kv),
-        "kv_heads": kv_heads,
+        "kv_heads": collapse(per_layer),
         "method": method,
     }
 
@@ -116,11 +125,11 @@ def _is_attention(node: ir.Node) -> bool:
     return node.op_type == "Attention" and node.domain in ("", "ai.onnx")
 
 
-def _convert_attention(node: ir.Node, kv_heads: int, recipe: Recipe) -> int:
+def _convert_attention(node: ir.Node, kv_heads: int, recipe: Recipe, layer: int | None = None) -> int:
     """Pool this node's K/V projections to kv_heads in place; return the source kv-heads."""
     query, key = (_dims4(node, i) for i in (0, 1))
     heads, source_kv, head_size = query[1], key[1], query[3]
-    target = target_shape(HeadShape(heads, source_kv, head_size), kv_heads)
+    target = target_shape(HeadShape(heads, source_kv, head_size), kv_heads, layer)
     k, v = (_trace(node, i, source_kv, head_size) for i in (1, 2))
     attn = AttentionWeights(
         q=torch.empty(0), o=torch.empty(0),  # the methods allowed here pool K/V only

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
 
+from headfold.converter.per_layer import collapse, expand
 from headfold.errors import BadInput, CheckFailed
 from headfold.graphs.rewrite import decomposed, ort_gqa, repeat_kv
 from headfold.graphs.rewrite.cleanup import cleanup, deduplicate, upgrade_opset
@@ -55,9 +57,10 @@ class FusionReport:
 
 
 def optimize(
-    model: ir.Model, *, kv_heads: int, layers: int, graph: str = "graph", attention: AttentionKind = "onnx"
+    model: ir.Model, *, kv_heads: int | Sequence[int], layers: int, graph: str = "graph", attention: AttentionKind = "onnx"
 ) -> FusionReport:
-    """Apply every rule in place, then fail (CheckFailed) unless each layer has one fused GQA node.
+    """Apply every rule in place, then fail (CheckFailed) unless each layer has one fused GQA node
+    at its kv heads (`kv_heads`: one count for every layer, or one per layer).
 
     attention="ort-gqa" (decoder graphs only: the contrib op is causal) ends with
     com.microsoft.GroupQueryAttention instead of the standard Attention; see ort_gqa for its
@@ -90,25 +93,28 @@ def attention_nodes(model: ir.Model, kind: AttentionKind = "onnx") -> list[Atten
 
 
 def check_attention(
-    found: list[AttentionNode], *, kv_heads: int, layers: int, graph: str, op: str = "Attention"
+    found: list[AttentionNode], *, kv_heads: int | Sequence[int], layers: int, graph: str, op: str = "Attention"
 ) -> None:
-    """One `op` node per layer 0..layers-1, each with K/V at `kv_heads`; else CheckFailed naming layers."""
+    """One `op` node per layer 0..layers-1, each with K/V at its layer's kv heads (`kv_heads`: one
+    count, or one per layer); else CheckFailed naming layers."""
+    expected = expand(kv_heads, layers)
+    wanted = str(collapse(expected))  # "2", or "[4, 2]" per layer
     # Without scope metadata the i-th node (graph order) is layer i: layers depend on each other.
     per_layer = [n.layer if n.layer is not None else i for i, n in enumerate(found)]
     problems = []
     missing = [i for i in range(layers) if per_layer.count(i) == 0]
     extra = sorted({i for i in per_layer if per_layer.count(i) > 1 or not 0 <= i < layers})
-    wrong = [f"{i} ({n.kv_heads})" for i, n in zip(per_layer, found) if n.kv_heads != kv_heads]
+    wrong = [f"{i} ({n.kv_heads})" for i, n in zip(per_layer, found) if 0 <= i < layers and n.kv_heads != expected[i]]
     if missing:
         problems.append(f"no fused {op} in layer(s) {_join(missing)}")
     if extra:
         problems.append(f"more than one {op} in layer(s) {_join(extra)}")
     if wrong:
-        problems.append(f"K/V heads ≠ {kv_heads} in layer(s) {', '.join(wrong)}")
+        problems.append(f"K/V heads ≠ {wanted} in layer(s) {', '.join(wrong)}")
     if problems:
         raise CheckFailed(
             f"{graph}: {'; '.join(problems)} — expected one {op} per layer ({layers} layers) "
-            f"with {kv_heads} kv-heads; the exporter produced a pattern no rewrite rule covers"
+            f"with {wanted} kv-heads; the exporter produced a pattern no rewrite rule covers"
         )
 
 
