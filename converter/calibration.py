@@ -35,10 +35,13 @@ def sample_windows(ids: list[int], tokens: int, seed: int, window: int = WINDOW)
     """`tokens // window` windows at seeded random offsets: [count, window]."""
     if len(ids) < window:
         raise BadInput(f"calibration text has {len(ids)} tokens, fewer than one window of {window}; give a longer text")
-    count = max(1, tokens // window)
+    return torch.tensor([ids[s : s + window] for s in window_starts(len(ids), tokens, seed, window)])
+
+
+def window_starts(length: int, tokens: int, seed: int, window: int = WINDOW) -> list[int]:
+    """Where `sample_windows` cuts its windows (for picking other, held-out windows)."""
     rng = random.Random(seed)
-    starts = sorted(rng.randrange(len(ids) - window + 1) for _ in range(count))
-    return torch.tensor([ids[s : s + window] for s in starts])
+    return sorted(rng.randrange(length - window + 1) for _ in range(max(1, tokens // window)))
 
 
 def _projection_suffixes(ckpt: SourceCheckpoint) -> list[str]:
@@ -54,6 +57,12 @@ def attention_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, 
 
     model = load_model(ckpt.folder, dtype=torch.float32)
     batch = sample_windows(token_ids(ckpt.folder, text, model.config.vocab_size), tokens, seed)
+    return capture_inputs(ckpt, model, batch, progress)
+
+
+@torch.no_grad()
+def capture_inputs(ckpt: SourceCheckpoint, model: torch.nn.Module, batch: torch.Tensor, progress: bool = True) -> list[torch.Tensor]:
+    """Per layer [tokens, hidden]: the attention input of the loaded `model` on `batch` windows."""
     modules = dict(model.named_modules())
     captured: list[list[torch.Tensor]] = [[] for _ in range(ckpt.layers)]
     handles = []

@@ -1,0 +1,418 @@
+"""`headfold inspect`: per-layer head similarity and the predicted loss of each kv-head count.
+
+The source model is loaded once. For each (layer, candidate) the conversion method runs on
+that layer alone; its pooled K/V heads are then repeated back to the source's kv-head count
+(a GQA layer *is* an MHA layer whose K/V heads are duplicated inside each group, with query
+heads and W_O rows as the method permuted them), written into the live model, and the model
+runs on evaluation windows against the original outputs; then the original tensors go back.
+Nothing is resized and no checkpoint is written. Predicted losses feed the budget planner.
+
+Loss: decoders, mean per-token KL(original ‖ converted) of the next-token distributions
+(nats); encoders, 1 − cosine of the mean-pooled last hidden states (the embedding that
+`headfold verify` checks).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from headfold import corpus
+from headfold.atomic import atomic_output, check_output
+from headfold.converter.calibration import WINDOW, capture_inputs, sample_windows, token_ids, window_starts
+from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.conversion import calibration_text, layer_contexts
+from headfold.converter.layout import AttentionCodec, AttentionWeights
+from headfold.converter.methods import LayerContext, Recipe, get_method
+from headfold.converter.methods import _activations as head_activations  # per-head X Wᵀ + b, as the methods see it
+from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
+from headfold.errors import BadInput
+from headfold.verification.metrics import log_probs
+
+DEFAULT_METHOD = "aligned+grouped+refit"
+METRICS = {
+    "decoder": "KL(original ‖ converted) of next-token distributions, nats per token",
+    "encoder": "1 − cosine of mean-pooled last hidden states, mean over windows",
+}
+EVAL_CHUNK = 8  # windows per forward pass
+
+
+# -- windows ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Windows:
+    fit: torch.Tensor | None  # [count, WINDOW] token ids the method calibrates on; None: weights only
+    eval: torch.Tensor  # [count, WINDOW] token ids the loss is measured on
+    held_out: bool  # the eval windows overlap no fit window
+
+
+def held_out_starts(length: int, count: int, taken: list[int], seed: int) -> list[int]:
+    """Up to `count` seeded non-overlapping windows that overlap none of the `taken` ones."""
+    free = [s for s in range(0, length - WINDOW + 1, WINDOW) if all(abs(s - t) >= WINDOW for t in taken)]
+    return sorted(random.Random(seed).sample(free, min(count, len(free))))
+
+
+def choose_windows(ids: list[int], tokens: int, seed: int, fit: bool) -> Windows:
+    """Fit windows exactly as `headfold convert` samples them; eval windows elsewhere in the text
+    (the fit windows themselves only when the text is too short to hold any out)."""
+    fit_windows = sample_windows(ids, tokens, seed)  # also rejects a text shorter than a window
+    taken = window_starts(len(ids), tokens, seed) if fit else []
+    starts = held_out_starts(len(ids), len(fit_windows), taken, seed)
+    if not starts:
+        return Windows(fit_windows, fit_windows, held_out=False)
+    return Windows(fit_windows if fit else None, torch.tensor([ids[s : s + WINDOW] for s in starts]), held_out=True)
+
+
+# -- measurement -----------------------------------------------------------------------------
+
+
+class Reference:
+    """The source model's outputs on the eval windows, and the loss of the (edited) model against them."""
+
+    def __init__(self, model: torch.nn.Module, batch: torch.Tensor, kind: str) -> None:
+        self.model, self.batch, self.kind = model, batch, kind
+        self.outputs = self._outputs()
+
+    @torch.no_grad()
+    def _outputs(self) -> torch.Tensor:
+        if self.kind == "decoder":
+            return log_probs(self.model, self.batch, EVAL_CHUNK)
+        hidden = [self.model(input_ids=part, output_hidden_states=True).hidden_states[-1] for part in self.batch.split(EVAL_CHUNK)]
+        return torch.cat(hidden).mean(1)
+
+    def loss(self) -> float:
+        """The metric of METRICS[kind] for the model as it is now."""
+        candidate = self._outputs()
+        if self.kind == "decoder":
+            kl = F.kl_div(candidate.double(), self.outputs.double(), log_target=True, reduction="sum")
+            return float(kl) / (self.outputs.shape[0] * self.outputs.shape[1])
+        return float((1 - F.cosine_similarity(candidate.double(), self.outputs.double(), dim=-1)).mean())
+
+
+class LiveAttention:
+    """Writes converted attention tensors into the loaded model's parameters, then puts the originals back."""
+
+    def __init__(self, model: torch.nn.Module, ckpt: SourceCheckpoint) -> None:
+        from headfold.graphs.modeling import parameter_names
+
+        names, state = parameter_names(model, ckpt.folder), model.state_dict()  # state shares the parameters' storage
+        unmapped = [n for layer in ckpt.attention.layers for n in layer.values() if n not in names]
+        if unmapped:
+            raise BadInput(f"tensor {unmapped[0]} is merged or split when {type(model).__name__} loads; inspect cannot edit it in place")
+        self.layers = [{suffix: state[names[name]] for suffix, name in layer.items()} for layer in ckpt.attention.layers]
+
+    @contextmanager
+    def replaced(self, tensors: dict[int, dict[str, torch.Tensor]]) -> Iterator[None]:
+        """Inside the block, layer i's attention tensors are `tensors[i]` (suffix → tensor)."""
+        saved = {i: {s: self.layers[i][s].clone() for s in layer} for i, layer in tensors.items()}
+        try:
+            for i, layer in tensors.items():
+                for suffix, t in layer.items():
+                    self.layers[i][suffix].copy_(t)
+            yield
+        finally:
+            for i, layer in saved.items():
+                for suffix, t in layer.items():
+                    self.layers[i][suffix].copy_(t)
+
+
+def expand_kv(attn: AttentionWeights, kv_heads: int) -> AttentionWeights:
+    """The same layer with `kv_heads` K/V heads: each pooled head repeated for the source heads of its
+    group. The method already made groups contiguous, so query head h reads kv head h // (H / kv_heads)."""
+    repeat = lambda t: None if t is None else t.repeat_interleave(kv_heads // attn.kv_heads, 0)  # noqa: E731
+    return attn.with_kv(repeat(attn.k), repeat(attn.v), repeat(attn.k_bias), repeat(attn.v_bias))
+
+
+class LayerConverter:
+    """One layer converted with a recipe, as source-shaped tensors rounded to the source dtype
+    (what `headfold convert` would write, re-expanded to the source's kv heads)."""
+
+    def __init__(self, ckpt: SourceCheckpoint, recipe: Recipe, contexts: list[LayerContext]) -> None:
+        self.ckpt, self.recipe, self.contexts = ckpt, recipe, contexts
+        self.codec = AttentionCodec(ckpt.spec, ckpt.shape)
+
+    def decode(self, index: int) -> AttentionWeights:
+        return self.codec.decode({s: self.ckpt.get(n).float() for s, n in self.ckpt.attention.layers[index].items()})
+
+    def convert(self, index: int, kv_heads: int, source: AttentionWeights | None = None) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+        result = self.recipe(source if source is not None else self.decode(index), kv_heads, self.contexts[index])
+        names = self.ckpt.attention.layers[index]
+        encoded = self.codec.encode(expand_kv(result.attn, self.ckpt.shape.kv_heads))
+        return {s: t.to(self.ckpt.tensors[names[s]].dtype).float() for s, t in encoded.items()}, result.groups
+
+
+# -- similarity ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadSimilarity:
+    keys: torch.Tensor  # [n, n] cosine of the flattened per-head K activations
+    values: torch.Tensor  # [n, n] the same for V
+
+    @property
+    def combined(self) -> torch.Tensor:
+        return (self.keys + self.values) / 2
+
+    @property
+    def nearest(self) -> torch.Tensor:
+        """Per head: its combined similarity to the most similar other head (1 = a duplicate)."""
+        off = self.combined.clone().fill_diagonal_(-torch.inf)
+        return off.max(1).values if len(off) > 1 else torch.ones(1, dtype=off.dtype)
+
+    @property
+    def mean(self) -> float:
+        """Mean combined similarity over distinct head pairs."""
+        n = len(self.combined)
+        return float((self.combined.sum() - self.combined.trace()) / (n * (n - 1))) if n > 1 else 1.0
+
+
+def _cosines(acts: list[torch.Tensor]) -> torch.Tensor:
+    flat = torch.stack([a.flatten() for a in acts]).double()
+    flat = flat / flat.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return (flat @ flat.T).clamp(-1, 1)
+
+
+def head_similarity(attn: AttentionWeights, ctx: LayerContext) -> HeadSimilarity:
+    """On calibration activations (on the weights under --calibration weights), before any alignment."""
+    return HeadSimilarity(_cosines(head_activations(attn.k, attn.k_bias, ctx)), _cosines(head_activations(attn.v, attn.v_bias, ctx)))
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    similarity: HeadSimilarity
+    loss: LayerOptions  # candidate kv heads -> predicted loss of converting this layer alone
+    groups: dict[int, list[list[int]]]  # candidate kv heads -> source kv heads pooled per new kv head
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    plan: Plan
+    measured: float  # the loss with every layer of the plan converted at once
+    source_total: int  # the source's kv heads summed over layers
+
+    @property
+    def fraction(self) -> float:
+        return self.plan.total / self.source_total
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kv_heads": list(self.plan.kv_heads), "argument": self.plan.argument, "predicted": self.plan.loss, "measured": self.measured, "kv_heads_total": self.plan.total, "cache_fraction": self.fraction}  # fmt: skip
+
+    def line(self, metric: str) -> str:
+        return f"{self.plan.argument}  predicted {metric} {self.plan.loss:.4g} (sum of layers), measured {self.measured:.4g} (all at once), cache {self.fraction:.1%} of the source"
+
+
+@dataclass(frozen=True)
+class Inspection:
+    source: Path
+    family: str
+    kind: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    method: str
+    candidates: list[int]
+    calibration: dict[str, Any]
+    layers: list[LayerReport]
+    budget: int | None = None  # most kv heads summed over layers
+    plan: PlanReport | None = None
+    uniform: PlanReport | None = None
+
+    @property
+    def metric(self) -> str:
+        return "KL" if self.kind == "decoder" else "1-cos"
+
+    def to_json(self) -> dict[str, Any]:
+        matrix = lambda t: [[float(x) for x in row] for row in t]  # noqa: E731
+        return {
+            "source": str(self.source), "family": self.family, "kind": self.kind,
+            "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "layers": len(self.layers),
+            "method": self.method, "metric": METRICS[self.kind], "candidates": self.candidates, "calibration": self.calibration,
+            "per_layer": [
+                {
+                    "layer": i,
+                    "similarity": {"keys": matrix(r.similarity.keys), "values": matrix(r.similarity.values),
+                                   "nearest": [float(x) for x in r.similarity.nearest], "mean": r.similarity.mean},
+                    "loss": {str(k): v for k, v in r.loss.items()},
+                    "groups": {str(k): g for k, g in r.groups.items()},
+                }
+                for i, r in enumerate(self.layers)
+            ],
+            "budget": None if self.budget is None else {"kv_heads_total": self.budget, "source_kv_heads_total": self.source_total},
+            "plan": self.plan and self.plan.to_json(),
+            "uniform": self.uniform and self.uniform.to_json(),
+        }  # fmt: skip
+
+    @property
+    def source_total(self) -> int:
+        return self.kv_heads * len(self.layers)
+
+    def table(self) -> str:
+        c = self.calibration
+        where = f"windows of {c['eval_text']} not used for fitting" if c["eval_held_out"] else "the fit windows (the text is too short to hold any out)"
+        lines = [
+            f"{self.source}: {self.family} {self.kind}, {len(self.layers)} layers, {self.heads} heads, {self.kv_heads} kv heads, head_dim {self.head_dim}",
+            f"method {self.method}, " + (f"fit on {c['text']} ({c['fit_windows']} windows × {WINDOW} tokens, seed {c['seed']})" if c["fit_windows"] else "fit on the weights alone"),
+            f"predicted loss = {METRICS[self.kind]}, one layer converted, on {c['eval_windows']} {where}",
+            "",
+            f"{'layer':>5}  {'sim mean':>8}  {'sim max':>7}" + "".join(f"  {self.metric + '@' + str(k):>10}" for k in self.candidates),
+        ]
+        for i, r in enumerate(self.layers):
+            row = f"{i:>5}  {r.similarity.mean:>8.3f}  {float(r.similarity.nearest.max()):>7.3f}"
+            lines.append(row + "".join(f"  {r.loss[k]:>10.4g}" for k in self.candidates))
+        if self.plan is not None:
+            lines += ["", f"budget {self.budget} of {self.source_total} kv heads (layers × kv heads)", f"plan     {self.plan.line(self.metric)}"]
+            lines.append(f"uniform  {self.uniform.line(self.metric)}" if self.uniform else "uniform  none fits the budget")
+        return "\n".join(lines)
+
+
+# -- running it ------------------------------------------------------------------------------
+
+
+def _check_outputs(source: Path, outputs: list[Path], overwrite: bool) -> None:
+    if len({p.resolve() for p in outputs}) < len(outputs):
+        raise BadInput("--heatmap and --json name the same file; give them different paths")
+    for path in outputs:
+        check_output(path, overwrite=overwrite, sources=(source,))
+
+
+def _write_file(path: Path, write: Callable[[Path], object]) -> None:
+    with atomic_output(path.resolve(), is_dir=False) as tmp:
+        write(tmp)
+
+
+def inspect_checkpoint(
+    source: str | Path,
+    *,
+    candidates: str | None = None,
+    method: str = DEFAULT_METHOD,
+    calibration: str | Path | None = None,
+    calibration_tokens: int = 4096,
+    seed: int = 0,
+    kv_budget: float | int | None = None,
+    heatmap: Path | None = None,
+    json_path: Path | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Inspection:
+    """Measure SOURCE (see the module doc), plan for `kv_budget` (a fraction of the source cache, or
+    a total of kv heads), write the heatmap / JSON atomically. BadInput before any work for bad requests."""
+    source = Path(source)
+    recipe = get_method(method)
+    outputs = [p for p in (heatmap, json_path) if p is not None]
+    with SourceCheckpoint(source) as ckpt:
+        cands = parse_candidates(candidates, ckpt.shape.kv_heads)
+        budget = None if kv_budget is None else budget_total(kv_budget, ckpt.shape.kv_heads * ckpt.layers)
+        if budget is not None:  # infeasible budgets fail before the slow part
+            best_plan([dict.fromkeys([*cands, ckpt.shape.kv_heads], 0.0)] * ckpt.layers, budget)
+        _check_outputs(source, outputs, overwrite)
+        report = _measure(ckpt, recipe, cands, calibration, calibration_tokens, seed, budget, progress)
+    if heatmap is not None:
+        _write_file(heatmap, lambda tmp: write_heatmap(report, tmp))
+    if json_path is not None:
+        _write_file(json_path, lambda tmp: tmp.write_text(json.dumps(report.to_json(), indent=1) + "\n"))
+    return report
+
+
+@torch.no_grad()
+def _measure(
+    ckpt: SourceCheckpoint, recipe: Recipe, candidates: list[int], calibration: str | Path | None, tokens: int, seed: int, budget: int | None, progress: bool
+) -> Inspection:
+    from headfold.graphs.modeling import load_model
+
+    model = load_model(ckpt.folder, dtype=torch.float32)
+    fit_text = calibration_text(calibration)  # None under --calibration weights: methods see weights only
+    ids = token_ids(ckpt.folder, fit_text if fit_text is not None else corpus.calibration_text(), model.config.vocab_size)
+    windows = choose_windows(ids, tokens, seed, fit=fit_text is not None)
+    contexts = layer_contexts(ckpt, None, 0, seed, False)  # RoPE dims and K rules, no inputs yet
+    if windows.fit is not None:
+        contexts = [replace(ctx, inputs=x) for ctx, x in zip(contexts, capture_inputs(ckpt, model, windows.fit, progress))]
+    reference, live = Reference(model, windows.eval, ckpt.spec.kind), LiveAttention(model, ckpt)
+    converter = LayerConverter(ckpt, recipe, contexts)
+    layers = _layer_reports(converter, live, reference, candidates, progress)
+    plan = uniform = None
+    if budget is not None:
+        options = [{**r.loss, ckpt.shape.kv_heads: 0.0} for r in layers]  # keeping a layer as it is costs nothing
+        plan = _plan_report(best_plan(options, budget), converter, live, reference)
+        chosen = best_uniform(options, budget)
+        uniform = chosen and _plan_report(chosen, converter, live, reference)
+    used = "weights" if fit_text is None else str(calibration or "built-in text")
+    info = {"text": used, "eval_text": "built-in text" if fit_text is None else used, "tokens": tokens, "seed": seed, "fit_windows": 0 if windows.fit is None else len(windows.fit),
+            "eval_windows": len(windows.eval), "eval_held_out": windows.held_out, "window": WINDOW}  # fmt: skip
+    s = ckpt.shape
+    return Inspection(ckpt.folder, ckpt.spec.family, ckpt.spec.kind, s.heads, s.kv_heads, s.head_dim, recipe.name, candidates, info, layers, budget, plan, uniform)  # fmt: skip
+
+
+def _layer_reports(converter: LayerConverter, live: LiveAttention, reference: Reference, candidates: list[int], progress: bool) -> list[LayerReport]:
+    layers = converter.ckpt.layers
+    reports = []
+    with tqdm(total=layers * len(candidates), desc="inspect", unit="eval", disable=not progress) as bar:
+        for i in range(layers):
+            attn = converter.decode(i)
+            loss, groups = {}, {}
+            for k in candidates:
+                tensors, groups[k] = converter.convert(i, k, attn)
+                with live.replaced({i: tensors}):
+                    loss[k] = reference.loss()
+                bar.update()
+            reports.append(LayerReport(head_similarity(attn, converter.contexts[i]), loss, groups))
+    return reports
+
+
+def _plan_report(plan: Plan, converter: LayerConverter, live: LiveAttention, reference: Reference) -> PlanReport:
+    """Measure a plan with all its layers converted at once (layers kept at full kv heads stay untouched)."""
+    kv_heads = converter.ckpt.shape.kv_heads
+    tensors = {i: converter.convert(i, k)[0] for i, k in enumerate(plan.kv_heads) if k != kv_heads}
+    with live.replaced(tensors):
+        measured = reference.loss()
+    return PlanReport(plan, measured, kv_heads * converter.ckpt.layers)
+
+
+# -- the heatmap -----------------------------------------------------------------------------
+
+
+def write_heatmap(report: Inspection, path: Path) -> None:
+    """Two panels, layers down: nearest-head similarity per kv head, predicted loss per candidate."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas
+
+    sim = np.array([r.similarity.nearest.numpy() for r in report.layers])
+    loss = np.array([[r.loss[k] for k in report.candidates] for r in report.layers])
+    positive = loss[loss > 0]
+    floor = positive.min() if positive.size else 1e-12
+    fig = Figure(figsize=(3 + 0.45 * (sim.shape[1] + loss.shape[1]), 1.8 + 0.4 * len(report.layers)), layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[sim.shape[1], max(loss.shape[1], 2)])
+    image = left.imshow(sim, cmap="viridis", vmin=min(0.0, float(sim.min())), vmax=1.0, aspect="auto")
+    fig.colorbar(image, ax=left, label="similarity to nearest other head")
+    left.set(title="K/V head similarity", xlabel="kv head", ylabel="layer")
+    image = right.imshow(np.maximum(loss, floor), cmap="magma_r", norm=LogNorm(floor, max(floor * 10, float(loss.max()))), aspect="auto")
+    fig.colorbar(image, ax=right, label=f"predicted {report.metric}")
+    right.set(title=f"predicted loss ({report.method})", xlabel="kv heads", xticks=range(len(report.candidates)), xticklabels=report.candidates)
+    for axes in (left, right):
+        axes.set_yticks(range(len(report.layers)))
+    for (y, x), value in np.ndenumerate(loss):
+        right.text(x, y, f"{value:.2g}", ha="center", va="center", fontsize=7, color="gray")
+    if report.plan is not None:  # outline the plan's choice where it is one of the candidates
+        for i, k in enumerate(report.plan.plan.kv_heads):
+            if k in report.candidates:
+                right.add_patch(_outline(report.candidates.index(k), i))
+    fig.savefig(path, format="png", dpi=110)
+
+
+def _outline(x: int, y: int):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="cyan", linewidth=2)
