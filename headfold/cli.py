@@ -12,6 +12,25 @@ from headfold.errors import HeadfoldError
 
 
 
+class KvHeads(click.ParamType):
+    """One K/V head count for every layer ("4"), or one per layer ("8,4,4,2")."""
+
+    name = "N[,N...]"
+
+    def convert(self, value, param, ctx):
+        from headfold.converter.per_layer import parse_kv_heads
+
+        # BadInput passes through: main() prints it as one line and exits 2, like a bad list length
+        return parse_kv_heads(value) if isinstance(value, str) else value
+
+
+KV_HEADS_HELP = "one value for every layer, or one per layer comma-separated (8,4,4,2); each must divide the attention heads"
+
+
+def _kv_text(kv_heads: int | tuple[int, ...]) -> str:
+    return str(kv_heads) if isinstance(kv_heads, int) else ",".join(map(str, kv_heads))
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="headfold")
 def cli() -> None:
@@ -21,7 +40,7 @@ def cli() -> None:
 @cli.command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--kv-heads", type=int, required=True, help="K/V heads per layer after conversion; must divide the attention heads (1 = MQA, all heads = unchanged).")
+@click.option("--kv-heads", type=KvHeads(), required=True, help=f"K/V heads after conversion: {KV_HEADS_HELP} (1 = MQA, all heads = unchanged).")
 @click.option(
     "--method", default="mean", metavar="METHOD",
     help="How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
@@ -35,7 +54,7 @@ def cli() -> None:
 @click.option("--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file).")
 @click.option("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin pickles (loaded with weights_only=True). Off by default: pickles can run code.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def convert(src: Path, out: Path, kv_heads: int, method: str, quiet: bool, shard_size: str | None, **options) -> None:
+def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, quiet: bool, shard_size: str | None, **options) -> None:
     """Convert the Hugging Face checkpoint folder SRC to a GQA/MQA checkpoint in OUT.
 
     Reads config.json and model.safetensors (or sharded safetensors with their index),
@@ -50,12 +69,12 @@ def convert(src: Path, out: Path, kv_heads: int, method: str, quiet: bool, shard
         from headfold.graphs.onnx_convert import convert_onnx
 
         summary = convert_onnx(src, out, kv_heads, method, overwrite=options["overwrite"])
-        click.echo(f"wrote {out} ({summary['attention_nodes']} Attention nodes, {kv_heads} kv heads, method {method})")
+        click.echo(f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})")
         return
     from headfold.converter import convert as run_convert
 
     result = run_convert(src, out, kv_heads, method, max_shard_size=shard_size, progress=not quiet, **options)
-    click.echo(f"wrote {result} ({kv_heads} kv heads, method {method})")
+    click.echo(f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})")
 
 
 @cli.command("export")
@@ -86,6 +105,44 @@ def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str,
         from headfold.graphs.trt_lint import export_table
 
         click.echo(export_table(out_dir, trt_version))
+
+
+@cli.command("build")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--precision", type=click.Choice(("fp32", "fp16", "bf16")), default=None, help="Engine precision. Default: the graph's own. TensorRT 11 takes only that (re-export with --dtype); 10.x builds an fp32 graph in fp16/bf16 with builder flags.")
+@click.option("--batch", default=None, metavar="MIN:OPT:MAX", help="Batch sizes of the optimization profile, e.g. 1:4:8 (one number: fixed). [default: 1:4:8]")
+@click.option("--seq", default=None, metavar="MIN:OPT:MAX", help="Sequence lengths (prefill / encoder graphs). [default: 1:limit/2:limit, limit = the model's max positions]")
+@click.option("--past", default=None, metavar="MIN:OPT:MAX", help="KV-cache lengths (decode graph). [default: 0:limit/2:limit-1]")
+@click.option("--timing-cache", type=click.Path(path_type=Path), default=None, help="Tactic timing cache: loaded when present, updated after the build.")
+@click.option("--workspace", default=None, metavar="SIZE", help="Builder workspace limit, e.g. 4GiB. [default: TensorRT's]")
+@click.option("--trt-version", default=None, metavar="MAJOR.MINOR", help="Plan for this TensorRT release instead of the installed one (with --dry-run).")
+@click.option("--dry-run", is_flag=True, help="Print the build plan (graphs, precision, profiles, plugins, lint) and build nothing; needs no TensorRT.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
+@click.option("--require-fused-attention", is_flag=True, help="Exit 1 (and write nothing) when an engine's attention is not one fused kernel.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (atomically, after the build succeeded).")
+def build_cmd(src: Path, out: Path, precision, batch, seq, past, timing_cache, workspace, trt_version, dry_run: bool, as_json: bool, require_fused_attention: bool, overwrite: bool) -> None:
+    """Build TensorRT engines from SRC (a .onnx or an export folder) into OUT.
+
+    A .onnx gives one engine: OUT must end with .engine, its sidecar is OUT.json. An export
+    folder gives a folder OUT with one engine per graph (prefill.engine + decode.engine, or
+    model.engine), each with its .engine.json sidecar (TensorRT, GPU, profiles, precision, source
+    sha256, fused-attention verdict). Exit 2 when the TensorRT-compatibility lint says the parser
+    would reject a graph, 1 when --require-fused-attention fails.
+    """
+    from headfold.engines.env import target_for
+    from headfold.engines.plan import make_plan
+
+    target = target_for(trt_version, dry_run=dry_run)
+    plan = make_plan(src, out, target, precision=precision, batch=batch, seq=seq, past=past, workspace=workspace, timing_cache=timing_cache)
+    if dry_run:
+        click.echo(plan.to_json() if as_json else plan.describe(), nl=not as_json)
+        plan.check()
+        return
+    from headfold.engines.build import build
+
+    build(plan, overwrite=overwrite, require_fused_attention=require_fused_attention, log=click.echo)
+    click.echo(f"wrote {out}: {', '.join(g.engine.name for g in plan.graphs)} with .engine.json sidecars")
 
 
 class Fraction(click.ParamType):
@@ -187,13 +244,13 @@ def verify_cmd(reference: Path, candidate: Path, check: str, text, window, max_r
 @cli.command("run")
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--kv-heads", type=int, required=True, help="K/V heads per layer after conversion (1 = MQA).")
+@click.option("--kv-heads", type=KvHeads(), required=True, help=f"K/V heads after conversion: {KV_HEADS_HELP} (1 = MQA).")
 @click.option("--method", default="mean", metavar="METHOD", help="How the K/V heads of a group become one, as for `headfold convert --method`.")
 @click.option("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25.")
 @click.option("--dtype", type=click.Choice(("fp32", "fp16", "bf16")), default="fp32", help="Export precision; picks the fidelity defaults.")
 @input_options
 @threshold_options
-def run_cmd(src: Path, out_dir: Path, kv_heads: int, method: str, opset: int, dtype: str, text, window, max_rows, batch_size, seed, budget_file, **thresholds) -> None:
+def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, opset: int, dtype: str, text, window, max_rows, batch_size, seed, budget_file, **thresholds) -> None:
     """Convert → export → build → verify SRC into OUT_DIR/{convert,export,build,verify}.
 
     Stages whose inputs (content hashes and options, in OUT_DIR/stages.json) are unchanged are
@@ -205,6 +262,49 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int, method: str, opset: int, dt
     _quiet_libraries()
     report = run(src, out_dir, kv_heads, method=method, opset=opset, dtype=dtype, inputs=_input_spec(text, window, max_rows, batch_size, seed), thresholds=_thresholds(budget_file, **thresholds), log=click.echo)
     _finish(report)
+
+
+class KvBudget(Fraction):
+    """0.25 or 25% of the source's KV cache, or an integer total of kv heads over all layers."""
+
+    name = "FRACTION|TOTAL"
+
+    def convert(self, value, param, ctx):
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else super().convert(value, param, ctx)
+
+
+@cli.command("inspect")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("--candidates", default=None, metavar="K,K,...", help="kv-head counts to predict the loss of, e.g. 4,2,1. [default: every divisor of the kv heads below them]")
+@click.option("--method", default="aligned+grouped+refit", metavar="METHOD", help="Conversion method to predict for, as for `headfold convert --method`.")
+@click.option("--calibration", default=None, metavar="TEXT_FILE", help="Text to fit the method on and measure the loss on (other windows of it) (default: built-in offline text); 'weights' fits on the weights alone.")
+@click.option("--calibration-tokens", type=int, default=4096, help="Tokens to fit on; as many other tokens measure the loss.")
+@click.option("--seed", type=int, default=0, help="Seed for picking the fit and evaluation windows.")
+@click.option("--kv-budget", type=KvBudget(), default=None, help="Propose per-layer kv heads for this KV cache: 0.25 (or 25%) of the source's, or a total of kv heads summed over layers.")
+@click.option("--heatmap", type=click.Path(path_type=Path), default=None, metavar="OUT.png", help="Write a PNG: layers × heads similarity, layers × candidates predicted loss.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, metavar="OUT.json", help="Write every number as JSON.")
+@click.option("--overwrite", is_flag=True, help="Replace existing --heatmap / --json files.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def inspect_cmd(src: Path, quiet: bool, **options) -> None:
+    """Per layer of SRC: K/V head similarity and the predicted loss of each kv-head count.
+
+    The predicted loss of a (layer, kv heads) pair is the calibration loss with only that layer
+    converted: KL(original ‖ converted) per token for decoders, 1 − cosine of the mean-pooled
+    embedding for encoders. With --kv-budget, prints the per-layer `--kv-heads` list with the least
+    summed predicted loss that fits (exact knapsack), next to the best uniform choice.
+    """
+    import time
+
+    from headfold.inspection import inspect_checkpoint
+
+    _quiet_libraries()
+    start = time.perf_counter()
+    report = inspect_checkpoint(src, progress=not quiet, **options)
+    click.echo(report.table())
+    for option, path in (("heatmap", options["heatmap"]), ("JSON", options["json_path"])):
+        if path is not None:
+            click.echo(f"wrote {option} {path}")
+    click.echo(f"done in {time.perf_counter() - start:.1f} s")
 
 
 @cli.command()

@@ -8,17 +8,17 @@ second run with nothing changed skips every stage and reprints the stored report
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import headfold
 from headfold.atomic import atomic_output, check_output
+from headfold.engines.env import engine_support
 from headfold.errors import BadInput
 from headfold.verification.artifacts import resolve, sha256_file
 from headfold.verification.budget import Thresholds
@@ -75,18 +75,7 @@ def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work
     return key, result
 
 
-def engine_support() -> str | None:
-    """None when engines could be built here, else why not."""
-    if importlib.util.find_spec("tensorrt") is None:
-        return "TensorRT is not installed"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no NVIDIA GPU is visible"
-    return "the TensorRT engine builder is not part of headfold yet (issue 6)"
-
-
-def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: str) -> Report:
+def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: str, engines: Path | None = None) -> Report:
     from headfold.verification.api import run_artifact_checks
 
     original, conversion, graph = resolve(src), resolve(converted), resolve(onnx_dir)
@@ -95,6 +84,8 @@ def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresho
         ("conversion-loss", "loss", original, conversion, thresholds.loss(dtype)),
         ("fidelity-onnx", "fidelity", conversion, graph, thresholds.fidelity(dtype)),
     ]
+    if engines is not None:  # the prefill engine against the converted checkpoint, like the ONNX graph
+        checks.append(("fidelity-tensorrt", "fidelity", conversion, resolve(engines), thresholds.fidelity(dtype)))
     return Report(run_artifact_checks(checks, inputs), inputs.info)
 
 
@@ -106,7 +97,7 @@ def _write_report(report: Report, folder: Path) -> None:
 def run(
     src: str | os.PathLike,
     out_dir: str | os.PathLike,
-    kv_heads: int,
+    kv_heads: int | Sequence[int],
     *,
     method: str = "mean",
     opset: int = 23,
@@ -139,19 +130,18 @@ def run(
         ledger, "export", exp_inputs, onnx_dir, lambda: export(converted, onnx_dir, opset=opset, dtype=dtype, overwrite=True, progress=False), log
     )
     stages["export"] = _status(done)
-    why_not = engine_support()
-    log(f"build: skipped, {why_not}; no engine in {engines}")
-    stages["build"] = f"skipped: {why_not}"
+    build_key, stages["build"] = _build_stage(ledger, exp_key, onnx_dir, engines, log)
 
     verify_inputs = {
         "export": exp_key,
+        "build": build_key,
         "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "inputs": {k: v for k, v in asdict(inputs).items() if k != "text"},
         "budgets": budgets,
     }
 
     def verify_stage() -> Report:
-        report = _verify(src, converted, onnx_dir, inputs, thresholds, dtype)
+        report = _verify(src, converted, onnx_dir, inputs, thresholds, dtype, engines if build_key else None)
         report.stages = {**stages, "verify": "ran"}
         _write_report(report, verified)
         return report
@@ -161,6 +151,31 @@ def run(
         report = Report.load(verified / REPORT_FILES["json"])
         report.stages = {**stages, "verify": "skipped"}
     return report
+
+
+def _build_stage(ledger: Ledger, exp_key: str, onnx_dir: Path, engines: Path, log: Log) -> tuple[str | None, str]:
+    """(build key, status) when the engines are current, else (None, "skipped: why they were not built")."""
+    from headfold.engines.build import build_export
+    from headfold.engines.plan import Unparsable
+
+    why_not = engine_support()
+    if why_not is None:
+        import tensorrt
+
+        inputs = {"export": exp_key, "tensorrt": tensorrt.__version__, "gpu": _gpu_name()}
+        try:
+            key, done = _stage(ledger, "build", inputs, engines, lambda: build_export(onnx_dir, engines, log=log), log)
+            return key, _status(done)
+        except Unparsable as err:  # this TensorRT is too old for the graph: like no TensorRT at all
+            why_not = str(err)
+    log(f"build: skipped, {why_not}; no engine in {engines}")
+    return None, f"skipped: {why_not}"
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 def _status(result: Any) -> str:

@@ -1,7 +1,9 @@
 """What a path given to `headfold verify` is, which model it holds, and which check two of them need.
 
 A checkpoint folder (config.json) runs in torch; an export folder (export.json) or a .onnx file
-runs in ONNX Runtime. An ONNX graph's model is the checkpoint export.json names as its source.
+runs in ONNX Runtime; a .engine (or a `headfold build` folder) runs in TensorRT. An ONNX graph's
+model is the checkpoint export.json names as its source; an engine's is its source graph's
+(found through the engine's .engine.json sidecar).
 Same model on both sides → fidelity; a candidate whose model is a headfold conversion
 (headfold.json) of the reference's → conversion loss.
 """
@@ -21,6 +23,7 @@ EXPORT_SUMMARY = "export.json"
 CONVERSION_MANIFEST = "headfold.json"
 GRAPHS = ("prefill.onnx", "model.onnx")  # the full-sequence graph of a decoder / an encoder
 ENGINE_SUFFIXES = (".engine", ".plan")
+ENGINES = ("prefill.engine", "model.engine")  # in a `headfold build` folder, like GRAPHS
 _TORCH_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _LOOSENESS = ("fp32", "fp16", "bf16")  # bf16 keeps the fewest mantissa bits
 
@@ -36,11 +39,15 @@ def sha256_file(path: Path) -> str:
 @dataclass(frozen=True)
 class Artifact:
     path: Path
-    kind: str  # "checkpoint" | "onnx"
+    kind: str  # "checkpoint" | "onnx" | "engine"
     model: Path | None  # the checkpoint folder of this model; None for an ONNX file of unknown origin
     precision: str
 
     def runner(self) -> BaseRunner:
+        if self.kind == "engine":
+            from headfold.engines.runner import TensorRTRunner
+
+            return TensorRTRunner(self.path)
         return TorchRunner(self.path) if self.kind == "checkpoint" else OnnxRuntimeRunner(self.path)
 
     @property
@@ -59,22 +66,33 @@ class Artifact:
         }
         if self.model is not None:
             info |= attention_info(self.model, self.precision)
+        if self.kind == "engine":
+            from headfold.engines.sidecar import read_sidecar, summary
+
+            info["engine"] = summary(read_sidecar(self.path))
         if self.is_conversion:
             info["conversion"] = json.loads((self.model / CONVERSION_MANIFEST).read_text())["conversion"]
         return info
 
 
-def attention_info(checkpoint: Path, precision: str) -> dict[str, int]:
-    """Heads, kv heads and the KV-cache bytes per token they imply at `precision`."""
+def attention_info(checkpoint: Path, precision: str) -> dict[str, Any]:
+    """Heads, kv heads (one count, or one per layer) and the KV-cache bytes per token they imply at `precision`."""
     from transformers import AutoConfig
+
+    from headfold.converter.per_layer import (
+        KV_HEADS_PER_LAYER,
+        collapse,
+        config_kv_heads,
+    )
 
     config = AutoConfig.from_pretrained(checkpoint, local_files_only=True, trust_remote_code=False)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_layer = config_kv_heads(kv_heads, getattr(config, KV_HEADS_PER_LAYER, None), heads, config.num_hidden_layers)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     bytes_per_value = 4 if precision == "fp32" else 2
-    cache = 2 * config.num_hidden_layers * kv_heads * head_dim * bytes_per_value  # K and V
-    return {"heads": heads, "kv_heads": kv_heads, "kv_cache_bytes_per_token": cache}
+    cache = 2 * sum(per_layer) * head_dim * bytes_per_value  # K and V of every layer
+    return {"heads": heads, "kv_heads": collapse(per_layer), "kv_cache_bytes_per_token": cache}
 
 
 def _checkpoint_precision(folder: Path) -> str:
@@ -100,6 +118,15 @@ def _onnx_artifact(graph: Path) -> Artifact:
     return Artifact(graph, "onnx", model, dtype)
 
 
+def _engine_artifact(engine: Path) -> Artifact:
+    """An engine's model is its source graph's; its precision the one it was built in."""
+    from headfold.engines.sidecar import read_sidecar, source_onnx
+
+    info = read_sidecar(engine)
+    graph = source_onnx(engine, info)
+    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info["precision"]["name"])
+
+
 def resolve(path: Path) -> Artifact:
     """Classify a path; BadInput for anything headfold cannot run."""
     if path.is_dir() and (path / "config.json").is_file():
@@ -111,11 +138,14 @@ def resolve(path: Path) -> Artifact:
         return _onnx_artifact(graph.resolve())
     if path.is_file() and path.suffix == ".onnx":
         return _onnx_artifact(path.resolve())
-    if path.suffix in ENGINE_SUFFIXES:
-        raise BadInput(f"{path}: verifying TensorRT engines needs the engine runner (issue 6), not available yet")
+    if path.is_file() and path.suffix in ENGINE_SUFFIXES:
+        return _engine_artifact(path.resolve())
+    engine = next((path / e for e in ENGINES if (path / e).is_file()), None) if path.is_dir() else None
+    if engine is not None:
+        return _engine_artifact(engine.resolve())
     if not path.exists():
         raise BadInput(f"{path} does not exist")
-    raise BadInput(f"{path} is not a checkpoint folder (config.json), an export folder (export.json) or a .onnx file")
+    raise BadInput(f"{path} is not a checkpoint folder (config.json), an export folder (export.json), a .onnx file or a .engine")
 
 
 def loosest(a: str, b: str) -> str:

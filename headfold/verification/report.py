@@ -112,7 +112,9 @@ class Report:
         return rows
 
     def _title(self, check: CheckResult) -> str:
-        return f"{check.name}: {check.reference['runner']} vs {check.candidate['runner']}"
+        title = f"{check.name}: {check.reference['runner']} vs {check.candidate['runner']}"
+        timed = [f"{side['runner']} {side['latency_ms']:.3g} ms" for side in (check.reference, check.candidate) if "latency_ms" in side]
+        return title + (f" (median per batch: {', '.join(timed)})" if timed else "")
 
     def markdown(self) -> str:
         verdict = "✅ passed" if self.passed else "❌ failed"

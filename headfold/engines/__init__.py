@@ -1,0 +1,12 @@
+"""TensorRT engines: a pure build plan (CPU), the build through Polygraphy's loaders, a runner.
+
+Only `plan` is imported eagerly; `build` and `runner` import TensorRT and Polygraphy's TRT backend
+inside their functions, so everything here loads on machines without TensorRT or a GPU.
+"""
+
+from __future__ import annotations
+
+from headfold.engines.env import Target, engine_support
+from headfold.engines.plan import BuildPlan, make_plan
+
+__all__ = ["BuildPlan", "Target", "engine_support", "make_plan"]

@@ -1,0 +1,413 @@
+"""What `headfold build` will do, decided without TensorRT: graphs, precision, profiles, plugins, lint.
+
+The plan is pure data (testable on CPU, printed by --dry-run) and the only input of the build:
+- graphs: one .onnx, or every graph of an export folder (one engine per graph);
+- precision: TensorRT 11 is always strongly typed, so the precision must be the graph's own
+  (`headfold export --dtype`); on 10.x a reduced-precision graph is built strongly typed and an
+  fp32 graph gets the FP16/BF16 builder flag when a lower precision is asked for;
+- one optimization profile per graph: every dynamic dimension is named by the exporter
+  (batch, sequence, past_sequence, "past_sequence + 1") and sized from --batch/--seq/--past or,
+  failing those, from the model's position limit;
+- the TensorRT-compatibility lint (graphs/trt_lint.py) per graph, after the plugin emitter where
+  the graph needs plugins: a graph the parser would reject is refused before any build.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+
+from headfold.engines.env import Target
+from headfold.errors import BadInput
+from headfold.graphs.trt_lint import Finding, LintReport, lint
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+ENGINE_SUFFIX = ".engine"
+ENGINE_SUFFIXES = (".engine", ".plan")
+SIDECAR_SUFFIX = ".json"  # model.engine -> model.engine.json
+EXPORT_SUMMARY = "export.json"
+_IR_PRECISION = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}
+
+# Option name -> the dimension names exporters give it (headfold's torch.export Dims first).
+DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "batch": ("batch", "batch_size"),
+    "seq": ("sequence", "sequence_length", "seq_len"),
+    "past": ("past_sequence", "past_sequence_length", "past_seq_len"),
+}
+_DIM_EXPR = re.compile(r"\s*(\w+)\s*(?:([+-])\s*(\d+))?\s*")  # "past_sequence + 1"
+_SINCE = re.compile(r"parsed from TensorRT ([\d.]+) on")  # trt_lint's hint for ops of later releases
+_LOWEST = {"batch": 1, "seq": 1, "past": 0}
+_OPT_CAP = 512  # opt length: half the position limit, at most this (typical prompt / cache length)
+_DEFAULT_BATCH = (1, 4, 8)
+_DEFAULT_LIMIT = 2048  # when no config names a position limit
+
+
+class Unparsable(BadInput):
+    """The target TensorRT's ONNX parser would reject a graph (lint error): exit 2."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """min/opt/max of one dynamic dimension and where the numbers came from."""
+
+    min: int
+    opt: int
+    max: int
+    source: str = "option"
+
+    def __str__(self) -> str:
+        return f"{self.min}:{self.opt}:{self.max}"
+
+    def shifted(self, offset: int) -> tuple[int, int, int]:
+        return self.min + offset, self.opt + offset, self.max + offset
+
+
+def parse_range(text: str, option: str) -> Range:
+    """'1:4:8' (min:opt:max) or '8' (fixed); BadInput naming the option otherwise."""
+    lowest = _LOWEST[option]
+    try:
+        parts = [int(p) for p in str(text).split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts *= 3
+    if len(parts) != 3 or not lowest <= parts[0] <= parts[1] <= parts[2] or parts[2] < 1:
+        raise BadInput(f"--{option} {text!r}: write MIN:OPT:MAX with {lowest} <= MIN <= OPT <= MAX and MAX >= 1, e.g. --{option} {lowest}:4:8")
+    return Range(*parts)
+
+
+def derived_ranges(limit: int | None, **given: Range | None) -> dict[str, Range]:
+    """The --batch/--seq/--past ranges, each given one kept, the others from the position limit."""
+    source = f"position limit {limit} (config)" if limit else f"default (no config: limit {_DEFAULT_LIMIT})"
+    limit = limit or _DEFAULT_LIMIT
+    opt = min(_OPT_CAP, max(1, limit // 2))
+    derived = {
+        "batch": Range(*_DEFAULT_BATCH, "default"),
+        "seq": Range(1, opt, limit, source),
+        "past": Range(0, min(opt, limit - 1), limit - 1, source),  # past + 1 new token <= limit
+    }
+    return {name: given.get(name) or derived[name] for name in DIMENSIONS}
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str  # what the engine computes in
+    graph: str  # the graph's own weight precision
+    strongly_typed: bool
+    builder_flags: tuple[str, ...]  # trt.BuilderFlag names to set ("FP16", "BF16")
+    how: str
+
+
+def decide_precision(requested: str | None, graph: str, target: Target) -> Precision:
+    """Strongly typed wherever the graph fixes the precision; builder flags only for fp32 graphs on 10.x."""
+    requested = requested or graph
+    if requested not in PRECISIONS:
+        raise BadInput(f"--precision {requested!r}: use one of {', '.join(PRECISIONS)}")
+    if requested == graph and target.strongly_typed and (graph != "fp32" or not target.precision_flags):
+        return Precision(requested, graph, True, (), f"strongly typed: the graph's own {graph}")
+    if requested == graph:
+        return Precision(requested, graph, False, (), "fp32 graph, no reduced-precision flag (TF32 off)")
+    if not target.precision_flags:
+        raise BadInput(
+            f"TensorRT {target.version} builds strongly typed (no FP16/BF16 builder flags): the precision comes from "
+            f"the graph, which is {graph}; re-export with headfold export --dtype {requested}"
+        )
+    if graph != "fp32":
+        raise BadInput(f"the graph is {graph}; TensorRT cannot build it as {requested}: re-export with headfold export --dtype {requested}")
+    flag = requested.upper()
+    return Precision(requested, graph, False, (flag,), f"fp32 graph with BuilderFlag.{flag} (TensorRT picks per layer)")
+
+
+def graph_precision(model: ir.Model) -> str:
+    """The floating type that holds most weight elements (norms may stay fp32 in an fp16 graph)."""
+    sizes: Counter[str] = Counter()
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None and tensor.dtype in _IR_PRECISION:
+            sizes[_IR_PRECISION[tensor.dtype]] += max(1, tensor.size)
+    return sizes.most_common(1)[0][0] if sizes else "fp32"
+
+
+# ---- profiles ---------------------------------------------------------------------------------
+
+
+def _dimension(dim: int | ir.SymbolicDim, graph: str, name: str, ranges: dict[str, Range]) -> tuple[int, int, int]:
+    if isinstance(dim, int):
+        return dim, dim, dim
+    match = _DIM_EXPR.fullmatch(dim.value or "")
+    option = next((o for o, names in DIMENSIONS.items() if match and match[1] in names), None)
+    if option is None:
+        raise BadInput(f"{graph}: input {name} has a dynamic dimension {dim.value!r} headfold cannot size; re-export with headfold export")
+    offset = int(match[3] or 0) * (-1 if match[2] == "-" else 1)
+    return ranges[option].shifted(offset)
+
+
+def input_profile(model: ir.Model, graph: str, ranges: dict[str, Range]) -> dict[str, list[list[int]]]:
+    """{input: [min shape, opt shape, max shape]} for every graph input."""
+    profile = {}
+    for value in model.graph.inputs:
+        if value.shape is None:
+            raise BadInput(f"{graph}: input {value.name} has no shape; re-export with headfold export")
+        dims = [_dimension(d, graph, value.name, ranges) for d in value.shape.dims]
+        profile[value.name] = [list(shape) for shape in zip(*dims)] if dims else [[], [], []]
+    return profile
+
+
+def uses(model: ir.Model, option: str) -> bool:
+    """Whether any input of `model` has a dimension sized by `option`."""
+    names = DIMENSIONS[option]
+    return any(
+        isinstance(d, ir.SymbolicDim) and (m := _DIM_EXPR.fullmatch(d.value or "")) and m[1] in names
+        for v in model.graph.inputs
+        if v.shape is not None
+        for d in v.shape.dims
+    )
+
+
+# ---- lint and plugins -------------------------------------------------------------------------
+
+
+def lint_graph(model: ir.Model, path: Path, target: Target) -> tuple[LintReport, list[str]]:
+    """Lint the graph as TensorRT will see it: after the plugin emitter when it needs plugins."""
+    from headfold import plugins as custom_ops
+
+    names = custom_ops.plan_plugins(model, target.version)
+    if not names:
+        return lint(model, target.version), []
+    emitted, names = custom_ops.emit(ir.load(path), target.version)  # rewrites a fresh in-memory copy
+    return lint(emitted, target.version, plugins=names), list(names)
+
+
+def _since(finding: Finding) -> tuple[int, ...]:
+    """The release that first parses what `finding` is about; () when newer releases do not help."""
+    since = _SINCE.search(finding.message)
+    return tuple(int(p) for p in since[1].split(".")) if since else ()
+
+
+def _fix(finding: Finding, target: Target) -> str:
+    since = ".".join(map(str, _since(finding)))
+    if since:
+        return f"use TensorRT {since} or newer, or check the plan with --dry-run --trt-version {since}"
+    if finding.rule == "custom-domain":
+        return "export with --attention onnx (the standard Attention op), or register the plugin"
+    return f"re-export with headfold export (see headfold export --trt-version {target.version})"
+
+
+def refusal(graph: str, report: LintReport, target: Target) -> str:
+    """One line: the error that needs the newest TensorRT (else the first), its node, how many more, what to do."""
+    first = max(report.errors, key=_since)
+    more = f" (+{len(report.errors) - 1} more errors)" if len(report.errors) > 1 else ""
+    return f"TensorRT {target.version} cannot parse {graph}: {first.message} at node {first.node}{more}; {_fix(first, target)}"
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass
+class GraphPlan:
+    name: str  # e.g. "prefill"
+    onnx: Path
+    engine: Path
+    sha256: str
+    data_sha256: str | None  # the .onnx.data weights, when external
+    attention_nodes: int
+    profile: dict[str, list[list[int]]]
+    plugins: list[str]
+    lint: dict[str, Any]
+
+    @property
+    def sidecar(self) -> Path:
+        return sidecar_path(self.engine)
+
+
+@dataclass
+class BuildPlan:
+    target: Target
+    source: Path
+    out: Path
+    layout: str  # "file": OUT is the engine; "folder": OUT holds one engine per graph
+    precision: Precision
+    ranges: dict[str, Range]
+    graphs: list[GraphPlan]
+    workspace_bytes: int | None = None
+    timing_cache: Path | None = None
+    notes: list[str] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+
+    @property
+    def plugins(self) -> list[str]:
+        return sorted({p for g in self.graphs for p in g.plugins})
+
+    def check(self) -> None:
+        """Unparsable (exit 2) when the lint says TensorRT would reject a graph."""
+        if self.refusals:
+            raise Unparsable(self.refusals[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self) | {"plugins": self.plugins}, default=str))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def describe(self) -> str:
+        how = "features detected on the installed module" if self.target.detected else "dry run: features assumed for this release"
+        layout = "one engine per graph in this folder" if self.layout == "folder" else "one engine file"
+        cache = f"{self.timing_cache} (loaded if present, updated after)" if self.timing_cache else "none"
+        lines = [
+            f"TensorRT {self.target.version} ({how})",
+            f"source:      {self.source}",
+            f"output:      {self.out} ({layout})",
+            f"precision:   {self.precision.name} ({self.precision.how})",
+            "profiles:    " + ", ".join(f"--{k} {v} [{v.source}]" for k, v in self.ranges.items()),
+            f"workspace:   {_bytes(self.workspace_bytes) if self.workspace_bytes else 'TensorRT default (device memory)'}",
+            f"timing cache: {cache}",
+            f"plugins:     {', '.join(self.plugins) or 'none'}",
+        ]
+        for graph in self.graphs:
+            lines += _describe_graph(graph)
+        lines += [f"note: {n}" for n in self.notes] + [f"refused: {r}" for r in self.refusals]
+        return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
+
+
+def _describe_graph(graph: GraphPlan) -> list[str]:
+    lint_line = f"lint (rule set {graph.lint['rules']}): {'parsable' if graph.lint['parsable'] else 'NOT parsable'}, {len(graph.lint['errors'])} errors, {len(graph.lint['warnings'])} warnings"
+    width = max(map(len, graph.profile), default=0)
+    lines = [
+        f"{graph.onnx.name} -> {graph.engine}",
+        f"  sha256 {graph.sha256[:16]}…  Attention nodes {graph.attention_nodes}  plugins {', '.join(graph.plugins) or 'none'}",
+        f"  {lint_line}",
+    ]
+    lines += [f"  {name:<{width}}  min {tuple(s[0])}  opt {tuple(s[1])}  max {tuple(s[2])}" for name, s in graph.profile.items()]
+    return lines
+
+
+def sidecar_path(engine: Path) -> Path:
+    return engine.with_name(engine.name + SIDECAR_SUFFIX)
+
+
+# ---- making the plan --------------------------------------------------------------------------
+
+
+def source_graphs(src: Path) -> tuple[list[Path], str]:
+    """(graphs, layout) of a .onnx file or an export folder; BadInput for anything else."""
+    if src.is_file() and src.suffix == ".onnx":
+        return [src.resolve()], "file"
+    if src.is_dir() and (src / EXPORT_SUMMARY).is_file():
+        names = list(json.loads((src / EXPORT_SUMMARY).read_text()).get("graphs", {}))
+        missing = [n for n in names if not (src / n).is_file()]
+        if missing or not names:
+            raise BadInput(f"export folder {src} lacks {', '.join(missing) or 'graphs'}; re-run headfold export")
+        return [(src / n).resolve() for n in names], "folder"
+    if src.is_dir() and (src / "config.json").is_file():
+        raise BadInput(f"{src} is a checkpoint folder; export it first: headfold export {src} ONNX_DIR, then headfold build ONNX_DIR OUT")
+    if src.is_dir() and any(src.glob("*.onnx")):
+        return sorted(p.resolve() for p in src.glob("*.onnx")), "folder"
+    raise BadInput(f"{src} is neither a .onnx file nor an export folder (export.json)")
+
+
+def position_limit_for(graph: Path) -> int | None:
+    """The model's position limit from the checkpoint its export.json names (None if unknown)."""
+    from headfold.verification.artifacts import resolve
+    from headfold.verification.inputs import position_limit, read_config
+
+    model = resolve(graph).model
+    return position_limit(read_config(model)) if model is not None else None
+
+
+def _out_engine(out: Path, layout: str, graph: Path) -> Path:
+    if layout == "file":
+        if out.suffix not in ENGINE_SUFFIXES:
+            raise BadInput(f"output {out} must end with .engine (or .plan) for a single graph")
+        return out
+    return out / (graph.stem + ENGINE_SUFFIX)
+
+
+def _graph_plan(path: Path, model: ir.Model, engine: Path, ranges: dict[str, Range], target: Target) -> tuple[GraphPlan, LintReport]:
+    from headfold.verification.artifacts import sha256_file
+
+    report, plugins = lint_graph(model, path, target)
+    data = path.with_name(path.name + ".data")
+    plan = GraphPlan(
+        name=path.stem,
+        onnx=path,
+        engine=engine,
+        sha256=sha256_file(path),
+        data_sha256=sha256_file(data) if data.is_file() else None,
+        attention_nodes=sum("Attention" in n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph)),
+        profile=input_profile(model, path.name, ranges),
+        plugins=plugins,
+        lint={"rules": report.rules, "parsable": report.parsable, "errors": _findings(report.errors), "warnings": _findings(report.warnings)},
+    )
+    return plan, report
+
+
+def _findings(findings: list[Finding]) -> list[dict[str, str]]:
+    return [{"node": f.node, "rule": f.rule, "message": f.message} for f in findings]
+
+
+def parse_workspace(text: str | None) -> int | None:
+    from headfold.converter.conversion import parse_size
+
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except BadInput:
+        raise BadInput(f"--workspace {text!r} is not a size; write e.g. 4GiB or 512MiB") from None
+
+
+def make_plan(
+    src: Path,
+    out: Path,
+    target: Target,
+    *,
+    precision: str | None = None,
+    batch: str | None = None,
+    seq: str | None = None,
+    past: str | None = None,
+    workspace: str | None = None,
+    timing_cache: Path | None = None,
+) -> BuildPlan:
+    """The plan for `src` (a .onnx or an export folder) into `out`; BadInput for unusable options.
+
+    Lint refusals are recorded (`plan.refusals`), not raised, so a dry run can print them;
+    `plan.check()` raises them.
+    """
+    given = {name: parse_range(text, name) if text else None for name, text in (("batch", batch), ("seq", seq), ("past", past))}
+    workspace_bytes = parse_workspace(workspace)
+    graphs, layout = source_graphs(Path(src))
+    limit = position_limit_for(graphs[0])
+    ranges = derived_ranges(limit, **given)
+    models = {path: ir.load(path) for path in graphs}
+    precisions = {graph_precision(m) for m in models.values()}
+    if len(precisions) > 1:
+        raise BadInput(f"the graphs in {src} mix precisions ({', '.join(sorted(precisions))}); re-export them with one --dtype")
+    chosen = decide_precision(precision, precisions.pop(), target)
+    plans, refusals = [], []
+    for path in graphs:
+        graph, report = _graph_plan(path, models[path], _out_engine(Path(out), layout, path), ranges, target)
+        plans.append(graph)
+        if not report.parsable:
+            refusals.append(refusal(path.name, report, target))
+    plan = BuildPlan(target, Path(src), Path(out), layout, chosen, ranges, plans, workspace_bytes, timing_cache, refusals=refusals)
+    plan.ranges = {k: v for k, v in ranges.items() if any(uses(m, k) for m in models.values())}
+    plan.notes = _notes(given, limit, plan.ranges)
+    return plan
+
+
+def _notes(given: dict[str, Range | None], limit: int | None, used: dict[str, Range]) -> list[str]:
+    notes = [f"--{k} is ignored: no graph input has that dimension" for k, v in given.items() if v and k not in used]
+    for name in ("seq", "past"):
+        if limit and name in used and used[name].max + (name == "past") > limit:
+            notes.append(f"--{name} max {used[name].max} exceeds the model's position limit {limit}")
+    return notes
