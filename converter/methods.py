@@ -147,16 +147,22 @@ def _activations(w: torch.Tensor, bias: torch.Tensor | None, ctx: LayerContext) 
 # -- grouping ---------------------------------------------------------------------------
 
 
-def similar_groups(keys: list[torch.Tensor], values: list[torch.Tensor], kv_heads: int, key_rotary: int | None) -> list[list[int]]:
-    """Equal-size groups of heads with high (aligned) K and V similarity: greedy, then pair swaps."""
+def aligned_similarity(keys: list[torch.Tensor], values: list[torch.Tensor], key_rotary: int | None) -> torch.Tensor:
+    """[n, n] mean of the K and V cosine similarities of two heads after the best allowed rotation
+    (K unrotated when key_rotary is None); 1 on the diagonal."""
     n = len(keys)
-    size = n // kv_heads
-    sim = torch.zeros(n, n, dtype=torch.float64)  # filled from Python floats: stays on the CPU
+    sim = torch.eye(n, dtype=torch.float64)  # filled from Python floats: stays on the CPU
     for i in range(n):
         for j in range(i + 1, n):
             k = alignment.alignment_similarity(keys[i], keys[j], key_rotary or 0) if key_rotary is not None else _cosine(keys[i], keys[j])
-            sim[i, j] = sim[j, i] = k + alignment.alignment_similarity(values[i], values[j])
-    groups = _greedy_groups(sim, size)
+            sim[i, j] = sim[j, i] = (k + alignment.alignment_similarity(values[i], values[j])) / 2
+    return sim
+
+
+def similar_groups(keys: list[torch.Tensor], values: list[torch.Tensor], kv_heads: int, key_rotary: int | None) -> list[list[int]]:
+    """Equal-size groups of heads with high aligned K and V similarity: greedy, then pair swaps."""
+    sim = aligned_similarity(keys, values, key_rotary)
+    groups = _greedy_groups(sim, len(keys) // kv_heads)
     _improve_by_swaps(groups, sim)
     return sorted(sorted(g) for g in groups)
 

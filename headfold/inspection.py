@@ -32,7 +32,7 @@ from headfold.converter.calibration import WINDOW, capture_inputs, sample_window
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import calibration_text, layer_contexts
 from headfold.converter.layout import AttentionCodec, AttentionWeights
-from headfold.converter.methods import LayerContext, Recipe, get_method
+from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, get_method
 from headfold.converter.methods import _activations as head_activations  # per-head X Wᵀ + b, as the methods see it
 from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
 from headfold.errors import BadInput
@@ -156,24 +156,23 @@ class LayerConverter:
 
 @dataclass(frozen=True)
 class HeadSimilarity:
-    keys: torch.Tensor  # [n, n] cosine of the flattened per-head K activations
+    keys: torch.Tensor  # [n, n] cosine of the flattened per-head K activations, as they are
     values: torch.Tensor  # [n, n] the same for V
-
-    @property
-    def combined(self) -> torch.Tensor:
-        return (self.keys + self.values) / 2
+    # [n, n] mean K/V cosine after the best function-preserving rotation (what `grouped` and
+    # `aligned` see): raw cosines of RoPE heads are ~0 because each head has its own basis
+    aligned: torch.Tensor
 
     @property
     def nearest(self) -> torch.Tensor:
-        """Per head: its combined similarity to the most similar other head (1 = a duplicate)."""
-        off = self.combined.clone().fill_diagonal_(-torch.inf)
+        """Per head: its aligned similarity to the most similar other head (1 = a duplicate)."""
+        off = self.aligned.clone().fill_diagonal_(-torch.inf)
         return off.max(1).values if len(off) > 1 else torch.ones(1, dtype=off.dtype)
 
     @property
     def mean(self) -> float:
-        """Mean combined similarity over distinct head pairs."""
-        n = len(self.combined)
-        return float((self.combined.sum() - self.combined.trace()) / (n * (n - 1))) if n > 1 else 1.0
+        """Mean aligned similarity over distinct head pairs."""
+        n = len(self.aligned)
+        return float((self.aligned.sum() - self.aligned.trace()) / (n * (n - 1))) if n > 1 else 1.0
 
 
 def _cosines(acts: list[torch.Tensor]) -> torch.Tensor:
@@ -183,8 +182,10 @@ def _cosines(acts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def head_similarity(attn: AttentionWeights, ctx: LayerContext) -> HeadSimilarity:
-    """On calibration activations (on the weights under --calibration weights), before any alignment."""
-    return HeadSimilarity(_cosines(head_activations(attn.k, attn.k_bias, ctx)), _cosines(head_activations(attn.v, attn.v_bias, ctx)))
+    """On calibration activations (on the weights under --calibration weights): raw and aligned."""
+    keys, values = head_activations(attn.k, attn.k_bias, ctx), head_activations(attn.v, attn.v_bias, ctx)
+    aligned = aligned_similarity(keys, values, ctx.rotary if ctx.rotate_keys else None)
+    return HeadSimilarity(_cosines(keys), _cosines(values), aligned)
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -243,7 +244,7 @@ class Inspection:
             "per_layer": [
                 {
                     "layer": i,
-                    "similarity": {"keys": matrix(r.similarity.keys), "values": matrix(r.similarity.values),
+                    "similarity": {"keys": matrix(r.similarity.keys), "values": matrix(r.similarity.values), "aligned": matrix(r.similarity.aligned),
                                    "nearest": [float(x) for x in r.similarity.nearest], "mean": r.similarity.mean},
                     "loss": {str(k): v for k, v in r.loss.items()},
                     "groups": {str(k): g for k, g in r.groups.items()},
@@ -266,6 +267,7 @@ class Inspection:
             f"{self.source}: {self.family} {self.kind}, {len(self.layers)} layers, {self.heads} heads, {self.kv_heads} kv heads, head_dim {self.head_dim}",
             f"method {self.method}, " + (f"fit on {c['text']} ({c['fit_windows']} windows × {WINDOW} tokens, seed {c['seed']})" if c["fit_windows"] else "fit on the weights alone"),
             f"predicted loss = {METRICS[self.kind]}, one layer converted, on {c['eval_windows']} {where}",
+            "similarity = mean K/V cosine of two heads after the best function-preserving rotation (mean over pairs, max for the closest pair)",
             "",
             f"{'layer':>5}  {'sim mean':>8}  {'sim max':>7}" + "".join(f"  {self.metric + '@' + str(k):>10}" for k in self.candidates),
         ]
@@ -397,7 +399,7 @@ def write_heatmap(report: Inspection, path: Path) -> None:
     left, right = fig.subplots(1, 2, width_ratios=[sim.shape[1], max(loss.shape[1], 2)])
     image = left.imshow(sim, cmap="viridis", vmin=min(0.0, float(sim.min())), vmax=1.0, aspect="auto")
     fig.colorbar(image, ax=left, label="similarity to nearest other head")
-    left.set(title="K/V head similarity", xlabel="kv head", ylabel="layer")
+    left.set(title="K/V head similarity (aligned)", xlabel="kv head", ylabel="layer")
     image = right.imshow(np.maximum(loss, floor), cmap="magma_r", norm=LogNorm(floor, max(floor * 10, float(loss.max()))), aspect="auto")
     fig.colorbar(image, ax=right, label=f"predicted {report.metric}")
     right.set(title=f"predicted loss ({report.method})", xlabel="kv heads", xticks=range(len(report.candidates)), xticklabels=report.candidates)

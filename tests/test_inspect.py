@@ -86,7 +86,7 @@ def test_identical_heads_predict_no_loss(method: str, tiny_checkpoint, tmp_path:
     report = inspect_checkpoint(src, candidates="4,2", method=method, **FAST)
     for layer in report.layers:
         assert layer.loss[4] <= 1e-6 < layer.loss[2]
-        assert torch.allclose(layer.similarity.nearest, torch.ones(HEADS, dtype=torch.float64), atol=1e-9)
+        assert torch.allclose(layer.similarity.nearest, torch.ones(HEADS, dtype=torch.float64), atol=1e-5)  # aligned: an SVD in fp32 activations
 
 
 @pytest.mark.slow
