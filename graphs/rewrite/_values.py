@@ -43,3 +43,23 @@ def scalar(value: ir.Value | None) -> float | None:
 def int_list(value: ir.Value | None) -> list[int] | None:
     array = constant(value)
     return None if array is None else [int(x) for x in array.reshape(-1)]
+
+
+def gqa_problem(query: ir.Value, key: ir.Value, value: ir.Value) -> str | None:
+    """Why 4D (B, heads, S, head_size) Q/K/V are not one GQA attention with static heads, or None."""
+    q, k, v = dims(query, 4), dims(key, 4), dims(value, 4)
+    if q is None or k is None or v is None or not all(isinstance(x, int) for x in (q[1], k[1], q[3])):
+        return "Q/K/V are not 4D with static heads and head size"
+    if q[1] % k[1] or k[1] != v[1] or q[3] != k[3]:
+        return f"Q {q}, K {k}, V {v} are not one GQA attention"
+    return None
+
+
+def int_attr(node: ir.Node, name: str, default: int = 0) -> int:
+    attr = node.attributes.get(name)
+    return attr.as_int() if attr is not None else default
+
+
+def float_attr(node: ir.Node, name: str, default: float = 0.0) -> float:
+    attr = node.attributes.get(name)
+    return attr.as_float() if attr is not None else default

@@ -20,7 +20,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
-from headfold.graphs.rewrite._values import dims, same_dim
+from headfold.graphs.rewrite._values import dims, float_attr, gqa_problem, int_attr, same_dim
 
 DOMAIN = "com.microsoft"
 OP_TYPE = "GroupQueryAttention"
@@ -48,17 +48,14 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
     def check(self, context, query, key, value, mask, attention, **bindings) -> MatchResult:
         result = MatchResult()
         node = attention.producer()
-        q, k, v = dims(query, 4), dims(key, 4), dims(value, 4)
-        if q is None or k is None or v is None or not all(isinstance(x, int) for x in (q[1], k[1], q[3])):
-            return result.fail("Q/K/V are not 4D with static heads and head size")
-        if q[1] % k[1] or k[1] != v[1] or q[3] != k[3]:
-            return result.fail(f"Q {q}, K {k}, V {v} are not one GQA attention")
-        if _int_attr(node, "is_causal") or _int_attr(node, "qk_matmul_output_mode"):
+        if problem := gqa_problem(query, key, value):
+            return result.fail(problem)
+        if int_attr(node, "is_causal") or int_attr(node, "qk_matmul_output_mode"):
             return result.fail("the node is already causal or exposes Q·Kᵀ; GQA takes causality from seqlens_k only")
         if mask.dtype != ir.DataType.BOOL or not self._mask_of_input(mask):
             return result.fail(f"the mask is not a bool (B, 1, S, T) mask over the graph's {MASK_INPUT}", mask)
         if self.past:
-            return self._check_past(result, q, bindings)
+            return self._check_past(result, dims(query, 4), bindings)
         return result
 
     def _mask_of_input(self, mask: ir.Value) -> bool:
@@ -88,8 +85,8 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
             _outputs=3,
             num_heads=heads,
             kv_num_heads=kv_heads,
-            scale=_float_attr(node, "scale") or head_size**-0.5,
-            softcap=_float_attr(node, "softcap"),
+            scale=float_attr(node, "scale") or head_size**-0.5,
+            softcap=float_attr(node, "softcap"),
         )
         output = op.Transpose(op.Reshape(output, op.Constant(value_ints=[0, 0, heads, head_size])), perm=_BNSH_TO_BSNH)
         return (output, present_key, present_value) if self.past else output
@@ -99,16 +96,6 @@ def _to_bsh(op, x: ir.Value) -> ir.Value:
     """(B, N, S, d) → (B, S, N·d); ORT's transpose optimizer can cancel this against the exporter's
     BSNH → BNSH Transpose where no op (RotaryEmbedding) sits between them."""
     return op.Reshape(op.Transpose(x, perm=_BNSH_TO_BSNH), op.Constant(value_ints=[0, 0, -1]))
-
-
-def _int_attr(node: ir.Node, name: str) -> int:
-    attr = node.attributes.get(name)
-    return attr.as_int() if attr is not None else 0
-
-
-def _float_attr(node: ir.Node, name: str) -> float:
-    attr = node.attributes.get(name)
-    return attr.as_float() if attr is not None else 0.0
 
 
 def rules(model: ir.Model) -> list:

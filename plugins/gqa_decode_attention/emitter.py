@@ -14,7 +14,7 @@ Both become one plugin node with the inputs (Q, K, V, mask, past_key, past_value
 from __future__ import annotations
 
 import onnx_ir as ir
-from headfold.graphs.rewrite._values import dims
+from headfold.graphs.rewrite._values import dims, float_attr, gqa_problem, int_attr
 from headfold.graphs.trt_lint import RuleSet
 from headfold.plugins.gqa_decode_attention.reference import DOMAIN, OP_TYPE
 from onnxscript.rewriter import MatchResult, RewriteRule, pattern
@@ -33,16 +33,13 @@ class _DecodeAttentionToPlugin(pattern.RewriteRuleClassBase):
     def check(self, context, query, key, value, mask, past_key, past_value, attention, **bindings) -> MatchResult:
         result = MatchResult()
         node = attention.producer()
-        q, k, v = dims(query, 4), dims(key, 4), dims(value, 4)
-        if q is None or k is None or v is None or not all(isinstance(x, int) for x in (q[1], k[1], q[3])):
-            return result.fail("Q/K/V are not 4D with static heads and head size")
-        if q[1] % k[1] or k[1] != v[1] or q[3] != k[3]:
-            return result.fail(f"Q {q}, K {k}, V {v} are not one GQA attention")
+        if problem := gqa_problem(query, key, value):
+            return result.fail(problem)
         if dims(past_key, 4) is None or dims(past_value, 4) is None:
             return result.fail("past_key/past_value are not 4D (B, kv_heads, past, head_size)")
         if mask is None or mask.dtype not in _MASK_TYPES:
             return result.fail("the plugin takes a bool or float attn_mask; the node has none or another type")
-        if _int_attr(node, "left_window_size", -1) != -1 or _int_attr(node, "right_window_size", -1) != -1:
+        if int_attr(node, "left_window_size", -1) != -1 or int_attr(node, "right_window_size", -1) != -1:
             return result.fail("sliding-window attention (Attention-25) is not implemented by the plugin")
         return self.check_form(result, node, bindings)
 
@@ -63,9 +60,9 @@ class _DecodeAttentionToPlugin(pattern.RewriteRuleClassBase):
             _outputs=3,
             q_num_heads=heads,
             kv_num_heads=kv_heads,
-            scale=_float_attr(node, "scale") or head_size**-0.5,
-            is_causal=_int_attr(node, "is_causal", 0),
-            softcap=_float_attr(node, "softcap"),
+            scale=float_attr(node, "scale") or head_size**-0.5,
+            is_causal=int_attr(node, "is_causal", 0),
+            softcap=float_attr(node, "softcap"),
             plugin_namespace=DOMAIN,  # TensorRT's parser reads the namespace from this attribute
         )
 
@@ -101,7 +98,7 @@ class ConcatCacheToPlugin(_DecodeAttentionToPlugin):
             return result.fail(f"TensorRT {self.parser.name} parses this Attention natively (the cache is outside it)")
         if {bindings["key_axis"].as_int(), bindings["value_axis"].as_int()} - _SEQUENCE_AXES:
             return result.fail("the past is not concatenated along the sequence axis")
-        if _int_attr(node, "is_causal", 0):  # top-left aligned here, bottom-right once the past is an input
+        if int_attr(node, "is_causal", 0):  # top-left aligned here, bottom-right once the past is an input
             return result.fail("is_causal over a concatenated cache would change alignment inside the plugin")
         return result
 
@@ -109,13 +106,3 @@ class ConcatCacheToPlugin(_DecodeAttentionToPlugin):
 def rules(parser: RuleSet) -> list[RewriteRule]:
     """The emitter rules for one TensorRT parser's rule set."""
     return [PastInputsToPlugin.rule(parser), ConcatCacheToPlugin.rule(parser)]
-
-
-def _int_attr(node: ir.Node, name: str, default: int) -> int:
-    attr = node.attributes.get(name)
-    return attr.as_int() if attr is not None else default
-
-
-def _float_attr(node: ir.Node, name: str) -> float:
-    attr = node.attributes.get(name)
-    return attr.as_float() if attr is not None else 0.0
