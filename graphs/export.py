@@ -12,6 +12,7 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +26,12 @@ from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
 from headfold.atomic import atomic_output, check_output
+from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse
 from headfold.errors import BadInput
 from headfold.graphs.modeling import load_model
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
+from headfold.graphs.rewrite.decompose import decompose
+from headfold.graphs.trt_lint import rule_set
 
 __all__ = [
     "export",
@@ -55,9 +59,11 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens (left padding allowed), as transformers' generate does.
 
     Passing them explicitly (B, S) also keeps torch.onnx from fusing RotaryEmbedding with a
-    batch-1 cos cache, which fails in ORT for batch > 1.
+    batch-1 cos cache, which fails in ORT for batch > 1. The count runs in float32 (exact up to
+    2^24 tokens) because TensorRT documents CumSum for float types only.
     """
-    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    counted = attention_mask.float().cumsum(-1).long()
+    return (counted - 1).masked_fill(attention_mask == 0, 1)
 
 
 def _present(cache: DynamicCache) -> tuple[torch.Tensor, ...]:
@@ -215,16 +221,28 @@ def save(model: ir.Model, path: Path) -> None:
 
 
 def export_graph(
-    spec: GraphSpec, folder: Path, *, opset: int, kv_heads: int, layers: int, attention: AttentionKind = "onnx"
+    spec: GraphSpec,
+    folder: Path,
+    *,
+    opset: int,
+    kv_heads: int | Sequence[int],
+    layers: int,
+    attention: AttentionKind = "onnx",
+    trt_version: str | None = None,
 ) -> dict:
-    """Export, rewrite, check and save one graph; return its summary."""
+    """Export, rewrite, check and save one graph; return its summary.
+
+    With `trt_version`, ops that version's TensorRT parser lacks are then decomposed into
+    primitives (graphs/rewrite/decompose); the fused attention nodes stay.
+    """
     start = time.perf_counter()
     model = torch_export(spec, opset)
     exported = time.perf_counter()
     report = optimize(model, kv_heads=kv_heads, layers=layers, graph=spec.file, attention=attention)
+    decomposed = decompose(model, trt_version) if trt_version else {}
     rewritten = time.perf_counter()
     save(model, folder / spec.file)
-    return {
+    summary = {
         "inputs": spec.input_names,
         "outputs": spec.output_names,
         "fusions": report.fusions,
@@ -233,12 +251,16 @@ def export_graph(
         "torch_export_s": round(exported - start, 2),
         "rewrite_s": round(rewritten - exported, 2),
     }
+    if decomposed:  # only when the version lacks an op a rule covers
+        summary["decomposed_for_tensorrt"] = {"version": trt_version, **decomposed}
+    return summary
 
 
-def attention_shape(config: transformers.PretrainedConfig) -> tuple[int, int, int]:
-    """(layers, heads, kv_heads) from the config; load_model has validated them."""
-    heads = config.num_attention_heads
-    return config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", None) or heads
+def attention_shape(config: transformers.PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
+    """(layers, heads, each layer's kv heads) from the config; load_model has validated them."""
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return layers, heads, tuple(getattr(config, KV_HEADS_PER_LAYER, None) or [kv_heads] * layers)
 
 
 def export(
@@ -250,16 +272,21 @@ def export(
     attention: AttentionKind = "onnx",
     overwrite: bool = False,
     progress: bool = True,
+    trt_version: str | None = None,
 ) -> dict:
     """Export the checkpoint folder `src` to ONNX graphs in `out_dir` (atomically); return the summary.
 
     attention="ort-gqa" (decoders) writes com.microsoft.GroupQueryAttention nodes for ONNX Runtime;
     those graphs need unpadded or right-padded batches (headfold.graphs.rewrite.ort_gqa).
+    trt_version="10.14" decomposes the ops that TensorRT version cannot parse (RMSNormalization,
+    RotaryEmbedding before 10.15) and records them per graph as "decomposed_for_tensorrt".
     Raises BadInput for unsupported opsets/dtypes/attention kinds and unloadable checkpoints,
     CheckFailed when a graph does not end up with exactly one fused attention node per layer
     with K/V at kv-heads.
     """
     check_opset(opset)
+    if trt_version is not None:
+        rule_set(trt_version)  # an unknown version is bad input before the slow part
     if attention not in ATTENTION_OPS:
         raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
     torch_dtype = _torch_dtype(dtype)
@@ -278,13 +305,13 @@ def export(
         "attention": attention,
         "layers": layers,
         "heads": heads,
-        "kv_heads": kv_heads,
+        "kv_heads": collapse(kv_heads),  # one count, or one per layer
         "graphs": {},
     }
     with atomic_output(out) as tmp:
         for spec in tqdm(graphs, desc="export", unit="graph", disable=not progress):
             summary["graphs"][spec.file] = export_graph(
-                spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention
+                spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version
             )
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary

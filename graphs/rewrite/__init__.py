@@ -4,6 +4,8 @@ Each rule is a pattern/check/rewrite class (onnxscript's rewriter) in its own mo
 `rules`; adding a rule is adding a module and listing it in RULES. Order matters: decomposed
 attention is fused first so that its repeated K/V can then be collapsed. With
 attention="ort-gqa" the fused nodes then become ONNX Runtime's GroupQueryAttention (ort_gqa).
+decompose is not in RULES: export applies it after them, only for the ops a target TensorRT
+release cannot parse (RMSNormalization, RotaryEmbedding before 10.15).
 """
 
 from __future__ import annotations

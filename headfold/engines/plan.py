@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from headfold.engines.env import Target
 from headfold.errors import BadInput
+from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
 from headfold.graphs.trt_lint import Finding, LintReport, lint
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -192,6 +193,9 @@ def _since(finding: Finding) -> tuple[int, ...]:
 
 def _fix(finding: Finding, target: Target) -> str:
     since = ".".join(map(str, _since(finding)))
+    op = finding.message.split()[0]  # trt_lint: "<op> has no importer in TensorRT ..."
+    if since and finding.rule == "op-unsupported" and op in DECOMPOSITIONS:
+        return f"re-export with headfold export --trt-version {target.version} (decomposes {op}), or use TensorRT {since} or newer"
     if since:
         return f"use TensorRT {since} or newer, or check the plan with --dry-run --trt-version {since}"
     if finding.rule == "custom-domain":
