@@ -85,7 +85,7 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
 @click.option("--attention", type=click.Choice(("onnx", "ort-gqa")), default="onnx", help="Fused node: onnx = standard Attention (ORT, TensorRT); ort-gqa = com.microsoft.GroupQueryAttention for ONNX Runtime CUDA decoding (decoders only; unpadded or right-padded batches; CUDA runs it in fp16/bf16).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--trt-version", default=None, metavar="MAJOR.MINOR", help="Also print which exported graphs this TensorRT version's ONNX parser takes (a lint on CPU; rule sets 10.13, 10.14, 10.15, 11.0).")
+@click.option("--trt-version", default=None, metavar="MAJOR.MINOR", help="Target this TensorRT version: decompose the ops its ONNX parser lacks (RMSNormalization, RotaryEmbedding before 10.15) into primitives, then print which exported graphs it takes (a lint on CPU; rule sets 10.13, 10.14, 10.15, 11.0).")
 def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, overwrite: bool, quiet: bool, trt_version: str | None) -> None:
     """Export the checkpoint folder SRC to ONNX with one GQA Attention node per layer.
 
@@ -94,13 +94,13 @@ def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str,
     """
     from headfold.graphs.export import export
 
-    if trt_version:
-        from headfold.graphs.trt_lint import rule_set
-
-        rule_set(trt_version)  # an unknown version is bad input before anything is written
-    summary = export(src, out_dir, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=not quiet)
+    summary = export(
+        src, out_dir, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=not quiet, trt_version=trt_version
+    )
     for name, graph in summary["graphs"].items():
-        click.echo(f"wrote {out_dir / name}: {graph['attention_nodes']} Attention nodes, kv-heads {graph['attention_kv_heads']}")
+        decomposed = {op: n for op, n in graph.get("decomposed_for_tensorrt", {}).items() if op != "version"}
+        note = f"; decomposed for TensorRT {trt_version}: {', '.join(f'{n} {op}' for op, n in decomposed.items())}" if decomposed else ""
+        click.echo(f"wrote {out_dir / name}: {graph['attention_nodes']} Attention nodes, kv-heads {graph['attention_kv_heads']}{note}")
     if trt_version:
         from headfold.graphs.trt_lint import export_table
 
@@ -176,6 +176,7 @@ input_options = _options(
     click.option("--max-rows", type=int, default=128, help="Use a seeded subset of this many rows when the text has more (0 = all)."),
     click.option("--batch-size", type=int, default=8, help="Rows per padded batch."),
     click.option("--seed", type=int, default=0, help="Seed for row lengths and the row subset."),
+    click.option("--decode-steps", type=int, default=16, help="Decoder exports: the last N tokens of each row go through decode.onnx one by one (KV cache), gated like the prefill (0 = skip)."),
 )
 threshold_options = _options(
     click.option("--budget", "budget_file", type=click.Path(path_type=Path), default=None, help="TOML/YAML/JSON file with [fidelity] and [loss] budgets (options below override it)."),
@@ -193,10 +194,10 @@ report_options = _options(
 )
 
 
-def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, seed: int):
+def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, seed: int, decode_steps: int):
     from headfold.verification.inputs import InputSpec
 
-    return InputSpec(text, window, max_rows or None, batch_size, seed)
+    return InputSpec(text, window, max_rows or None, batch_size, seed, decode_steps)
 
 
 def _thresholds(budget_file: Path | None, **values: float | None):
@@ -226,17 +227,18 @@ def _quiet_libraries() -> None:
 @input_options
 @threshold_options
 @report_options
-def verify_cmd(reference: Path, candidate: Path, check: str, text, window, max_rows, batch_size, seed, budget_file, json_path, markdown_path, junit_path, **thresholds) -> None:
+def verify_cmd(reference: Path, candidate: Path, check: str, text, window, max_rows, batch_size, seed, decode_steps, budget_file, json_path, markdown_path, junit_path, **thresholds) -> None:
     """Compare CANDIDATE with REFERENCE on the same text; exit 1 when a budget is exceeded.
 
     Each side is a checkpoint folder (run in torch), an export folder or a .onnx file (run in
-    ONNX Runtime). Fidelity: the same model on two backends (abs/rel error, cosine, top-1).
-    Conversion loss: original vs converted (perplexity increase, KL, top-1; encoders: cosine).
+    ONNX Runtime). Fidelity: the same model on two backends (abs/rel error, cosine, top-1); a
+    decoder export also runs its KV-cache path (prefill, then --decode-steps steps through
+    decode.onnx) as the check fidelity-decode. Conversion loss: original vs converted (perplexity increase, KL, top-1; encoders: cosine).
     """
     from headfold.verification.api import verify
 
     _quiet_libraries()
-    report = verify(reference, candidate, inputs=_input_spec(text, window, max_rows, batch_size, seed), thresholds=_thresholds(budget_file, **thresholds), check=check)
+    report = verify(reference, candidate, inputs=_input_spec(text, window, max_rows, batch_size, seed, decode_steps), thresholds=_thresholds(budget_file, **thresholds), check=check)
     report.write(json_path, markdown_path, junit_path)
     _finish(report)
 
@@ -250,7 +252,7 @@ def verify_cmd(reference: Path, candidate: Path, check: str, text, window, max_r
 @click.option("--dtype", type=click.Choice(("fp32", "fp16", "bf16")), default="fp32", help="Export precision; picks the fidelity defaults.")
 @input_options
 @threshold_options
-def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, opset: int, dtype: str, text, window, max_rows, batch_size, seed, budget_file, **thresholds) -> None:
+def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, opset: int, dtype: str, text, window, max_rows, batch_size, seed, decode_steps, budget_file, **thresholds) -> None:
     """Convert → export → build → verify SRC into OUT_DIR/{convert,export,build,verify}.
 
     Stages whose inputs (content hashes and options, in OUT_DIR/stages.json) are unchanged are
@@ -260,7 +262,7 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
     from headfold.pipeline import run
 
     _quiet_libraries()
-    report = run(src, out_dir, kv_heads, method=method, opset=opset, dtype=dtype, inputs=_input_spec(text, window, max_rows, batch_size, seed), thresholds=_thresholds(budget_file, **thresholds), log=click.echo)
+    report = run(src, out_dir, kv_heads, method=method, opset=opset, dtype=dtype, inputs=_input_spec(text, window, max_rows, batch_size, seed, decode_steps), thresholds=_thresholds(budget_file, **thresholds), log=click.echo)
     _finish(report)
 
 

@@ -254,6 +254,9 @@ def test_sidecar_schema_and_verify_resolution(exported, tmp_path: Path) -> None:
         assert (artifact.kind, artifact.model, artifact.precision) == ("engine", checkpoint, "fp32")
     assert check_kind(resolve(checkpoint), resolve(graph.engine)) == "fidelity"
     assert resolve(graph.engine).describe()["engine"]["source_sha256"] == graph.sha256
+    assert resolve(graph.engine).decode is None  # no decode.engine beside it: no KV-cache check
+    (graph.engine.parent / "decode.engine").write_bytes(b"placeholder")
+    assert resolve(graph.engine.parent).decode == graph.engine.parent / "decode.engine"
     if env._missing("tensorrt"):
         with pytest.raises(BadInput, match="TensorRT is not installed"), resolve(graph.engine).runner():
             pass

@@ -66,9 +66,10 @@ def test_mqa_against_a_tight_budget_exits_1_naming_the_metric(tmp_path: Path, ca
 @pytest.mark.slow
 def test_run_end_to_end(first_run) -> None:
     out, log, report = first_run
-    assert [c.name for c in report.checks] == ["conversion-loss", "fidelity-onnx"]
-    loss, fidelity = report.checks
+    assert [c.name for c in report.checks] == ["conversion-loss", "fidelity-onnx", "fidelity-onnx-decode"]
+    loss, fidelity, decode = report.checks
     assert fidelity.passed and fidelity.metrics["max_abs_err"] < 1e-3 and fidelity.metrics["top1"] > 0.999
+    assert decode.passed and decode.metrics["max_abs_err"] < 1e-3 and decode.candidate["runner"] == "onnxruntime:decode.onnx"
     assert loss.candidate["kv_heads"] == 4 and loss.reference["kv_heads"] == 8
     assert loss.candidate["kv_cache_bytes_per_token"] * 2 == loss.reference["kv_cache_bytes_per_token"]
     assert 0 < loss.metrics["kl"] and loss.metrics["reference_ppl"] < loss.metrics["candidate_ppl"]
@@ -101,6 +102,7 @@ def test_demo_passes_its_reference_budget(capsys) -> None:
     out = capsys.readouterr().out
     assert code == 0 and "conversion-loss: torch:default_model vs torch:convert" in out and "all checks passed" in out
     assert "fidelity-onnx: torch:convert vs onnxruntime:prefill.onnx" in out
+    assert "PASS fidelity-onnx-decode: torch:convert vs onnxruntime:decode.onnx" in out
 
 
 @pytest.mark.slow
@@ -108,4 +110,4 @@ def test_python_api_example(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, ROOT / "examples/python_api.py", EMBEDDED, tmp_path, "--kv-heads", "8", "--max-rows", "8"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "loss.json").read_text())["checks"][0]["metrics"]["kl"] == 0
-    assert (tmp_path / "fidelity.xml").read_text().count("<testcase ") == 1
+    assert (tmp_path / "fidelity.xml").read_text().count("<testcase ") == 2  # prefill + KV-cache decode

@@ -170,8 +170,8 @@ def test_identity_conversion_passes_exactly(tiny, tmp_path: Path) -> None:
 
 def test_fidelity_of_export_reports_every_metric(tiny, tmp_path: Path) -> None:
     report = verify(tiny["kv2"], tiny["onnx"], inputs=SPEC)
-    (check,) = report.checks
-    assert check.kind == "fidelity" and report.passed
+    check, decode = report.checks  # a decoder export: prefill, then its KV-cache path (test_verify_decode.py)
+    assert check.kind == decode.kind == "fidelity" and decode.name == "fidelity-decode" and report.passed
     assert set(check.metrics) >= FIDELITY_METRICS
     assert check.metrics["max_abs_err"] < 1e-4 and check.metrics["top1"] == 1.0 and check.metrics["mismatched"] == 0
     assert check.candidate["providers"] == "CPUExecutionProvider" and check.candidate["kv_heads"] == 2

@@ -10,8 +10,10 @@ from headfold.errors import BadInput
 from headfold.verification.artifacts import Artifact, check_kind, loosest, resolve
 from headfold.verification.budget import FidelityBudget, LossBudget, Thresholds
 from headfold.verification.checks import CheckResult, CheckSpec, run_checks
+from headfold.verification.decoding import KvCacheRunner, decode_check
 from headfold.verification.inputs import Inputs, InputSpec, make_inputs
 from headfold.verification.report import Report
+from headfold.verification.runners import BaseRunner
 
 CHECK_NAMES = {"fidelity": "fidelity", "loss": "conversion-loss"}
 
@@ -29,19 +31,55 @@ def check_vocab(reference: Artifact, candidate: Artifact) -> None:
         raise BadInput(f"{reference.path} and {candidate.path} have different vocabularies ({' vs '.join(map(str, sorted(vocab)))})")
 
 
+Pair = tuple[Artifact, Artifact]
+
+
 def run_artifact_checks(checks: list[tuple[str, str, Artifact, Artifact, FidelityBudget | LossBudget]], inputs: Inputs) -> list[CheckResult]:
-    """(name, kind, reference, candidate, budget) per check; an artifact used twice runs once per feed."""
-    runners = {}
-    specs = []
+    """(name, kind, reference, candidate, budget) per check; an artifact used twice runs once per feed.
+
+    A fidelity check with a decoder export on a side is followed by its KV-cache twin
+    (verification.decoding), unless `inputs.decode_steps` is 0 (then the check notes the skip).
+    """
+    runners = _RunnerCache(inputs.decode_steps)
+    planned: list[tuple[CheckSpec, Pair]] = []
     for name, kind, reference, candidate, budget in checks:
         check_vocab(reference, candidate)
-        ref, cand = (runners.setdefault(a.path, a.runner()) for a in (reference, candidate))
-        specs.append(CheckSpec(name, kind, ref, cand, budget))
-    results = run_checks(specs, inputs)
-    for (_, _, reference, candidate, _), result in zip(checks, results):
+        spec = CheckSpec(name, kind, runners.full(reference), runners.full(candidate), budget)
+        planned.append((spec, (reference, candidate)))
+        if kind == "fidelity" and (reference.decode or candidate.decode):
+            sides = runners.kv_cache_or_full(reference), runners.kv_cache_or_full(candidate)
+            twin = decode_check(spec, *sides, inputs.decode_steps)
+            planned += [(twin, (reference, candidate))] if twin else []
+    results = run_checks([spec for spec, _ in planned], inputs)
+    for (_, (reference, candidate)), result in zip(planned, results):
         result.reference = {**reference.describe(), **result.reference}
         result.candidate = {**candidate.describe(), **result.candidate}
     return results
+
+
+class _RunnerCache:
+    """One runner per artifact and path (full forward / KV cache), so shared sides run once per feed.
+
+    KV-cache runners cost nothing until a check runs them (they load on entry).
+    """
+
+    def __init__(self, decode_steps: int) -> None:
+        self.decode_steps = decode_steps
+        self._full: dict[Path, BaseRunner] = {}
+        self._kv_cache: dict[Path, KvCacheRunner] = {}
+
+    def full(self, artifact: Artifact) -> BaseRunner:
+        if artifact.path not in self._full:
+            self._full[artifact.path] = artifact.runner()
+        return self._full[artifact.path]
+
+    def kv_cache_or_full(self, artifact: Artifact) -> BaseRunner:
+        """The KV-cache path of a decoder export or engine pair (its prefill runner shared), else the full forward."""
+        if artifact.decode is None:
+            return self.full(artifact)
+        if artifact.path not in self._kv_cache:
+            self._kv_cache[artifact.path] = KvCacheRunner(self.full(artifact), artifact.decode_runner(), self.decode_steps)
+        return self._kv_cache[artifact.path]
 
 
 def verify(

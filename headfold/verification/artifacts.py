@@ -3,7 +3,8 @@
 A checkpoint folder (config.json) runs in torch; an export folder (export.json) or a .onnx file
 runs in ONNX Runtime; a .engine (or a `headfold build` folder) runs in TensorRT. An ONNX graph's
 model is the checkpoint export.json names as its source; an engine's is its source graph's
-(found through the engine's .engine.json sidecar).
+(found through the engine's .engine.json sidecar). A decoder export's prefill graph carries its
+decode graph along (`Artifact.decode`) for the KV-cache check (verification.decoding).
 Same model on both sides → fidelity; a candidate whose model is a headfold conversion
 (headfold.json) of the reference's → conversion loss.
 """
@@ -22,6 +23,8 @@ from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRu
 EXPORT_SUMMARY = "export.json"
 CONVERSION_MANIFEST = "headfold.json"
 GRAPHS = ("prefill.onnx", "model.onnx")  # the full-sequence graph of a decoder / an encoder
+PREFILL_GRAPH, DECODE_GRAPH = "prefill.onnx", "decode.onnx"  # a decoder export's KV-cache pair
+PREFILL_ENGINE, DECODE_ENGINE = "prefill.engine", "decode.engine"  # the same pair after `headfold build`
 ENGINE_SUFFIXES = (".engine", ".plan")
 ENGINES = ("prefill.engine", "model.engine")  # in a `headfold build` folder, like GRAPHS
 _TORCH_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -42,13 +45,16 @@ class Artifact:
     kind: str  # "checkpoint" | "onnx" | "engine"
     model: Path | None  # the checkpoint folder of this model; None for an ONNX file of unknown origin
     precision: str
+    decode: Path | None = None  # a decoder's decode graph or engine (KV cache), next to its prefill one
 
     def runner(self) -> BaseRunner:
-        if self.kind == "engine":
-            from headfold.engines.runner import TensorRTRunner
+        return _runner(self.kind, self.path)
 
-            return TensorRTRunner(self.path)
-        return TorchRunner(self.path) if self.kind == "checkpoint" else OnnxRuntimeRunner(self.path)
+    def decode_runner(self) -> BaseRunner:
+        """The runner of the decode graph or engine paired with this prefill one."""
+        if self.decode is None:
+            raise ValueError(f"{self.path} has no decode graph")
+        return _runner(self.kind, self.decode)
 
     @property
     def is_conversion(self) -> bool:
@@ -64,6 +70,8 @@ class Artifact:
             "precision": self.precision,
             f"{key_file.name}_sha256": sha256_file(key_file),
         }
+        if self.decode is not None:
+            info[f"{self.decode.name}_sha256"] = sha256_file(self.decode)
         if self.model is not None:
             info |= attention_info(self.model, self.precision)
         if self.kind == "engine":
@@ -73,6 +81,14 @@ class Artifact:
         if self.is_conversion:
             info["conversion"] = json.loads((self.model / CONVERSION_MANIFEST).read_text())["conversion"]
         return info
+
+
+def _runner(kind: str, path: Path) -> BaseRunner:
+    if kind == "engine":
+        from headfold.engines.runner import TensorRTRunner
+
+        return TensorRTRunner(path)
+    return TorchRunner(path) if kind == "checkpoint" else OnnxRuntimeRunner(path)
 
 
 def attention_info(checkpoint: Path, precision: str) -> dict[str, Any]:
@@ -100,22 +116,34 @@ def _checkpoint_precision(folder: Path) -> str:
     return _TORCH_PRECISION.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), "fp32")
 
 
-def _export_source(summary_file: Path) -> tuple[Path | None, str]:
-    """(source checkpoint if it still exists, dtype) from an export.json."""
+def _read_summary(summary_file: Path) -> dict[str, Any]:
     try:
-        summary = json.loads(summary_file.read_text())
+        return json.loads(summary_file.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise BadInput(f"cannot read {summary_file}: {str(err).splitlines()[0]}") from None
+
+
+def _export_source(summary: dict[str, Any], folder: Path) -> Path | None:
+    """The source checkpoint an export.json names, if it still exists."""
     source = Path(summary.get("source", ""))
-    candidates = [source] if source.is_absolute() else [Path.cwd() / source, summary_file.parent.parent / source]
-    found = next((p.resolve() for p in candidates if (p / "config.json").is_file()), None)
-    return found, summary.get("dtype", "fp32")
+    candidates = [source] if source.is_absolute() else [Path.cwd() / source, folder.parent / source]
+    return next((p.resolve() for p in candidates if (p / "config.json").is_file()), None)
+
+
+def _decode_graph(graph: Path, summary: dict[str, Any]) -> Path | None:
+    """The decode graph paired with `graph` when `graph` is a decoder export's prefill graph."""
+    decode = graph.parent / DECODE_GRAPH
+    paired = graph.name == PREFILL_GRAPH and DECODE_GRAPH in summary.get("graphs", {})
+    return decode if paired and decode.is_file() else None
 
 
 def _onnx_artifact(graph: Path) -> Artifact:
-    summary = graph.parent / EXPORT_SUMMARY
-    model, dtype = _export_source(summary) if summary.is_file() else (None, "fp32")
-    return Artifact(graph, "onnx", model, dtype)
+    summary_file = graph.parent / EXPORT_SUMMARY
+    if not summary_file.is_file():
+        return Artifact(graph, "onnx", None, "fp32")
+    summary = _read_summary(summary_file)
+    model = _export_source(summary, graph.parent)
+    return Artifact(graph, "onnx", model, summary.get("dtype", "fp32"), _decode_graph(graph, summary))
 
 
 def _engine_artifact(engine: Path) -> Artifact:
@@ -124,7 +152,9 @@ def _engine_artifact(engine: Path) -> Artifact:
 
     info = read_sidecar(engine)
     graph = source_onnx(engine, info)
-    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info["precision"]["name"])
+    decode = engine.with_name(DECODE_ENGINE)  # `headfold build` writes the pair side by side
+    paired = engine.name == PREFILL_ENGINE and decode.is_file()
+    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info["precision"]["name"], decode if paired else None)
 
 
 def resolve(path: Path) -> Artifact:

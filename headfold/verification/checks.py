@@ -8,9 +8,12 @@ for decoders, the embedding cosine for encoders. A gate is hard: one failure fai
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 from headfold.errors import BadInput
 from headfold.verification.budget import FidelityBudget, LossBudget
@@ -88,13 +91,22 @@ def loss_gates(metrics: dict[str, float], budget: LossBudget) -> list[Gate]:
 
 @dataclass
 class CheckSpec:
-    """One check to run: its name and kind, the two runners and the budget."""
+    """One check to run: its name and kind, the two runners and the budget.
+
+    `positions(feed)` → [B, S] bool picks the positions compared (default: every real token).
+    """
 
     name: str
     kind: str
     reference: Runner
     candidate: Runner
     budget: FidelityBudget | LossBudget
+    positions: Callable[[Mapping[str, np.ndarray]], np.ndarray] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def compared(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The feed as the meters see it: its attention_mask marks the positions compared."""
+        return feed if self.positions is None else {**feed, "attention_mask": self.positions(feed)}
 
 
 def _output_name(outputs: dict[str, Any]) -> str:
@@ -141,14 +153,14 @@ def run_checks(specs: list[CheckSpec], inputs: Inputs) -> list[CheckResult]:
                 if names[i] not in cand:
                     raise BadInput(f"{spec.candidate.name} has no output {names[i]!r} (it returned {', '.join(sorted(cand))})")
                 meters[i] = meters[i] or _meter(spec.kind, names[i], spec.budget)
-                meters[i].add(ref[names[i]], cand[names[i]], feed)
+                meters[i].add(ref[names[i]], cand[names[i]], spec.compared(feed))
         described = {id(r): _describe(r) for r in runners}
     results = []
     for spec, meter, name in zip(specs, meters, names):
         metrics = {"output": name, **meter.metrics()}
         ref, cand = described[id(spec.reference)], described[id(spec.candidate)]
         took = clock[id(spec.reference)] + clock[id(spec.candidate)]
-        results.append(CheckResult(spec.name, spec.kind, ref, cand, metrics, _gate(spec, metrics), asdict(spec.budget), took))
+        results.append(CheckResult(spec.name, spec.kind, ref, cand, metrics, _gate(spec, metrics), asdict(spec.budget), took, list(spec.notes)))
     return results
 
 

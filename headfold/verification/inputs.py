@@ -25,6 +25,7 @@ BYTE_VOCAB = 256  # headfold's byte-level convention: no tokenizer files, ids ar
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 # Leave room for position offsets such as RoBERTa's padding_idx + 1.
 _SPARE_POSITIONS = 2
+DEFAULT_DECODE_STEPS = 16  # KV-cache steps per row through a decoder export's decode graph
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,14 @@ class InputSpec:
     max_rows: int | None = 128  # seeded subset of rows when the text has more; None = all
     batch_size: int = 8
     seed: int = 0
+    decode_steps: int = DEFAULT_DECODE_STEPS  # the last tokens of each row fed one by one; 0 = none
 
 
 @dataclass
 class Inputs:
     feeds: list[dict[str, np.ndarray]]
     info: dict[str, Any] = field(default_factory=dict)
+    decode_steps: int = DEFAULT_DECODE_STEPS
 
 
 def read_text(path: Path | None) -> tuple[str, str]:
@@ -123,6 +126,8 @@ def make_inputs(checkpoint: Path, spec: InputSpec) -> Inputs:
     """Feeds for the model in `checkpoint` (its tokenizer and limits) from `spec`."""
     if spec.window < 2 or spec.batch_size < 1 or (spec.max_rows is not None and spec.max_rows < 1):
         raise BadInput("--window must be at least 2, --batch-size and --max-rows at least 1")
+    if spec.decode_steps < 0:
+        raise BadInput("--decode-steps must be 0 (no KV-cache check) or more")
     config = read_config(checkpoint)
     text, label = read_text(spec.text)
     encode, tokenizer = tokenizer_for(checkpoint, config)
@@ -145,5 +150,6 @@ def make_inputs(checkpoint: Path, spec: InputSpec) -> Inputs:
         "batch_size": spec.batch_size,
         "seed": spec.seed,
         "padding": "right",
+        "decode_steps": spec.decode_steps,
     }
-    return Inputs(feeds, info)
+    return Inputs(feeds, info, spec.decode_steps)

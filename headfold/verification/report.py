@@ -122,6 +122,7 @@ class Report:
         for check in self.checks:
             lines += [f"### {'✅' if check.passed else '❌'} {self._title(check)}", "", "| metric | value | budget | result |", "|---|---:|---|---|"]
             lines += [f"| {m} | {v} | {b} | {r} |" for m, v, b, r in self.rows(check)]
+            lines += ["", *(f"_Note: {note}._" for note in check.notes)] if check.notes else []
             lines.append("")
         return "\n".join(lines)
 
@@ -142,7 +143,8 @@ class Report:
             if not check.passed:
                 message = "; ".join(g.message() for g in check.failures)
                 ET.SubElement(case, "failure", message=message, type="ThresholdExceeded").text = message
-            ET.SubElement(case, "system-out").text = "\n".join(f"{m} = {v} {b} {r}".rstrip() for m, v, b, r in self.rows(check))
+            rows = [f"{m} = {v} {b} {r}".rstrip() for m, v, b, r in self.rows(check)]
+            ET.SubElement(case, "system-out").text = "\n".join(rows + [f"note: {n}" for n in check.notes])
         ET.indent(root)
         return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
@@ -156,4 +158,5 @@ class Report:
             for metric, value, budget, verdict in self.rows(check):
                 mark = click.style(verdict, fg=paint[verdict]) if verdict else ""
                 lines.append(f"  {metric:<22} {value:>12}  {budget:<12} {mark}".rstrip())
+            lines += [f"  note: {note}" for note in check.notes]
         return "\n".join(lines)

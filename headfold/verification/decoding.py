@@ -1,0 +1,146 @@
+"""The KV-cache path of a decoder export, as a runner, and the fidelity check that gates it.
+
+`KvCacheRunner.infer(feed)` answers like a full forward (logits [B, S, V] over the feed's rows)
+but fills only each row's last `steps` real positions, and computes them through the cache:
+prefill on the row's earlier tokens, then one decode call per remaining token, fed that token
+(teacher forcing: the row's next real token, not the model's guess) and the previous call's
+present K/V as past K/V. The attention mask grows by one per step, so a row shorter than the
+batch's longest keeps its pads between prefix and new tokens; the graphs derive positions from
+the mask (graphs.export.position_ids), so each new token still gets its own position, as in
+generation. The `<fidelity check>-decode` check compares those positions only, against the
+other side's full forward (torch, a prefill graph, an engine) or its own KV-cache path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from headfold.verification.checks import CheckSpec
+from headfold.verification.inputs import pad_batch
+from headfold.verification.runners import BaseRunner, Runner
+
+# graphs.export's cache names: prefill/decode output present.{i}.key, decode input past_key_values.{i}.key
+PRESENT, PAST = "present.", "past_key_values."
+SKIPPED_NOTE = "KV-cache path (decode graph) not checked: --decode-steps 0"
+
+
+def decoded_positions(attention_mask: np.ndarray, steps: int) -> np.ndarray:
+    """[B, S] bool: each row's last `steps` real tokens (all but its first when the row is shorter).
+
+    Counted over real tokens, so left, right or gapped padding all work.
+    """
+    real = attention_mask.astype(bool)
+    from_end = real[:, ::-1].cumsum(1)[:, ::-1]  # at a real token: 1 for the row's last, 2 before it, ...
+    per_row = np.minimum(steps, real.sum(1) - 1)  # the prefill keeps one token at least
+    return real & (from_end <= per_row[:, None])
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Per row: the tokens prefilled, the tokens then fed one at a time, and their columns in the feed."""
+
+    prefixes: list[np.ndarray]
+    fed: list[np.ndarray]
+    columns: list[np.ndarray]
+    pad_id: int
+
+    @classmethod
+    def of(cls, feed: Mapping[str, np.ndarray], steps: int) -> DecodePlan:
+        ids, real = feed["input_ids"], feed["attention_mask"].astype(bool)
+        decoded = decoded_positions(real, steps)
+        pads = ids[~real]
+        return cls(
+            prefixes=[row[r & ~d] for row, r, d in zip(ids, real, decoded)],
+            fed=[row[d] for row, d in zip(ids, decoded)],
+            columns=[np.flatnonzero(d) for d in decoded],
+            pad_id=int(pads[0]) if pads.size else 0,
+        )
+
+    @property
+    def steps(self) -> int:
+        return max(len(f) for f in self.fed)
+
+    def step(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Step k's token per row and which rows are still decoding (the others get a masked pad)."""
+        active = np.array([k < len(f) for f in self.fed])
+        tokens = np.array([f[k] if a else self.pad_id for f, a in zip(self.fed, active)], dtype=np.int64)
+        return tokens[:, None], active
+
+
+def past_from_present(outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """present.{i}.{key,value} → past_key_values.{i}.{key,value}, matched by name, never by order:
+    a decode graph that wires a layer to another layer's cache shows up in the numbers."""
+    return {PAST + name.removeprefix(PRESENT): value for name, value in outputs.items() if name.startswith(PRESENT)}
+
+
+class KvCacheRunner(BaseRunner):
+    """Prefill + teacher-forced decode steps through a decoder export's two graphs, as one runner.
+
+    `prefill` may be the runner another check already uses for the prefill graph (it is shared,
+    not reloaded); `decode` runs the decode graph. Both speak the export's names.
+    """
+
+    def __init__(self, prefill: Runner, decode: Runner, steps: int) -> None:
+        super().__init__(decode.name)
+        self.prefill, self.decode, self.steps = prefill, decode, steps
+        self._stack: ExitStack | None = None
+
+    def activate_impl(self) -> None:
+        self._stack = ExitStack()
+        for runner in (self.prefill, self.decode):
+            self._stack.enter_context(runner)
+
+    def deactivate_impl(self) -> None:
+        self._stack.close()
+        self._stack = None
+
+    def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        plan = DecodePlan.of(feed_dict, self.steps)
+        prefill = pad_batch(plan.prefixes, plan.pad_id, token_type_ids=False)
+        mask, past = prefill["attention_mask"], past_from_present(self.prefill.infer(prefill))
+        logits = None
+        for k in range(plan.steps):
+            tokens, active = plan.step(k)
+            mask = np.concatenate([mask, active[:, None].astype(mask.dtype)], axis=1)
+            out = self.decode.infer({"input_ids": tokens, "attention_mask": mask, **past})
+            past = past_from_present(out)
+            if logits is None:  # the full-forward shape, zero where nothing was decoded
+                logits = np.zeros((*feed_dict["input_ids"].shape, out["logits"].shape[-1]), out["logits"].dtype)
+            for row in np.flatnonzero(active):
+                logits[row, plan.columns[row][k]] = out["logits"][row, -1]
+        return {"logits": logits}
+
+    def describe(self) -> dict[str, Any]:
+        describe = getattr(self.decode, "describe", None)
+        info = describe() if describe else {}
+        return {**info, "runner": self.name, "prefill_runner": self.prefill.name, "decode_steps": self.steps}
+
+
+def decode_check(fidelity: CheckSpec, reference: Runner, candidate: Runner, steps: int) -> CheckSpec | None:
+    """The KV-cache twin of a fidelity check: same budget, compared at the decoded positions only.
+
+    `reference` / `candidate` are a KvCacheRunner on a decoder export's side, the fidelity
+    check's own runner on the other (its full forward is the truth the cache must reproduce).
+    With `steps` 0 there is no twin; the fidelity check notes that the decode graph went unchecked.
+    """
+    if steps == 0:
+        fidelity.notes.append(SKIPPED_NOTE)
+        return None
+    note = (
+        f"prefill on each row but its last {steps} tokens, then {steps} teacher-forced decode steps "
+        "(present K/V fed back as past K/V); metrics over the decoded positions only"
+    )
+    return CheckSpec(
+        f"{fidelity.name}-decode", "fidelity", reference, candidate, fidelity.budget,
+        positions=partial(_decoded_mask, steps=steps), notes=[note],
+    )  # fmt: skip
+
+
+def _decoded_mask(feed: Mapping[str, np.ndarray], steps: int) -> np.ndarray:
+    return decoded_positions(feed["attention_mask"], steps)
