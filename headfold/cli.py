@@ -310,10 +310,10 @@ def inspect_cmd(src: Path, quiet: bool, **options) -> None:
 
 
 @cli.command()
-@click.option("--kv-heads", type=int, default=4, help="K/V heads to convert the embedded 8-head model to (1 = MQA).")
+@click.option("--kv-heads", type=KvHeads(), default="4", help="K/V heads to convert the embedded 8-head, 4-layer model to: one value (1 = MQA) or one per layer (4,2,1,1).")
 @click.option("--method", default="aligned+grouped+refit", metavar="METHOD", help="How the K/V heads of a group become one, as for `headfold convert --method`.")
 @threshold_options
-def demo(kv_heads: int, method: str, budget_file, **thresholds) -> None:
+def demo(kv_heads: int | tuple[int, ...], method: str, budget_file, **thresholds) -> None:
     """`headfold run` on the embedded trained model (Llama layout, 8 heads) in a temporary folder.
 
     Converts, exports, (builds where TensorRT is present) and verifies on Python documentation

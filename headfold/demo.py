@@ -25,7 +25,7 @@ def demo_budget() -> Path:
     return default_model_path() / "demo-budget.toml"
 
 
-def demo(kv_heads: int = 4, method: str = "aligned+grouped+refit", log: Log = print, **options: Any) -> Report:
+def demo(kv_heads: int | tuple[int, ...] = 4, method: str = "aligned+grouped+refit", log: Log = print, **options: Any) -> Report:
     """`run` on the embedded model in a temporary folder, removed afterwards; the verify report."""
     with tempfile.TemporaryDirectory(prefix="headfold-demo-") as tmp:
         options.setdefault("inputs", DEMO_INPUTS)
