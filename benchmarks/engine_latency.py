@@ -36,12 +36,11 @@ def parse_args() -> argparse.Namespace:
 def build_variant(kv: int, folder: Path, args: argparse.Namespace) -> Path:
     """Convert (unless kv is the model's own head count), export, build; the engine folder."""
     from headfold.converter import convert
-    from headfold.graphs.export import export
-
     from headfold.demo import default_model_path
     from headfold.engines.build import build
     from headfold.engines.env import Target
     from headfold.engines.plan import make_plan
+    from headfold.graphs.export import export
 
     source = default_model_path()
     heads = json.loads((source / "config.json").read_text())["num_attention_heads"]

@@ -7,16 +7,16 @@ import json
 import platform
 import re
 import shutil
-from importlib import metadata
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from headfold.atomic import atomic_output, check_output
 from headfold import corpus
+from headfold.atomic import atomic_output, check_output
 from headfold.converter.calibration import attention_inputs
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, rotary_dims
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes

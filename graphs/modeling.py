@@ -46,7 +46,6 @@ from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
 from headfold.converter.spec import spec_for
 from headfold.errors import BadInput
 
-
 __all__ = ["load_model", "GQA_ATTENTION"]
 
 # The only attention implementation the GQA subclasses are wired for: transformers' SDPA

@@ -11,7 +11,6 @@ import click
 from headfold.errors import HeadfoldError
 
 
-
 class KvHeads(click.ParamType):
     """One K/V head count for every layer ("4"), or one per layer ("8,4,4,2")."""
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
-
 from pydoc_data import topics
 
 VOCAB_SIZE = 256

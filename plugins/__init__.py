@@ -20,13 +20,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import onnx_ir as ir
-from headfold.graphs.trt_lint import rule_set
-from headfold.plugins import gqa_decode_attention
-from headfold.plugins._spec import PluginOp
 from onnx.reference.op_run import OpRun
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
 
 from headfold.errors import BadInput
+from headfold.graphs.trt_lint import rule_set
+from headfold.plugins import gqa_decode_attention
+from headfold.plugins._spec import PluginOp
 
 __all__ = ["REGISTRY", "PluginOp", "emit", "plan_plugins", "reference_ops", "register_tensorrt"]
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from headfold.graphs.trt_lint import RuleSet
 from onnx.reference.op_run import OpRun
 from onnxscript.rewriter import RewriteRule
+
+from headfold.graphs.trt_lint import RuleSet
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
 from checkpoint_edits import edit_attention, identical_heads
+from safetensors import safe_open
 from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
 from headfold.converter import convert

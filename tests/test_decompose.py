@@ -18,6 +18,7 @@ import onnx.helper as oh
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from tiny_models import sample_batch, tiny_config
 
 from headfold.cli import main
 from headfold.engines.env import Target
@@ -26,7 +27,6 @@ from headfold.graphs.export import export
 from headfold.graphs.rewrite import attention_nodes
 from headfold.graphs.rewrite.decompose import DECOMPOSITIONS, decompose, rules_for
 from headfold.graphs.trt_lint import lint, lint_export, rule_set
-from tiny_models import sample_batch, tiny_config
 
 DECOMPOSED_OPS = ("RMSNormalization", "RotaryEmbedding")
 FP32_TOLERANCE = 1e-5

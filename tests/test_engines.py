@@ -13,11 +13,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from headfold.converter import convert
-from headfold.graphs.export import export
-from headfold.graphs.trt_lint import lint_export
 
 from headfold.cli import main
+from headfold.converter import convert
 from headfold.engines import env
 from headfold.engines.build import attention_verdict, config_arguments
 from headfold.engines.env import Target, engine_support, target_for
@@ -33,6 +31,8 @@ from headfold.engines.plan import (
 from headfold.engines.runner import pick_profile
 from headfold.engines.sidecar import KEYS, make_sidecar, read_sidecar, source_onnx
 from headfold.errors import BadInput
+from headfold.graphs.export import export
+from headfold.graphs.trt_lint import lint_export
 from headfold.verification.artifacts import check_kind, resolve
 
 pytestmark = pytest.mark.slow  # exports a tiny model per family

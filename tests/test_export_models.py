@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from pydoc_data import topics
 
 import numpy as np
 import pytest
 import torch
 import transformers
-from pydoc_data import topics
-
 from ort_decoding import ort_greedy, session
 
 from headfold.converter import convert

@@ -36,11 +36,10 @@ def default_model() -> Path:
 @pytest.fixture(scope="module")
 def engines(default_model: Path, tmp_path_factory) -> dict[str, Path]:
     """{precision: build folder with prefill.engine and decode.engine}."""
-    from headfold.graphs.export import export
-
     from headfold.engines.build import build
     from headfold.engines.env import Target
     from headfold.engines.plan import make_plan
+    from headfold.graphs.export import export
 
     folders = {}
     for precision in ("fp32", "fp16"):

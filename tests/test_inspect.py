@@ -92,11 +92,10 @@ def test_identical_heads_predict_no_loss(method: str, tiny_checkpoint, tmp_path:
 @pytest.mark.slow
 def test_prediction_equals_a_real_conversion(tmp_path: Path) -> None:
     """The plan measured with every layer swapped in equals `convert` then loading the GQA model."""
+    from headfold import corpus
     from headfold.converter import convert
     from headfold.converter.calibration import token_ids
     from headfold.graphs.modeling import load_model
-
-    from headfold import corpus
 
     src = default_model_path()
     report = inspect_checkpoint(src, candidates="4", kv_budget=16, calibration_tokens=1024, progress=False)

@@ -8,11 +8,11 @@ interchangeable, so plain pooling costs a lot here: that is the number later met
 from __future__ import annotations
 
 from pathlib import Path
+from pydoc_data import topics
 
 import pytest
 import torch
 import transformers
-from pydoc_data import topics
 
 from headfold.converter import convert
 from headfold.graphs.modeling import load_model

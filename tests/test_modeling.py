@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
 from headfold.errors import BadInput
 from headfold.graphs.modeling import load_model
-from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
 NON_NATIVE = ("gpt2", "gpt_neox", "opt", "bert", "roberta")
 NATIVE = ("llama", "mistral", "qwen2", "qwen3")  # phi3 (fused qkv_proj) is covered by the parity test only

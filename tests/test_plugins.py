@@ -12,6 +12,11 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+from onnxscript.rewriter import pattern
+
+from headfold.errors import BadInput
 from headfold.graphs.export import export
 from headfold.graphs.trt_lint import lint
 from headfold.plugins import emit, plan_plugins, reference_ops, register_tensorrt
@@ -21,11 +26,6 @@ from headfold.plugins.gqa_decode_attention import (
     OP_TYPE,
     attention_reference,
 )
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
-from onnxscript.rewriter import pattern
-
-from headfold.errors import BadInput
 
 ORT_ATOL = 1e-5  # one node, fp32
 GRAPH_ATOL = 1e-4  # a whole decode graph

@@ -7,8 +7,8 @@ import warnings
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F

@@ -14,10 +14,11 @@ Both become one plugin node with the inputs (Q, K, V, mask, past_key, past_value
 from __future__ import annotations
 
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRule, pattern
+
 from headfold.graphs.rewrite._values import dims, float_attr, gqa_problem, int_attr
 from headfold.graphs.trt_lint import RuleSet
 from headfold.plugins.gqa_decode_attention.reference import DOMAIN, OP_TYPE
-from onnxscript.rewriter import MatchResult, RewriteRule, pattern
 
 _SEQUENCE_AXES = {2, -2}
 _MASK_TYPES = {ir.DataType.BOOL, ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}

@@ -15,6 +15,7 @@ from typing import List, Tuple  # noqa: UP035 - as NVIDIA's samples annotate; te
 
 import tensorrt.plugin as trtp
 import torch
+
 from headfold.plugins.gqa_decode_attention.reference import (
     NAME,
     attention_reference,
