@@ -34,10 +34,12 @@ REGISTRY: dict[str, PluginOp] = {op.name: op for op in (gqa_decode_attention.SPE
 
 
 def plan_plugins(model: ir.Model | str | os.PathLike, trt_version: str) -> list[str]:
-    """Plugin names `model` needs for TensorRT `trt_version`; the model is not changed."""
+    """Plugin names `model` needs for TensorRT `trt_version`: those its emitter rules would
+    introduce and those whose nodes the graph already holds (emitted earlier). The model is not changed."""
     ir_model = _load(model)
     parser = rule_set(trt_version)
-    return [name for name, op in REGISTRY.items() if _matches(ir_model, op.rules(parser))]
+    present = {(node.domain, node.op_type) for node in ir_model.graph}
+    return [name for name, op in REGISTRY.items() if (op.domain, op.op_type) in present or _matches(ir_model, op.rules(parser))]
 
 
 def emit(model: ir.Model, trt_version: str) -> tuple[ir.Model, list[str]]:

@@ -98,6 +98,22 @@ def test_single_onnx_gives_one_engine_file(exported, tmp_path: Path) -> None:
         _plan(onnx_dir / "decode.onnx", tmp_path / "decode")
 
 
+def test_graph_holding_plugin_nodes_plans_them(exported, tmp_path: Path) -> None:
+    """A decode graph emitted for 10.13's parser (every Attention → the plugin), planned for 10.15:
+    the build must register the plugin although no rule fires any more, and the lint passes with it."""
+    import onnx_ir as ir
+
+    from headfold import plugins
+
+    _, onnx_dir = exported("llama")
+    model = ir.load(onnx_dir / "decode.onnx")
+    ir.external_data.load_to_model(model)
+    model, names = plugins.emit(model, "10.13")
+    ir.save(model, tmp_path / "decode.onnx", external_data="decode.onnx.data")
+    plan = _plan(tmp_path / "decode.onnx", tmp_path / "plugin.engine", "10.15")
+    assert names == ["headfold::GQADecodeAttention"] and plan.plugins == names and not plan.refusals
+
+
 def test_checkpoint_folder_is_refused(exported, tmp_path: Path) -> None:
     checkpoint, _ = exported("llama")
     with pytest.raises(BadInput, match="export it first"):

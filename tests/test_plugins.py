@@ -320,6 +320,7 @@ def test_emit_concat_form_for_a_parser_without_attention(decode_graphs, name: st
     model, plugins = emit(model, "10.13")
     assert plugins == [NAME] and len(_plugin_nodes(model)) == LAYERS
     assert not [n for n in model.graph if n.op_type == "Attention"]
+    assert {v: plan_plugins(model, v) for v in VERSIONS} == dict.fromkeys(VERSIONS, [NAME])  # nodes present: needed anywhere
     _assert_plugin_graph_matches_ort(model, decode_graphs[name])
 
 

@@ -181,8 +181,8 @@ def lint_graph(model: ir.Model, path: Path, target: Target) -> tuple[LintReport,
     names = custom_ops.plan_plugins(model, target.version)
     if not names:
         return lint(model, target.version), []
-    emitted, names = custom_ops.emit(ir.load(path), target.version)  # rewrites a fresh in-memory copy
-    return lint(emitted, target.version, plugins=names), list(names)
+    emitted, _ = custom_ops.emit(ir.load(path), target.version)  # rewrites a fresh in-memory copy
+    return lint(emitted, target.version, plugins=names), list(names)  # also plugin nodes already in the graph
 
 
 def _since(finding: Finding) -> tuple[int, ...]:
