@@ -315,6 +315,8 @@ def inspect_checkpoint(
     recipe = get_method(method)
     outputs = [p for p in (heatmap, json_path) if p is not None]
     with SourceCheckpoint(source) as ckpt:
+        if len(set(ckpt.layer_shapes)) > 1:
+            raise BadInput(f"{source} already has per-layer kv heads; inspect the checkpoint it was converted from")
         cands = parse_candidates(candidates, ckpt.shape.kv_heads)
         budget = None if kv_budget is None else budget_total(kv_budget, ckpt.shape.kv_heads * ckpt.layers)
         if budget is not None:  # infeasible budgets fail before the slow part

@@ -204,3 +204,11 @@ def test_overwrite_replaces_outputs(tiny_checkpoint, tmp_path: Path) -> None:
     assert json.loads(existing.read_text())["candidates"] == [2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary left behind
 
+
+
+def test_per_layer_source_is_refused(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    from headfold.converter import convert
+
+    mixed = convert(byte_level(tiny_checkpoint, "llama"), tmp_path / "mixed", (4, 2), progress=False)
+    code, err = run_inspect(mixed, capsys=capsys)
+    assert code == 2 and "already has per-layer kv heads" in err
