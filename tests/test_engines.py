@@ -288,9 +288,11 @@ def test_engine_without_sidecar_is_refused(tmp_path: Path) -> None:
     "layers, verdict",
     [
         ([{"Name": "node_Attention_12", "LayerType": "Attention", "TacticName": "fmha_v2"}], "fused"),
-        ([{"Name": "{ForeignNode[node_MatMul_3...node_Attention_9]}", "LayerType": "Myelin"}], "fused"),
-        ([{"Name": "qk", "LayerType": "MatrixMultiply"}, {"Name": "node_softmax", "LayerType": "Softmax"}], "unfused"),
-        (["node_Attention_12"], "fused"),  # below DETAILED the inspector lists names only
+        # a Myelin kernel as in NVIDIA/TensorRT#4397: its Metadata names the Softmax it swallowed
+        ([{"Name": "_gemm_mha_v2_myl0_59", "LayerType": "kgen", "TacticName": "_gemm_mha_v2_0x8a", "Metadata": "[ONNX Layer: /mha_prob/Softmax]"}], "fused"),
+        ([{"Name": "node_Attention_12_qk", "LayerType": "MatrixMultiply"}, {"Name": "node_softmax", "LayerType": "Softmax"}], "unfused"),
+        ([{"Name": "node_GQADecodeAttention_3", "LayerType": "PluginV3"}], "plugin"),
+        (["node_Attention_12"], "unknown"),  # below DETAILED only names: an ONNX node name proves nothing
         ([{"Name": "gemm", "LayerType": "MatrixMultiply"}], "unknown"),
         ([], "unknown"),
     ],

@@ -28,28 +28,43 @@ from headfold.errors import BadInput, CheckFailed
 
 Log = Callable[[str], None]
 
-# Inspector text of a fused attention kernel (IAttention layer, Myelin/fMHA tactics) vs a Softmax layer
-# left between two MatMuls. Layer names carry the ONNX node names (node_Attention_12, …).
-_FUSED = re.compile(r"attention|fmha|\bmha|mha_|_mha|flash", re.IGNORECASE)
-_UNFUSED = re.compile(r"softmax", re.IGNORECASE)
-_LAYER_TEXT = ("Name", "LayerType", "TacticName", "Metadata")
+# How the engine inspector (DETAILED) shows attention. Fused kernels are named after their tactic
+# (Myelin "kgen" kernels such as _gemm_mha_v2_*, fmha, flash, xqa; NVIDIA/TensorRT#4397) or are
+# IAttention layers; a Softmax layer outside them means the scores were materialised. Only names,
+# layer types and tactics are read: a kernel's Metadata lists every ONNX node it swallowed, Softmax
+# included, and layer names carry ONNX node names ("node_Attention_12") whether fused or not.
+_FUSED_KERNEL = re.compile(r"mha|fmha|flash|xqa", re.IGNORECASE)
+_FUSED_TYPES = {"Attention"}
+_PLUGIN_TYPES = {"PluginV2", "PluginV3"}
 
 
-# ---- pure parts (tested on CPU) ---------------------------------------------------------------
+def _layer_kind(layer: dict[str, Any] | str) -> str:
+    """fused / softmax / plugin / other for one inspector layer (a bare name below DETAILED)."""
+    if isinstance(layer, str):
+        return "fused" if _FUSED_KERNEL.search(layer) else "softmax" if "softmax" in layer.lower() else "other"
+    kind, text = str(layer.get("LayerType", "")), f"{layer.get('Name', '')} {layer.get('TacticName', '')}"
+    if kind in _FUSED_TYPES or _FUSED_KERNEL.search(text):
+        return "fused"
+    if kind in _PLUGIN_TYPES:
+        return "plugin"
+    return "softmax" if kind == "Softmax" or "softmax" in str(layer.get("Name", "")).lower() else "other"
 
 
 def attention_verdict(layers: list[dict[str, Any] | str]) -> dict[str, Any]:
-    """fused / unfused / unknown from the engine inspector's JSON "Layers" (dicts at DETAILED, names below).
+    """fused / unfused / plugin / unknown from the engine inspector's JSON "Layers".
 
-    unfused: a separate Softmax layer survived; fused: a layer whose type, name or tactic is an
-    attention kernel and no Softmax; unknown: the inspector gave no such detail.
+    unfused: a separate Softmax layer survived; fused: an attention kernel or IAttention layer and
+    no Softmax; plugin: attention runs in a plugin layer (headfold's computes it unfused in torch);
+    unknown: the inspector gave no such detail.
     """
-    texts = [(_name(layer), " ".join(str(layer.get(k, "")) for k in _LAYER_TEXT) if isinstance(layer, dict) else layer) for layer in layers]
-    softmax = [name for name, text in texts if _UNFUSED.search(text)]
-    fused = [name for name, text in texts if _FUSED.search(text)]
-    verdict = "unfused" if softmax else "fused" if fused else "unknown"
+    kinds = [(_name(layer), _layer_kind(layer)) for layer in layers]
+    by_kind = {k: [name for name, kind in kinds if kind == k] for k in ("fused", "softmax", "plugin")}
+    verdict = "unfused" if by_kind["softmax"] else "fused" if by_kind["fused"] else "plugin" if by_kind["plugin"] else "unknown"
     types = Counter(layer.get("LayerType", "?") for layer in layers if isinstance(layer, dict))
-    return {"verdict": verdict, "attention_layers": fused[:16], "softmax_layers": softmax[:16], "layers": len(layers), "layer_types": dict(types)}
+    return {
+        "verdict": verdict, "attention_layers": by_kind["fused"][:16], "softmax_layers": by_kind["softmax"][:16],
+        "plugin_layers": by_kind["plugin"][:16], "layers": len(layers), "layer_types": dict(types),
+    }  # fmt: skip
 
 
 def _name(layer: dict[str, Any] | str) -> str:
@@ -105,7 +120,8 @@ def graph_for_tensorrt(graph: GraphPlan, target: Target) -> Iterator[Path]:
         yield path
 
 
-def _first_line(err: Exception) -> str:
+def _last_line(err: Exception) -> str:
+    """Polygraphy's final verdict; the parser's own errors are logged above it (G_LOGGER.error)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[-1] if lines else type(err).__name__
 
@@ -117,7 +133,7 @@ def _parse(path: Path, graph: GraphPlan, strongly_typed: bool) -> tuple:
     try:
         return NetworkFromOnnxPath(str(path), strongly_typed=strongly_typed)()
     except PolygraphyException as err:
-        raise BadInput(f"TensorRT's ONNX parser rejected {graph.onnx.name}: {_first_line(err)}") from None
+        raise BadInput(f"TensorRT's ONNX parser rejected {graph.onnx.name}: {_last_line(err)} (its errors are printed above)") from None
 
 
 def _engine(network: tuple, plan: BuildPlan, graph: GraphPlan) -> Any:
@@ -130,7 +146,7 @@ def _engine(network: tuple, plan: BuildPlan, graph: GraphPlan) -> Any:
     try:
         return EngineFromNetwork(network, config, save_timing_cache=cache)()
     except PolygraphyException as err:
-        raise BadInput(f"TensorRT could not build {graph.onnx.name}: {_first_line(err)}") from None
+        raise BadInput(f"TensorRT could not build {graph.onnx.name}: {_last_line(err)}") from None
 
 
 def engine_layers(engine: Any) -> list[dict[str, Any] | str]:

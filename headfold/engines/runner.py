@@ -1,7 +1,10 @@
 """Run a TensorRT engine behind headfold's runner interface, with torch CUDA tensors (no pycuda).
 
 Per feed: pick the optimization profile whose min/max admit the input shapes, set the input
-shapes and tensor addresses, `execute_async_v3` on torch's current stream, copy the outputs back.
+shapes and tensor addresses, `execute_async_v3` on the runner's own CUDA stream (the legacy
+default stream makes TensorRT add synchronisations, which the latency would include), copy the
+outputs back. Empty tensors (a decode step with no past yet) are bound to a placeholder buffer:
+TensorRT requires a non-null address for every input, and an empty torch tensor has none.
 With `timed_runs` > 0 the same bindings are executed that many more times between CUDA events,
 and the median goes into `describe()` (and so into the verify report).
 """
@@ -59,6 +62,8 @@ class TensorRTRunner(BaseRunner):
         if why_not:
             raise BadInput(f"cannot run the TensorRT engine {self.engine_path}: {why_not}")
         import tensorrt as trt
+        import torch
+
         self._register_plugins()
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
@@ -67,6 +72,8 @@ class TensorRTRunner(BaseRunner):
             raise BadInput(f"TensorRT {trt.__version__} cannot load {self.engine_path}; rebuild it here with headfold build")
         self.context = self.engine.create_execution_context()
         self._trt, self._profile, self._dtypes = trt, 0, _torch_dtypes(trt)
+        self._stream = torch.cuda.Stream()
+        self._placeholder = torch.empty(256, dtype=torch.uint8, device="cuda")  # the address of empty tensors
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.outputs = [n for n in names if n not in self.inputs]
@@ -90,7 +97,7 @@ class TensorRTRunner(BaseRunner):
         return shapes
 
     def deactivate_impl(self) -> None:
-        self.context = self.engine = self._runtime = None
+        self.context = self.engine = self._runtime = self._stream = self._placeholder = None
 
     def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
@@ -98,15 +105,17 @@ class TensorRTRunner(BaseRunner):
         missing = [n for n in self.inputs if n not in feed_dict]
         if missing:
             raise BadInput(f"{self.engine_path.name} needs inputs {', '.join(missing)}; the feed has {', '.join(feed_dict)}")
-        stream = torch.cuda.current_stream()
-        self._select_profile({n: tuple(np.shape(feed_dict[n])) for n in self.inputs}, stream)
-        buffers = {name: self._bind_input(name, feed_dict[name]) for name in self.inputs}
-        buffers |= {name: self._bind_output(name) for name in self.outputs}
-        self._execute(stream)
-        if self.timed_runs > 0:
-            self.latencies.append(self._time(stream))
+        stream = self._stream
+        with torch.cuda.stream(stream):  # the copies to and from the GPU too
+            self._select_profile({n: tuple(np.shape(feed_dict[n])) for n in self.inputs}, stream)
+            buffers = {name: self._bind_input(name, feed_dict[name]) for name in self.inputs}
+            buffers |= {name: self._bind_output(name) for name in self.outputs}
+            self._execute(stream)
+            if self.timed_runs > 0:
+                self.latencies.append(self._time(stream))
+            outputs = {name: _to_numpy(buffers[name]) for name in self.outputs}
         stream.synchronize()
-        return {name: _to_numpy(buffers[name]) for name in self.outputs}
+        return outputs
 
     def _select_profile(self, shapes: dict[str, Shape], stream: Any) -> None:
         profile = pick_profile(shapes, self.profiles)
@@ -125,7 +134,7 @@ class TensorRTRunner(BaseRunner):
         dtype = self._dtypes[self.engine.get_tensor_dtype(name)]
         tensor = torch.from_numpy(np.ascontiguousarray(value)).to(device="cuda", dtype=dtype).contiguous()
         self.context.set_input_shape(name, tuple(tensor.shape))
-        self.context.set_tensor_address(name, tensor.data_ptr())
+        self._set_address(name, tensor)
         return tensor
 
     def _bind_output(self, name: str) -> Any:
@@ -135,8 +144,11 @@ class TensorRTRunner(BaseRunner):
         if any(d < 0 for d in shape):
             raise BadInput(f"{self.engine_path.name}: output {name} has a data-dependent shape {shape}; headfold's graphs have none")
         tensor = torch.empty(shape, dtype=self._dtypes[self.engine.get_tensor_dtype(name)], device="cuda")
-        self.context.set_tensor_address(name, tensor.data_ptr())
+        self._set_address(name, tensor)
         return tensor
+
+    def _set_address(self, name: str, tensor: Any) -> None:
+        self.context.set_tensor_address(name, tensor.data_ptr() if tensor.numel() else self._placeholder.data_ptr())
 
     def _execute(self, stream: Any) -> None:
         if not self.context.execute_async_v3(stream.cuda_stream):

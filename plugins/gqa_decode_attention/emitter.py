@@ -21,7 +21,8 @@ from headfold.graphs.trt_lint import RuleSet
 from headfold.plugins.gqa_decode_attention.reference import DOMAIN, OP_TYPE
 
 _SEQUENCE_AXES = {2, -2}
-_MASK_TYPES = {ir.DataType.BOOL, ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+# what tensorrt_impl offers: tensorrt.plugin's Tensor has no CUDA array interface for bf16
+_TENSOR_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16}
 
 
 class _DecodeAttentionToPlugin(pattern.RewriteRuleClassBase):
@@ -38,8 +39,10 @@ class _DecodeAttentionToPlugin(pattern.RewriteRuleClassBase):
             return result.fail(problem)
         if dims(past_key, 4) is None or dims(past_value, 4) is None:
             return result.fail("past_key/past_value are not 4D (B, kv_heads, past, head_size)")
-        if mask is None or mask.dtype not in _MASK_TYPES:
-            return result.fail("the plugin takes a bool or float attn_mask; the node has none or another type")
+        if query.dtype not in _TENSOR_TYPES:
+            return result.fail(f"the plugin computes in fp32 or fp16; Q is {query.dtype}")
+        if mask is None or mask.dtype not in (ir.DataType.BOOL, query.dtype):
+            return result.fail("the plugin takes a bool attn_mask or an additive one in Q's type; the node has none or another")
         if int_attr(node, "left_window_size", -1) != -1 or int_attr(node, "right_window_size", -1) != -1:
             return result.fail("sliding-window attention (Attention-25) is not implemented by the plugin")
         return self.check_form(result, node, bindings)
