@@ -20,7 +20,7 @@ from headfold.atomic import atomic_output, check_output
 from headfold.converter.calibration import attention_inputs
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, rotary_dims
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
-from headfold.converter.methods import LayerContext, Recipe, get_method
+from headfold.converter.methods import LayerContext, Recipe, compute_device, get_method
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.writer import PlannedTensor, ShardedWriter
 from headfold.errors import BadInput
@@ -53,6 +53,8 @@ def convert(
     """
     source = Path(source)
     recipe = get_method(method)
+    if recipe.data_aware:
+        compute_device()  # a bad $HEADFOLD_DEVICE fails before the slow calibration
     with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
         targets = target_shapes(ckpt, kv_heads)
         out = check_output(Path(output), overwrite=overwrite, sources=(source,))

@@ -112,15 +112,17 @@ def compute_device() -> torch.device:
     """Where the data-aware methods' activations, fits and solves run: $HEADFOLD_DEVICE, else
     the first CUDA GPU when torch sees one, else the CPU."""
     requested = os.environ.get(DEVICE_VARIABLE)
-    if requested:
-        try:
-            device = torch.device(requested)
-        except RuntimeError:
-            raise BadInput(f"{DEVICE_VARIABLE}={requested!r} is not a torch device; use cpu, cuda or cuda:N") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise BadInput(f"{DEVICE_VARIABLE}={requested} but torch sees no CUDA GPU; unset it or use cpu")
-        return device
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not requested:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise BadInput(f"{DEVICE_VARIABLE}={requested!r} is not a device headfold computes on; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise BadInput(f"{DEVICE_VARIABLE}={requested} but torch sees {torch.cuda.device_count()} CUDA GPU(s); unset it or use cpu")
+    return device
 
 
 def _moved(attn: AttentionWeights, device: torch.device) -> AttentionWeights:

@@ -23,7 +23,7 @@ KvHeads = int | tuple[int, ...]
 def parse_kv_heads(text: str) -> KvHeads:
     """'4' → 4; '8,4,4,2' → (8, 4, 4, 2); BadInput for anything else."""
     parts = [p.strip() for p in str(text).split(",")]
-    if not all(p.isdigit() for p in parts):  # 0 passes: the converter names the valid counts
+    if not all(p.isdecimal() and p.isascii() for p in parts):  # 0 passes: the converter names the valid counts
         raise BadInput(f"--kv-heads {text!r} is not a count; give one value (4) or one per layer (8,4,4,2)")
     counts = tuple(int(p) for p in parts)
     return counts[0] if len(counts) == 1 else counts

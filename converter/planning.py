@@ -77,7 +77,7 @@ def best_plan(layers: list[LayerOptions], budget: int) -> Plan:
     if smallest > budget:
         raise BadInput(
             f"--kv-budget allows {budget} kv heads in total but the smallest plan needs {smallest}; "
-            "raise the budget or add smaller --candidates"
+            "raise the budget (a whole number is a total of kv heads; 0.5 or 50% a fraction of the cache) or add smaller --candidates"
         )
     states: dict[int, Plan] = {0: Plan((), 0.0)}  # kv heads used so far -> best partial plan
     for options in layers:

@@ -239,7 +239,7 @@ def export_graph(
     model = torch_export(spec, opset)
     exported = time.perf_counter()
     report = optimize(model, kv_heads=kv_heads, layers=layers, graph=spec.file, attention=attention)
-    decomposed = decompose(model, trt_version) if trt_version else {}
+    decomposed = {op: n for op, n in decompose(model, trt_version).items() if n} if trt_version else {}
     rewritten = time.perf_counter()
     save(model, folder / spec.file)
     summary = {

@@ -14,6 +14,7 @@ Loss: decoders, mean per-token KL(original ‖ converted) of the next-token dist
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -287,6 +288,8 @@ def _check_outputs(source: Path, outputs: list[Path], overwrite: bool) -> None:
     if len({p.resolve() for p in outputs}) < len(outputs):
         raise BadInput("--heatmap and --json name the same file; give them different paths")
     for path in outputs:
+        if path.is_dir():
+            raise BadInput(f"{path} is a folder; give --heatmap / --json a file path")
         check_output(path, overwrite=overwrite, sources=(source,))
 
 
@@ -323,8 +326,9 @@ def inspect_checkpoint(
             best_plan([dict.fromkeys([*cands, ckpt.shape.kv_heads], 0.0)] * ckpt.layers, budget)
         _check_outputs(source, outputs, overwrite)
         report = _measure(ckpt, recipe, cands, calibration, calibration_tokens, seed, budget, progress)
+    png = heatmap_png(report) if heatmap is not None else None  # rendered first: a failure writes nothing
     if heatmap is not None:
-        _write_file(heatmap, lambda tmp: write_heatmap(report, tmp))
+        _write_file(heatmap, lambda tmp: tmp.write_bytes(png))
     if json_path is not None:
         _write_file(json_path, lambda tmp: tmp.write_text(json.dumps(report.to_json(), indent=1) + "\n"))
     return report
@@ -387,8 +391,8 @@ def _plan_report(plan: Plan, converter: LayerConverter, live: LiveAttention, ref
 # -- the heatmap -----------------------------------------------------------------------------
 
 
-def write_heatmap(report: Inspection, path: Path) -> None:
-    """Two panels, layers down: nearest-head similarity per kv head, predicted loss per candidate."""
+def heatmap_png(report: Inspection) -> bytes:
+    """The PNG: two panels, layers down: nearest-head similarity per kv head, predicted loss per candidate."""
     import numpy as np
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas
@@ -413,7 +417,9 @@ def write_heatmap(report: Inspection, path: Path) -> None:
         for i, k in enumerate(report.plan.plan.kv_heads):
             if k in report.candidates:
                 right.add_patch(_outline(report.candidates.index(k), i))
-    fig.savefig(path, format="png", dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    return buffer.getvalue()
 
 
 def _outline(x: int, y: int):

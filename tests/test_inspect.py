@@ -212,3 +212,10 @@ def test_per_layer_source_is_refused(tiny_checkpoint, tmp_path: Path, capsys) ->
     mixed = convert(byte_level(tiny_checkpoint, "llama"), tmp_path / "mixed", (4, 2), progress=False)
     code, err = run_inspect(mixed, capsys=capsys)
     assert code == 2 and "already has per-layer kv heads" in err
+
+
+def test_folder_as_output_is_refused(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "results"
+    (folder / "keep").mkdir(parents=True)
+    code, err = run_inspect(byte_level(tiny_checkpoint, "llama"), "--json", str(folder), "--overwrite", capsys=capsys)
+    assert code == 2 and "is a folder" in err and (folder / "keep").is_dir()

@@ -106,10 +106,10 @@ def _random_layer(seed: int = 0, heads: int = 4, d: int = 8, hidden: int = 16) -
     return AttentionWeights(w(), w(), w(), w()), LayerContext(torch.randn(64, hidden, generator=gen), rotary=d)
 
 
-@pytest.mark.parametrize("value, message", [("bogus", "not a torch device"), ("cuda:0", "no CUDA GPU")])
+@pytest.mark.parametrize("value, message", [("bogus", "not a device"), ("meta", "not a device"), ("cuda:0", r"CUDA GPU\(s\)")])
 def test_bad_compute_device_is_bad_input(value: str, message: str, monkeypatch) -> None:
     if value.startswith("cuda") and torch.cuda.is_available():
-        pytest.skip("a GPU is visible: cuda is a valid device here")
+        value = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU
     monkeypatch.setenv("HEADFOLD_DEVICE", value)
     attn, ctx = _random_layer()
     with pytest.raises(BadInput, match=message):
@@ -129,3 +129,10 @@ def test_gpu_refit_matches_cpu(monkeypatch) -> None:
     assert cpu.groups == gpu.groups and gpu.attn.q.device.type == "cpu"
     for name in ("q", "k", "v", "o"):
         assert torch.allclose(getattr(cpu.attn, name), getattr(gpu.attn, name), atol=1e-4), name
+
+
+def test_bad_compute_device_fails_before_calibration(tiny_checkpoint, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HEADFOLD_DEVICE", "meta")
+    with pytest.raises(BadInput, match="HEADFOLD_DEVICE='meta'"):
+        convert(tiny_checkpoint("llama"), tmp_path / "out", kv_heads=2, method="refit", progress=False)
+    assert not (tmp_path / "out").exists()

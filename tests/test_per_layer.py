@@ -69,7 +69,7 @@ def test_parse_kv_heads(text: str, expected) -> None:
     assert parse_kv_heads(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "4,,2", "4,a", "-1", "4.0", "4;2"])
+@pytest.mark.parametrize("text", ["", "4,,2", "4,a", "-1", "4.0", "4;2", "²", "4,٣"])
 def test_parse_kv_heads_refuses(text: str) -> None:
     with pytest.raises(BadInput, match="is not a count; give one value"):
         parse_kv_heads(text)

@@ -47,7 +47,10 @@ def run_artifact_checks(checks: list[tuple[str, str, Artifact, Artifact, Fidelit
         spec = CheckSpec(name, kind, runners.full(reference), runners.full(candidate), budget)
         planned.append((spec, (reference, candidate)))
         if kind == "fidelity" and (reference.decode or candidate.decode):
-            sides = runners.kv_cache_or_full(reference), runners.kv_cache_or_full(candidate)
+            # the candidate's cache path against the reference's full forward when both could decode:
+            # two KV paths compared with each other would hide a decode bug they share
+            truth = runners.full(reference) if candidate.decode else runners.kv_cache_or_full(reference)
+            sides = truth, runners.kv_cache_or_full(candidate)
             twin = decode_check(spec, *sides, inputs.decode_steps)
             planned += [(twin, (reference, candidate))] if twin else []
     results = run_checks([spec for spec, _ in planned], inputs)
