@@ -1,0 +1,105 @@
+"""A merged decoder export as an onnxruntime-genai model folder: genai_config.json + tokenizer files.
+
+onnxruntime-genai runs one decoder graph that takes past K/V (empty at the prompt) and any number
+of new tokens, which is what graphs.export's merged model.onnx is; the config names its inputs and
+outputs, head counts and token ids. Per-layer kv heads need no entry: the runtime reads each
+layer's count from the graph's past shapes. `past_present_share_buffer` (K/V written in place into
+one max-length buffer) needs every layer's present to come from GroupQueryAttention, so it is on
+for --attention ort-gqa graphs only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import transformers
+
+from headfold.converter.per_layer import KV_HEADS_PER_LAYER
+
+__all__ = ["CONFIG_FILE", "TOKENIZER_FILES", "genai_config", "write_model_folder"]
+
+CONFIG_FILE = "genai_config.json"
+# What Hugging Face tokenizers read, and what og.Tokenizer reads (tokenizer.json + tokenizer_config.json).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+# Greedy by default, like transformers' generate without a generation config.
+_SEARCH = {
+    "do_sample": False,
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "min_length": 0,
+    "top_k": 1,
+    "top_p": 1.0,
+    "temperature": 1.0,
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "diversity_penalty": 0.0,
+    "early_stopping": True,
+}
+
+
+def _token_ids(src: Path, config: transformers.PretrainedConfig) -> dict[str, Any]:
+    """bos/eos/pad ids: generation_config.json first (what generate uses), then config.json.
+
+    A model without an EOS never stops early; without a pad id, padding uses the EOS id.
+    """
+    generation = {}
+    if (src / "generation_config.json").is_file():
+        generation = json.loads((src / "generation_config.json").read_text())
+    ids = {key: generation.get(key, getattr(config, key, None)) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    eos = ids["eos_token_id"]
+    first_eos = eos[0] if isinstance(eos, list) and eos else eos
+    ids["pad_token_id"] = ids["pad_token_id"] if ids["pad_token_id"] is not None else first_eos
+    ids["bos_token_id"] = ids["bos_token_id"] if ids["bos_token_id"] is not None else first_eos
+    return {key: (-1 if value is None else value) for key, value in ids.items()}  # -1: none
+
+
+def context_length(config: transformers.PretrainedConfig) -> int:
+    return getattr(config, "max_position_embeddings", None) or config.n_positions
+
+
+def genai_config(src: Path, config: transformers.PretrainedConfig, graph: str, *, attention: str) -> dict[str, Any]:
+    """The genai_config.json of a merged decoder graph exported from the checkpoint `src`."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, KV_HEADS_PER_LAYER, None) or [getattr(config, "num_key_value_heads", None) or heads]
+    length = context_length(config)
+    decoder = {
+        "filename": graph,
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "head_size": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": heads,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_key_value_heads": max(kv_heads),  # the largest; each layer's count is in the graph
+        "inputs": {
+            "input_ids": "input_ids",
+            "attention_mask": "attention_mask",
+            "past_key_names": "past_key_values.%d.key",
+            "past_value_names": "past_key_values.%d.value",
+        },
+        "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+    }
+    model = {"type": "decoder", "vocab_size": config.vocab_size, "context_length": length, **_token_ids(src, config), "decoder": decoder}
+    search = {**_SEARCH, "max_length": length, "past_present_share_buffer": attention == "ort-gqa"}
+    return {"model": model, "search": search}
+
+
+def write_model_folder(src: Path, folder: Path, config: transformers.PretrainedConfig, graph: str, *, attention: str) -> dict[str, Any]:
+    """genai_config.json and the checkpoint's tokenizer files into `folder`; what was written."""
+    (folder / CONFIG_FILE).write_text(json.dumps(genai_config(src, config, graph, attention=attention), indent=2) + "\n")
+    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    for name in copied:
+        shutil.copyfile(src / name, folder / name)
+    return {"config": CONFIG_FILE, "tokenizer_files": copied}
