@@ -1,12 +1,15 @@
 """Reading a Hugging Face checkpoint folder lazily, tensor by tensor, after validating it.
 
 Everything a conversion needs to refuse is checked here, before anything is written:
-config, weight files (headers, truncation), head counts and attention tensor shapes.
+links and index entries leading out of the folder, config values, weight files (headers,
+truncation, pickles, quantization), head counts and every attention tensor's shape and dtype.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import struct
 from collections import defaultdict
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from headfold.converter.layout import HeadShape, head_axis_sizes
+from headfold.converter.layout import HeadShape, expected_shapes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
 from headfold.converter.spec import ArchitectureSpec, spec_for
 from headfold.errors import BadInput
@@ -33,6 +36,15 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 # Files that hold weights in some format: never copied into a converted checkpoint,
 # because they would still describe the MHA model.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_LAYERS = 10_000  # far above any real model; guards allocations sized by config.json
+# Tensor-name endings of quantized checkpoints: their weights are codes, pooling them is garbage.
+QUANTIZATION_TENSORS = {
+    "FP8": ("weight_scale", "weight_scale_inv", "input_scale"),
+    "GPTQ/AWQ": ("qweight", "qzeros", "scales", "g_idx"),
+    "bitsandbytes": ("SCB", "weight_format", "absmax", "quant_map", "quant_state"),
+}
+DEQUANTIZE = "headfold pools floating-point weights: dequantize first (e.g. load with transformers and save_pretrained in bf16)"
 WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|onnx_data|onnx\.data|ot|gguf)$|.*\.(safetensors|bin)\.index\.json$")
 
 
@@ -69,17 +81,98 @@ class AttentionLayout:
         return {name: i for i, layer in enumerate(self.layers) for name in layer.values()}
 
 
+# -- staying inside the folder --------------------------------------------------------
+def _allowed_roots(folder: Path) -> tuple[Path, ...]:
+    """The folder, and for a Hugging Face cache snapshot (…/snapshots/REV) its repo's blobs/,
+    where the snapshot's own links point."""
+    real = folder.resolve()
+    return (real, real.parent.parent / "blobs") if real.parent.name == "snapshots" else (real,)
+
+
+def _outside(path: Path, roots: tuple[Path, ...]) -> bool:
+    real = path.resolve()
+    return not any(real == root or real.is_relative_to(root) for root in roots)
+
+
+def check_links(folder: Path) -> None:
+    """BadInput naming the first link in `folder` whose target lies outside it: headfold reads
+    nothing outside the checkpoint folder, and copies no host file into an output."""
+    roots = _allowed_roots(folder)
+    for parent, dirs, files in os.walk(folder):
+        for name in sorted(dirs + files):
+            path = Path(parent) / name
+            if path.is_symlink() and _outside(path, roots):
+                raise BadInput(
+                    f"{path} links to {os.readlink(path)}, outside {folder}; headfold reads nothing outside the "
+                    "checkpoint folder: copy the file into it or remove the link"
+                )
+
+
+def inside(folder: Path, entry: Any, index: Path) -> Path:
+    """`folder / entry` for an index entry, refused when it is absolute, has '..' or resolves outside."""
+    if not isinstance(entry, str) or not entry or os.path.isabs(entry) or ".." in Path(entry).parts:
+        raise BadInput(f"{index.name} entry {entry!r} is not a file name inside {folder}; restore the index from the original checkpoint")
+    path = folder / entry
+    if _outside(path, _allowed_roots(folder)):
+        raise BadInput(f"{index.name} entry {entry!r} resolves outside {folder}; shards must lie in the checkpoint folder")
+    return path
+
+
+# -- config.json ----------------------------------------------------------------------
 def read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
-    if not path.is_file():
-        raise BadInput(f"{path} is missing: a Hugging Face checkpoint folder needs its config.json")
+    try:  # open, not is_file(): an unreadable file is "permission denied", never "missing"
+        text = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        raise BadInput(f"{path} is missing: a Hugging Face checkpoint folder needs its config.json") from None
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadInput(f"{path} is not valid JSON ({e}); restore it from the original checkpoint") from None
     if not isinstance(config, dict):
         raise BadInput(f"{path} must hold a JSON object; restore it from the original checkpoint")
     return config
+
+
+def check_config(config: dict[str, Any], spec: ArchitectureSpec) -> None:
+    """Refuse config values that make no sense before anything is sized by them."""
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?") if isinstance(config["quantization_config"], dict) else "?"
+        raise BadInput(f"config.json has a quantization_config (quant_method {method!r}): {DEQUANTIZE}")
+    keys = spec.config
+    for key in (keys.heads, keys.hidden, keys.layers, keys.kv_heads, keys.head_dim, "vocab_size", "intermediate_size"):
+        if key and config.get(key) is not None:
+            _positive_int(config, key)
+    if config.get(keys.layers, 0) > MAX_LAYERS:
+        raise BadInput(f"config.json: {keys.layers!r} is {config[keys.layers]}, more than {MAX_LAYERS}; fix config.json")
+    _check_rope(config)
+
+
+def _check_rope(config: dict[str, Any]) -> None:
+    for key in ("rope_parameters", "rope_scaling"):
+        params = config.get(key)
+        if params is None:
+            continue
+        nested = params.values() if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()) else [params]
+        for entry in nested:  # one dict, or one per layer type (sliding / full attention)
+            if not isinstance(entry, dict):
+                raise BadInput(f"config.json: {key!r} must be an object like {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}, found {params!r}")
+            for name in ("rope_theta", "factor"):
+                if name in entry and not _positive_number(entry[name]):
+                    raise BadInput(f"config.json: {key}.{name} must be a positive number, found {entry[name]!r}")
+            _check_fraction(entry, f"{key}.", "partial_rotary_factor")
+    _check_fraction(config, "", "partial_rotary_factor")
+    _check_fraction(config, "", "rotary_pct")
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_fraction(config: dict[str, Any], where: str, key: str) -> None:
+    value = config.get(key)
+    if value is not None and not (_positive_number(value) and value <= 1):
+        raise BadInput(f"config.json: {where}{key} must be a fraction of the head dims in (0, 1], found {value!r}")
 
 
 def _positive_int(config: dict[str, Any], key: str) -> int:
@@ -122,6 +215,8 @@ def rotary_dims(config: dict[str, Any], spec: ArchitectureSpec, head_dim: int) -
 
 def _safetensors_header(file: Path) -> list[TensorInfo]:
     """Validate a safetensors file with the library, then take data offsets from its header."""
+    with open(file, "rb") as f:  # first: safetensors reports "permission denied" as "No such file"
+        f.read(1)
     try:
         safe_open(file, framework="pt")  # checks header, dtypes and that the data is complete
     except (SafetensorError, OSError) as e:
@@ -137,18 +232,44 @@ def _safetensors_header(file: Path) -> list[TensorInfo]:
         if dtype is None:
             raise BadInput(f"{file.name}: tensor {name} has unsupported dtype {entry['dtype']}")
         infos.append(TensorInfo(name, dtype, tuple(entry["shape"]), file, 8 + length + entry["data_offsets"][0]))
+        _check_tensor(infos[-1])
     return sorted(infos, key=lambda t: t.offset)  # storage order: sequential reads
+
+
+def _is_dir(path: Path) -> bool:
+    """Like Path.is_dir, but a folder we may not look into raises PermissionError instead of "not a folder"."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        return False
+    return path.is_dir()
+
+
+def _quantization_scheme(name: str) -> str | None:
+    parts = name.split(".")  # bitsandbytes 4-bit: "<weight>.quant_state.bitsandbytes__nf4"
+    last = "quant_state" if "quant_state" in parts else parts[-1]
+    return next((scheme for scheme, endings in QUANTIZATION_TENSORS.items() if last in endings), None)
+
+
+def _check_tensor(info: TensorInfo) -> None:
+    """No quantization data, no 0-size tensors: both would convert into garbage, exit 0."""
+    if scheme := _quantization_scheme(info.name):
+        raise BadInput(f"tensor {info.name} in {info.file.name} is {scheme} quantization data: {DEQUANTIZE}")
+    if 0 in info.shape:
+        raise BadInput(f"tensor {info.name} in {info.file.name} has shape {list(info.shape)} with a 0-size dimension; re-save or download the checkpoint again")
 
 
 class SourceCheckpoint:
     """A validated checkpoint folder whose tensors are read only when asked for."""
 
     def __init__(self, folder: Path, *, allow_pickle: bool = False) -> None:
-        if not folder.is_dir():
+        if not _is_dir(folder):
             raise BadInput(f"source {folder} is not a folder; pass a Hugging Face checkpoint folder")
         self.folder = folder
+        check_links(folder)
         self.config = read_config(folder)
         self.spec = spec_for(self.config.get("model_type"))
+        check_config(self.config, self.spec)
         self.shape = head_shape(self.config, self.spec)  # kv_heads: the largest layer's
         self.layers = _positive_int(self.config, self.spec.config.layers)
         self.layer_shapes = layer_head_shapes(self.config, self.shape, self.layers)
@@ -162,7 +283,10 @@ class SourceCheckpoint:
     def _find_weight_files(self, allow_pickle: bool) -> list[Path]:
         folder = self.folder
         if (folder / SAFETENSORS_INDEX).is_file():
-            return self._files_from_index(folder / SAFETENSORS_INDEX)
+            files = self._files_from_index(folder / SAFETENSORS_INDEX)
+            if pickle := next((f for f in files if f.suffix != ".safetensors"), None):  # never torch.load what the index names
+                raise BadInput(f"{SAFETENSORS_INDEX} lists {pickle.name}, which is not a .safetensors file; restore the index from the original checkpoint")
+            return files
         if (folder / "model.safetensors").is_file():
             return [folder / "model.safetensors"]
         pickles = (folder / PICKLE_INDEX, folder / "pytorch_model.bin")
@@ -178,9 +302,10 @@ class SourceCheckpoint:
     def _files_from_index(self, index: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({self.folder / f for f in weight_map.values()})
+            entries = set(weight_map.values())
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise BadInput(f"{index} is corrupt ({type(e).__name__}: {e}); restore it from the original checkpoint") from None
+        files = sorted({inside(self.folder, entry, index) for entry in entries})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise BadInput(f"{index.name} lists missing shard(s) {', '.join(missing)}; download the complete checkpoint")
@@ -189,8 +314,8 @@ class SourceCheckpoint:
 
     def _read_headers(self) -> dict[str, TensorInfo]:
         tensors: dict[str, TensorInfo] = {}
-        for file in self.weight_files:
-            infos = _safetensors_header(file) if file.suffix == ".safetensors" else self._pickle_header(file)
+        for file in self.weight_files:  # pickles only when allowed: _find_weight_files decides the format
+            infos = self._pickle_header(file) if file.suffix != ".safetensors" else _safetensors_header(file)
             tensors.update((t.name, t) for t in infos)
         if missing := self._index_names - set(tensors):
             raise BadInput(f"the weight index names {len(missing)} tensor(s) absent from the shards (e.g. {min(missing)}); the checkpoint is incomplete")
@@ -205,7 +330,8 @@ class SourceCheckpoint:
 
     # -- attention tensors --------------------------------------------------------------
     def _locate_attention(self) -> AttentionLayout:
-        sizes = [head_axis_sizes(self.spec, shape) for shape in self.layer_shapes]
+        hidden = self.config[self.spec.config.hidden]
+        sizes = [expected_shapes(self.spec, shape, hidden) for shape in self.layer_shapes]
         found: dict[str, dict[int, str]] = defaultdict(dict)
         prefixes: set[str] = set()
         for suffix in sizes[0]:
@@ -221,7 +347,7 @@ class SourceCheckpoint:
             if set(by_layer) != set(range(self.layers)):
                 raise BadInput(f"tensor '*{suffix}' found for layers {sorted(by_layer)}, expected 0..{self.layers - 1}; weights and config.json disagree")
             for i, name in by_layer.items():
-                self._check_size(name, *sizes[i][suffix], self.layer_shapes[i])
+                self._check_tensor(name, sizes[i][suffix], self.layer_shapes[i])
                 layers[i][suffix] = name
         required = self._required_suffixes()
         if missing := [s for s in required if s not in found]:
@@ -232,12 +358,17 @@ class SourceCheckpoint:
         weights = [p.weight for p in self.spec.projections.values()]
         return weights + ([self.spec.fused_qkv.weight] if self.spec.fused_qkv else [])
 
-    def _check_size(self, name: str, axis: int, size: int, s: HeadShape) -> None:
-        shape = self.tensors[name].shape
-        if axis >= len(shape) or shape[axis] != size:
+    def _check_tensor(self, name: str, expected: tuple[int, ...], s: HeadShape) -> None:
+        """An attention tensor's full shape and dtype against the spec and config.json."""
+        info = self.tensors[name]
+        if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise BadInput(f"tensor {name} is {info.dtype} (quantized): {DEQUANTIZE}")
+        if info.dtype not in FLOAT_DTYPES:
+            raise BadInput(f"tensor {name} has dtype {info.dtype}; attention weights must be floating point (if the checkpoint is quantized: {DEQUANTIZE})")
+        if info.shape != expected:
             raise BadInput(
-                f"tensor {name} has shape {list(shape)}, expected {size} on axis {axis} for "
-                f"{s.heads} heads, {s.kv_heads} kv heads, head_dim {s.head_dim}; weights and config.json disagree"
+                f"tensor {name} has shape {list(info.shape)}, expected {list(expected)} for {s.heads} heads, "
+                f"{s.kv_heads} kv heads, head_dim {s.head_dim}, width {self.config[self.spec.config.hidden]}; weights and config.json disagree"
             )
 
     # -- reading ------------------------------------------------------------------------

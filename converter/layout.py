@@ -145,3 +145,15 @@ def head_axis_sizes(spec: ArchitectureSpec, shape: HeadShape) -> dict[str, tuple
         if p.bias and role != "o":  # O's bias lives on the hidden side, not per head
             sizes[p.bias] = (0, heads * d)
     return sizes
+
+
+def expected_shapes(spec: ArchitectureSpec, shape: HeadShape, hidden: int) -> dict[str, tuple[int, ...]]:
+    """suffix → the full shape of every attention tensor for `shape`: weights are 2-D with the
+    head axis as in head_axis_sizes and the model width on the other axis, biases 1-D."""
+    weights = {p.weight for p in (*spec.projections.values(), *filter(None, [spec.fused_qkv]))}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for suffix, (axis, size) in head_axis_sizes(spec, shape).items():
+        shapes[suffix] = ((size, hidden) if axis == 0 else (hidden, size)) if suffix in weights else (size,)
+    if (o_bias := spec.projections["o"].bias) is not None:
+        shapes[o_bias] = (hidden,)
+    return shapes

@@ -1,0 +1,82 @@
+"""Text and token ids for calibration and verify: one loader, the same rules for both.
+
+A checkpoint's tokenizer is loaded through transformers' own classes only: never the
+checkpoint's code (`trust_remote_code=False`, so an `auto_map` neither runs nor prompts), never
+the network (`local_files_only=True`), never a file linked from outside the folder. A model
+without tokenizer files whose vocabulary is 256 is byte-level (token = UTF-8 byte).
+"""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from headfold import corpus
+from headfold.converter.checkpoint import check_links
+from headfold.errors import BadInput
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
+BYTE_VOCAB = corpus.VOCAB_SIZE
+MAX_TEXT_BYTES = 64 << 20  # far more text than any check or calibration uses; /dev/zero is not text
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    encode: Callable[[str], list[int]]  # no special tokens: rows and windows are cut later
+    name: str  # for reports: "bytes" or "AutoTokenizer(GPT2Tokenizer)"
+
+
+def find_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer | None:
+    """The checkpoint's own tokenizer, bytes for a byte-level model, None when it has neither."""
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return _transformers_tokenizer(folder)
+    if vocab_size == BYTE_VOCAB:
+        return Tokenizer(corpus.encode, "bytes")
+    return None
+
+
+def load_tokenizer(folder: Path, vocab_size: int | None, fix: str = "add its tokenizer files to the folder") -> Tokenizer:
+    """find_tokenizer, or BadInput saying which files are missing and `fix`."""
+    tokenizer = find_tokenizer(folder, vocab_size)
+    if tokenizer is None:
+        raise BadInput(f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) and is not byte-level ({BYTE_VOCAB} tokens); {fix}")
+    return tokenizer
+
+
+def _transformers_tokenizer(folder: Path) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    check_links(folder)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except (ValueError, OSError, KeyError, TypeError, AttributeError, ImportError) as err:
+        first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
+        raise BadInput(
+            f"cannot load the tokenizer in {folder} ({first_line}); headfold loads only transformers' own tokenizer "
+            "classes and never runs a checkpoint's code"
+        ) from None
+    return Tokenizer(lambda text: tok.encode(text, add_special_tokens=False, verbose=False), f"AutoTokenizer({type(tok).__name__})")
+
+
+def read_text(path: Path, option: str) -> str:
+    """The UTF-8 text file given to `option`; BadInput for a missing, special, huge, binary or empty file."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise BadInput(f"{option} {path} does not exist; pass a UTF-8 text file") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise BadInput(f"{option} {path} is not a regular file; pass a UTF-8 text file")
+    if info.st_size > MAX_TEXT_BYTES:
+        raise BadInput(f"{option} {path} has {info.st_size / 2**20:.0f} MiB, more than the {MAX_TEXT_BYTES >> 20} MiB headfold reads; pass an excerpt")
+    data = path.read_bytes()
+    if b"\0" in data:
+        raise BadInput(f"{option} {path} is binary (it holds NUL bytes); pass a UTF-8 text file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadInput(f"{option} {path} is not UTF-8 text (invalid byte at offset {err.start}); pass a UTF-8 text file") from None
+    if not text.strip():
+        raise BadInput(f"{option} {path} is empty; pass a UTF-8 text file")
+    return text
