@@ -61,7 +61,7 @@ def convert(
         shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else default_shard_bytes(ckpt)
         text = calibration_text(calibration) if recipe.data_aware else None
         contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)
-        with atomic_output(out) as tmp:
+        with atomic_output(out, overwrite=overwrite) as tmp:
             files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress)
             files |= write_config(ckpt, targets, tmp)
             copied, skipped = copy_other_files(ckpt, tmp)

@@ -308,7 +308,7 @@ def export(
         "kv_heads": collapse(kv_heads),  # one count, or one per layer
         "graphs": {},
     }
-    with atomic_output(out) as tmp:
+    with atomic_output(out, overwrite=overwrite) as tmp:
         for spec in tqdm(graphs, desc="export", unit="graph", disable=not progress):
             summary["graphs"][spec.file] = export_graph(
                 spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version

@@ -249,19 +249,22 @@ def verify_cmd(reference: Path, candidate: Path, check: str, text, window, max_r
 @click.option("--method", default="mean", metavar="METHOD", help="How the K/V heads of a group become one, as for `headfold convert --method`.")
 @click.option("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25.")
 @click.option("--dtype", type=click.Choice(("fp32", "fp16", "bf16")), default="fp32", help="Export precision; picks the fidelity defaults.")
+@click.option("--overwrite", is_flag=True, help="Also accept an OUT_DIR holding other files (they stay: run replaces only the stage folders its stages.json records).")
 @input_options
 @threshold_options
-def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, opset: int, dtype: str, text, window, max_rows, batch_size, seed, decode_steps, budget_file, **thresholds) -> None:
+def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, opset: int, dtype: str, overwrite: bool, text, window, max_rows, batch_size, seed, decode_steps, budget_file, **thresholds) -> None:
     """Convert → export → build → verify SRC into OUT_DIR/{convert,export,build,verify}.
 
-    Stages whose inputs (content hashes and options, in OUT_DIR/stages.json) are unchanged are
-    skipped. Engines are built only where TensorRT and a GPU are present. The reports land in
-    OUT_DIR/verify (report.json, report.md, junit.xml); exit 1 when a budget is exceeded.
+    Stages whose inputs (content hashes and options, in OUT_DIR/stages.json) are unchanged and
+    whose folders still hash to what stages.json recorded are skipped. OUT_DIR must be new, empty
+    or a run folder unless --overwrite. Engines are built only where TensorRT and a GPU are
+    present. The reports land in OUT_DIR/verify (report.json, report.md, junit.xml); exit 1 when
+    a budget is exceeded.
     """
     from headfold.pipeline import run
 
     _quiet_libraries()
-    report = run(src, out_dir, kv_heads, method=method, opset=opset, dtype=dtype, inputs=_input_spec(text, window, max_rows, batch_size, seed, decode_steps), thresholds=_thresholds(budget_file, **thresholds), log=click.echo)
+    report = run(src, out_dir, kv_heads, method=method, opset=opset, dtype=dtype, overwrite=overwrite, inputs=_input_spec(text, window, max_rows, batch_size, seed, decode_steps), thresholds=_thresholds(budget_file, **thresholds), log=click.echo)
     _finish(report)
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from headfold.atomic import scratch_dir
 from headfold.pipeline import Log, run
 from headfold.verification.inputs import InputSpec
 from headfold.verification.report import Report
@@ -26,7 +26,8 @@ def demo_budget() -> Path:
 
 
 def demo(kv_heads: int | tuple[int, ...] = 4, method: str = "aligned+grouped+refit", log: Log = print, **options: Any) -> Report:
-    """`run` on the embedded model in a temporary folder, removed afterwards; the verify report."""
-    with tempfile.TemporaryDirectory(prefix="headfold-demo-") as tmp:
+    """`run` on the embedded model in a temporary folder, removed afterwards (also on SIGTERM, and
+    by the next demo after a kill -9); the verify report."""
+    with scratch_dir("headfold-demo") as tmp:
         options.setdefault("inputs", DEMO_INPUTS)
-        return run(default_model_path(), Path(tmp) / "run", kv_heads, method=method, log=log, **options)
+        return run(default_model_path(), tmp / "run", kv_heads, method=method, log=log, **options)

@@ -293,8 +293,8 @@ def _check_outputs(source: Path, outputs: list[Path], overwrite: bool) -> None:
         check_output(path, overwrite=overwrite, sources=(source,))
 
 
-def _write_file(path: Path, write: Callable[[Path], object]) -> None:
-    with atomic_output(path.resolve(), is_dir=False) as tmp:
+def _write_file(path: Path, write: Callable[[Path], object], overwrite: bool) -> None:
+    with atomic_output(path.resolve(), is_dir=False, overwrite=overwrite) as tmp:
         write(tmp)
 
 
@@ -328,9 +328,9 @@ def inspect_checkpoint(
         report = _measure(ckpt, recipe, cands, calibration, calibration_tokens, seed, budget, progress)
     png = heatmap_png(report) if heatmap is not None else None  # rendered first: a failure writes nothing
     if heatmap is not None:
-        _write_file(heatmap, lambda tmp: tmp.write_bytes(png))
+        _write_file(heatmap, lambda tmp: tmp.write_bytes(png), overwrite)
     if json_path is not None:
-        _write_file(json_path, lambda tmp: tmp.write_text(json.dumps(report.to_json(), indent=1) + "\n"))
+        _write_file(json_path, lambda tmp: tmp.write_text(json.dumps(report.to_json(), indent=1) + "\n"), overwrite)
     return report
 
 

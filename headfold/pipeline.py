@@ -1,8 +1,10 @@
 """`headfold run`: convert → export → build → verify, each stage in its own sub-folder of OUT_DIR.
 
-A stage runs only when its key — the sha256 of its inputs' content, its options and the headfold
-version — differs from the one recorded in OUT_DIR/stages.json, or its output is missing; so a
-second run with nothing changed skips every stage and reprints the stored report.
+OUT_DIR/stages.json, the ledger, records per stage its key (the sha256 of its inputs' content, its
+options and the headfold version) and the sha256 of the folder it wrote. A stage is skipped only
+when its key is unchanged and its folder still hashes to the recorded sha256, so a second run with
+nothing changed skips every stage and reprints the stored report, and a corrupted artifact reruns
+its stage. run writes only the stage folders its ledger records: OUT_DIR may hold the user's files.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import headfold
-from headfold.atomic import atomic_output, check_output
+from headfold.atomic import atomic_output, check_disjoint, output_lock
 from headfold.engines.env import engine_support
 from headfold.errors import BadInput
 from headfold.verification.artifacts import resolve, sha256_file
@@ -44,35 +47,70 @@ def stage_key(stage: str, inputs: dict[str, Any]) -> str:
 
 
 class Ledger:
-    """OUT_DIR/stages.json: per stage its key, inputs and timing; rewritten atomically."""
+    """OUT_DIR/stages.json: per stage its key, inputs, output sha256 and timing; rewritten atomically.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.stages: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    Its presence makes OUT_DIR a run folder; a stage folder it does not name is the user's."""
 
-    def is_current(self, stage: str, key: str, output: Path) -> bool:
-        return self.stages.get(stage, {}).get("key") == key and output.exists()
+    def __init__(self, out: Path, *, overwrite: bool) -> None:
+        self.path = out / LEDGER
+        self.stages: dict[str, Any] = self._load() if self.path.is_file() else {}
+        if not self.path.is_file() and out.is_dir() and any(out.iterdir()) and not overwrite:
+            raise BadInput(f"{out} exists and is not a headfold run folder (no {LEDGER}); pass --overwrite to add the run's stage folders to it (your files stay) or choose another OUT_DIR")
+        if out.exists() and not out.is_dir():
+            raise BadInput(f"{out} exists and is not a folder; choose another OUT_DIR")
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+            stages = data["stages"] if "stages" in data else data  # before format 1: the stages alone
+            if isinstance(stages, dict) and all(isinstance(e, dict) for e in stages.values()):
+                return stages
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+        raise BadInput(f"{self.path} is corrupt; remove {self.path.parent} (or choose another OUT_DIR) to run every stage again")
+
+    def claim(self, stage: str, output: Path) -> None:
+        """Record `stage` as run's own before it writes `output`; refuse an `output` it never wrote."""
+        if stage not in self.stages and (output.exists() or output.is_symlink()):
+            raise BadInput(f"{output} exists but headfold run did not write it (not in {self.path}); move it away or choose another OUT_DIR")
+        self.record(stage, **{**self.stages.get(stage, {}), "key": None, "output": output.name})
+
+    def unchanged(self, stage: str, key: str, output: Path) -> tuple[str | None, str]:
+        """(the recorded output sha256, "") when `stage` can be skipped, else (None, why it runs)."""
+        entry = self.stages.get(stage, {})
+        if entry.get("key") != key:
+            return None, ""
+        if not output.is_dir():
+            return None, f"its output {output} is missing"
+        digest = tree_digest(output)
+        if digest != entry.get("sha256"):
+            return None, f"its output {output} changed since it was written (sha256 {digest[:12]}, recorded {str(entry.get('sha256'))[:12]})"
+        return digest, ""
 
     def record(self, stage: str, **entry: Any) -> None:
         self.stages[stage] = entry
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(self.stages, indent=2, default=str) + "\n")
-        tmp.replace(self.path)
+        with atomic_output(self.path, is_dir=False, overwrite=True) as tmp:
+            tmp.write_text(json.dumps({"format": 1, "stages": self.stages}, indent=2, default=str) + "\n")
 
 
 def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work: Callable[[], Any], log: Log) -> tuple[str, Any]:
-    """Run `work` unless the recorded key matches; return (key, its result or None when skipped)."""
+    """Run `work` unless the key matches and the output is intact; (the output's sha256, the
+    result or None when skipped). Downstream stages key on that sha256: content, not history."""
     key = stage_key(name, inputs)
-    if ledger.is_current(name, key, output):
+    digest, why = ledger.unchanged(name, key, output)
+    if digest is not None:
         log(f"{name}: unchanged, skipped ({output})")
-        return key, None
+        return digest, None
+    if why:
+        log(f"{name}: {why}; running it again")
+    ledger.claim(name, output)
     start = time.perf_counter()
     result = work()
     seconds = round(time.perf_counter() - start, 2)
-    ledger.record(name, key=key, inputs=inputs, output=str(output), seconds=seconds)
+    digest = tree_digest(output)
+    ledger.record(name, key=key, inputs=inputs, output=output.name, sha256=digest, seconds=seconds)
     log(f"{name}: done in {seconds:.1f} s ({output})")
-    return key, result
+    return digest, result
 
 
 def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: str, engines: Path | None = None) -> Report:
@@ -90,7 +128,7 @@ def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresho
 
 
 def _write_report(report: Report, folder: Path) -> None:
-    with atomic_output(folder) as tmp:
+    with atomic_output(folder, overwrite=True) as tmp:  # the ledger says it is run's own
         report.write(*(tmp / REPORT_FILES[k] for k in ("json", "markdown", "junit")))
 
 
@@ -104,57 +142,76 @@ def run(
     dtype: str = "fp32",
     inputs: InputSpec = InputSpec(),
     thresholds: Thresholds = Thresholds(),
+    overwrite: bool = False,
     log: Log = print,
 ) -> Report:
-    """The whole pipeline on the checkpoint folder `src`; outputs under `out_dir`; the verify report."""
-    from headfold.converter import convert
-    from headfold.graphs.export import check_opset, export
+    """The whole pipeline on the checkpoint folder `src`; outputs under `out_dir`; the verify report.
+
+    `out_dir` must be new, empty or a run folder (its ledger); `overwrite` also accepts a folder of
+    other files, which stay: run only ever replaces the stage folders its ledger records."""
+    from headfold.graphs.export import check_opset
 
     src, out = Path(src).resolve(), Path(out_dir).resolve()
     if resolve(src).kind != "checkpoint":
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
-    check_output(out, overwrite=True, sources=(src,))
+    check_disjoint(out, (src,))
     check_opset(opset)
     budgets = {"loss": asdict(thresholds.loss(dtype)), "fidelity": asdict(thresholds.fidelity(dtype))}  # bad budgets fail first
     text, _ = read_text(inputs.text)
-    ledger = Ledger(out / LEDGER)  # OUT_DIR appears with the first stage: bad input leaves nothing
-    converted, onnx_dir, engines, verified = (out / s for s in ("convert", "export", "build", "verify"))
+    with output_lock(out):  # one run per OUT_DIR
+        created = not out.exists()
+        ledger = Ledger(out, overwrite=overwrite)
+        try:
+            return _run_stages(src, out, ledger, kv_heads, method, opset, dtype, inputs, thresholds, budgets, text, log)
+        except BaseException:
+            if created and not any(entry.get("key") for entry in ledger.stages.values()):
+                shutil.rmtree(out, ignore_errors=True)  # no stage finished: a failed first run leaves nothing
+            raise
 
+
+def _run_stages(
+    src: Path, out: Path, ledger: Ledger, kv_heads: int | Sequence[int], method: str, opset: int, dtype: str,
+    inputs: InputSpec, thresholds: Thresholds, budgets: dict, text: str, log: Log,
+) -> Report:  # fmt: skip
+    from headfold.converter import convert
+    from headfold.graphs.export import export
+
+    converted, onnx_dir, engines, verified = (out / s for s in ("convert", "export", "build", "verify"))
     conv_inputs = {"source": tree_digest(src), "kv_heads": kv_heads, "method": method}
-    conv_key, done = _stage(
+    conv_digest, done = _stage(
         ledger, "convert", conv_inputs, converted, lambda: convert(src, converted, kv_heads, method, overwrite=True, progress=False), log
     )
     stages = {"convert": _status(done)}
-    exp_inputs = {"checkpoint": conv_key, "opset": opset, "dtype": dtype}
-    exp_key, done = _stage(
+    exp_inputs = {"checkpoint": conv_digest, "opset": opset, "dtype": dtype}
+    exp_digest, done = _stage(
         ledger, "export", exp_inputs, onnx_dir, lambda: export(converted, onnx_dir, opset=opset, dtype=dtype, overwrite=True, progress=False), log
     )
     stages["export"] = _status(done)
-    build_key, stages["build"] = _build_stage(ledger, exp_key, onnx_dir, engines, log)
+    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines, log)
 
     verify_inputs = {
-        "export": exp_key,
-        "build": build_key,
+        "export": exp_digest,
+        "build": build_digest,
         "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "inputs": {k: v for k, v in asdict(inputs).items() if k != "text"},
         "budgets": budgets,
     }
 
     def verify_stage() -> Report:
-        report = _verify(src, converted, onnx_dir, inputs, thresholds, dtype, engines if build_key else None)
+        report = _verify(src, converted, onnx_dir, inputs, thresholds, dtype, engines if build_digest else None)
         report.stages = {**stages, "verify": "ran"}
         _write_report(report, verified)
         return report
 
     _, report = _stage(ledger, "verify", verify_inputs, verified, verify_stage, log)
-    if report is None:  # skipped: the stored report is still current
+    if report is None:  # skipped: the stored report is intact and still current
         report = Report.load(verified / REPORT_FILES["json"])
         report.stages = {**stages, "verify": "skipped"}
     return report
 
 
-def _build_stage(ledger: Ledger, exp_key: str, onnx_dir: Path, engines: Path, log: Log) -> tuple[str | None, str]:
-    """(build key, status) when the engines are current, else (None, "skipped: why they were not built")."""
+def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path, log: Log) -> tuple[str | None, str]:
+    """(engines' sha256, status) when the engines are current, else (None, "skipped: why they were not built")."""
     from headfold.engines.build import build_export
     from headfold.engines.plan import Unparsable
 
@@ -162,10 +219,10 @@ def _build_stage(ledger: Ledger, exp_key: str, onnx_dir: Path, engines: Path, lo
     if why_not is None:
         import tensorrt
 
-        inputs = {"export": exp_key, "tensorrt": tensorrt.__version__, "gpu": _gpu_name()}
+        inputs = {"export": exp_digest, "tensorrt": tensorrt.__version__, "gpu": _gpu_name()}
         try:
-            key, done = _stage(ledger, "build", inputs, engines, lambda: build_export(onnx_dir, engines, log=log), log)
-            return key, _status(done)
+            digest, done = _stage(ledger, "build", inputs, engines, lambda: build_export(onnx_dir, engines, log=log), log)
+            return digest, _status(done)
         except Unparsable as err:  # this TensorRT is too old for the graph: like no TensorRT at all
             why_not = str(err)
     log(f"build: skipped, {why_not}; no engine in {engines}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from headfold.atomic import atomic_output, check_output
+from headfold.atomic import atomic_output, check_output, scratch_dir
 from headfold.engines.env import Target, engine_support
 from headfold.engines.plan import BuildPlan, GraphPlan, make_plan, sidecar_path
 from headfold.engines.sidecar import make_sidecar
@@ -113,7 +112,7 @@ def graph_for_tensorrt(graph: GraphPlan, target: Target) -> Iterator[Path]:
 
     from headfold import plugins as custom_ops
 
-    with tempfile.TemporaryDirectory(prefix="headfold-emit-") as tmp:
+    with scratch_dir("headfold-emit") as tmp:
         model, _ = custom_ops.emit(ir.load(graph.onnx), target.version)
         path = Path(tmp) / graph.onnx.name
         ir.save(model, path, external_data=f"{path.name}.data")
@@ -199,11 +198,11 @@ def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: 
         return build_graph(plan, graph, dest, require_fused=require_fused_attention, log=log)
 
     if plan.layout == "file":
-        with atomic_output(plan.out, is_dir=False) as engine:
+        with atomic_output(plan.out, is_dir=False, overwrite=overwrite) as engine:
             sidecars = [build_one(plan.graphs[0], engine)]
         _write_json(sidecar_path(plan.out), sidecars[0])  # once the engine is in place
         return sidecars
-    with atomic_output(plan.out) as folder:
+    with atomic_output(plan.out, overwrite=overwrite) as folder:
         sidecars = [build_one(graph, folder / graph.engine.name) for graph in plan.graphs]
         for graph, sidecar in zip(plan.graphs, sidecars):
             _write_json(sidecar_path(folder / graph.engine.name), sidecar)

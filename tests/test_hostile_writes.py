@@ -1,0 +1,360 @@
+"""Hostile and careless writes: nothing lost, one writer wins, no leaks, no stale skip (issue 10).
+
+Every case asserts the exit code, one stderr line without a traceback, nothing at or beside OUT
+(hidden folders included) and the source's hash unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from headfold.atomic import atomic_output, check_output, output_lock, scratch_dir
+from headfold.cli import main
+from headfold.demo import default_model_path
+from headfold.errors import BadInput
+
+HEADFOLD = Path(sys.executable).with_name("headfold")
+
+
+def digest(folder: Path) -> str:
+    """sha256 over every path under `folder` and every file's bytes (links not followed)."""
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        h.update(p.relative_to(folder).as_posix().encode())
+        if p.is_file() and not p.is_symlink():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def beside(folder: Path) -> list[str]:
+    """Every entry of `folder`, hidden ones included."""
+    return sorted(p.name for p in folder.iterdir())
+
+
+def cli(args: list[str], capsys) -> tuple[int, str]:
+    code = main([str(a) for a in args])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def one_line(err: str) -> None:
+    assert err.startswith("headfold: error:") and "\n" not in err and "Traceback" not in err, err
+
+
+@pytest.fixture
+def src(tiny_checkpoint, tmp_path: Path) -> Path:
+    folder = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint("llama"), folder)
+    return folder
+
+
+def wide_checkpoint(folder: Path, layers: int = 4, hidden: int = 1024, ffn: int = 4096, heads: int = 8) -> Path:
+    """A 260 MB Llama-layout checkpoint, one shard per layer, so that a conversion is long enough
+    to be caught mid-write (zeros: the content does not matter here)."""
+    folder.mkdir(parents=True)
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": ffn,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads, "vocab_size": 256,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "float32",
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    weight_map: dict[str, str] = {}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shard = {f"{p}self_attn.{n}_proj.weight": torch.zeros(hidden, hidden) for n in "qkvo"}
+        shard |= {f"{p}mlp.{n}_proj.weight": torch.zeros(ffn, hidden) for n in ("gate", "up")}
+        shard |= {f"{p}mlp.down_proj.weight": torch.zeros(hidden, ffn), f"{p}input_layernorm.weight": torch.ones(hidden)}
+        shard |= {f"{p}post_attention_layernorm.weight": torch.ones(hidden)}
+        if i == 0:
+            shard |= {"model.embed_tokens.weight": torch.zeros(256, hidden), "lm_head.weight": torch.zeros(256, hidden), "model.norm.weight": torch.ones(hidden)}
+        name = f"model-{i + 1:05d}-of-{layers:05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, name)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> tuple[Path, str]:
+    folder = wide_checkpoint(tmp_path_factory.mktemp("wide") / "src")
+    return folder, digest(folder)
+
+
+def start_convert(src: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([HEADFOLD, "convert", src, out, "--kv-heads", "2", "-q", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(proc: subprocess.Popen, ready, timeout: float = 120) -> bool:
+    """Poll until ready() (True) or the process exits (False)."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if ready():
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def partial_bytes(out: Path, pid: int) -> int | None:
+    """Bytes written so far into the writer's hidden `.OUT.partial-PID`, None before it exists."""
+    tmp = out.with_name(f".{out.name}.partial-{pid}")
+    try:
+        return sum(e.stat().st_size for e in os.scandir(tmp))
+    except FileNotFoundError:
+        return None
+
+
+# -- 1. nothing lost -------------------------------------------------------------------------
+
+
+def test_overwrite_never_deletes_a_shard_the_index_reads_from_outside(src: Path, tmp_path: Path, capsys) -> None:
+    """An index entry `../other/…`: `convert SRC other --overwrite` must refuse, not delete."""
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.move(src / "model.safetensors", other / "w.safetensors")
+    names = json.loads(subprocess.check_output([sys.executable, "-c", f"from safetensors import safe_open; print(__import__('json').dumps(list(safe_open('{other / 'w.safetensors'}', 'pt').keys())))"]))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, "../other/w.safetensors")}))
+    before, theirs = digest(src), digest(other)
+    with pytest.raises(BadInput, match=r"contains .*w\.safetensors, read through the index"):
+        check_output(other, overwrite=True, sources=(src,))  # the write side holds whatever the reader accepts
+    code, err = cli(["convert", src, other, "--kv-heads", "2", "--overwrite", "-q"], capsys)
+    assert code == 2 and "w.safetensors" in err
+    one_line(err)
+    assert digest(other) == theirs and digest(src) == before and beside(tmp_path) == ["other", "src"]
+
+
+def test_overwrite_never_deletes_a_symlinked_input(src: Path, tmp_path: Path, capsys) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.move(src / "model.safetensors", other / "model.safetensors")
+    (src / "model.safetensors").symlink_to(other / "model.safetensors")
+    before, theirs = digest(src), digest(other)
+    with pytest.raises(BadInput, match="read through the link"):
+        check_output(other, overwrite=True, sources=(src,))
+    with pytest.raises(BadInput, match="read through the link"):
+        check_output(tmp_path / "other" / "model.safetensors", overwrite=True, sources=(src,))
+    code, err = cli(["convert", src, other, "--kv-heads", "2", "--overwrite", "-q"], capsys)
+    assert code == 2
+    one_line(err)
+    assert digest(other) == theirs and digest(src) == before and beside(tmp_path) == ["other", "src"]
+
+
+def test_run_refuses_a_folder_it_did_not_make(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "mine"
+    (out / "convert").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    (out / "convert" / "keep.txt").write_text("also mine")
+    before = digest(out)
+    code, err = cli(["run", default_model_path(), out, "--kv-heads", "4"], capsys)
+    assert code == 2 and "not a headfold run folder" in err and "--overwrite" in err
+    one_line(err)
+    code, err = cli(["run", default_model_path(), out, "--kv-heads", "4", "--overwrite"], capsys)
+    assert code == 2 and f"{out / 'convert'} exists but headfold run did not write it" in err
+    one_line(err)
+    assert digest(out) == before and beside(tmp_path) == ["mine"]
+
+
+def test_failed_first_run_leaves_nothing(tmp_path: Path, capsys) -> None:
+    code, err = cli(["run", default_model_path(), tmp_path / "run", "--kv-heads", "3"], capsys)
+    assert code == 2 and "--kv-heads 3 is impossible" in err
+    one_line(err)
+    assert beside(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_run_keeps_user_files_and_reruns_a_corrupted_stage(tmp_path: Path, capsys) -> None:
+    """--overwrite into a folder of the user's: the run adds its stage folders, the user's file
+    stays; a stored artifact changed afterwards reruns its stage (saying why), never a stale PASS."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    args = ["run", default_model_path(), out, "--kv-heads", "4", "--max-rows", "4", "--window", "64", "--decode-steps", "2", "--max-kl", "10", "--max-ppl-increase", "10"]
+    assert main([str(a) for a in args + ["--overwrite"]]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and json.loads((out / "stages.json").read_text())["format"] == 1
+    capsys.readouterr()
+
+    assert main([str(a) for a in args]) == 0  # now its own run folder: no --overwrite needed
+    skipped = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if "unchanged, skipped" in line]
+    assert skipped == ["convert", "export", "verify"]
+
+    report = out / "verify" / "report.json"
+    stored = json.loads(report.read_text())
+    report.write_text(json.dumps({**stored, "checks": []}))  # a tampered report must not be reprinted
+    shard = out / "convert" / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert main([str(a) for a in args]) == 0
+    log = capsys.readouterr().out
+    assert f"convert: its output {out / 'convert'} changed since it was written" in log
+    assert f"verify: its output {out / 'verify'} changed since it was written" in log
+    assert "export: unchanged, skipped" in log  # the reconverted checkpoint is byte-identical
+    assert json.loads(report.read_text())["checks"] == stored["checks"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert beside(tmp_path) == ["run"] and not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+# -- 2. one writer wins ----------------------------------------------------------------------
+
+
+def test_a_held_lock_names_its_writer(src: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    before = digest(src)
+    with output_lock(out):  # another process's lock, as flock sees it: a second open file
+        code, err = cli(["convert", src, out, "--kv-heads", "2", "-q"], capsys)
+        assert code == 2 and f"being written by another headfold process (pid {os.getpid()})" in err
+        one_line(err)
+        code, err = cli(["run", src, out, "--kv-heads", "2"], capsys)
+        assert code == 2 and f"(pid {os.getpid()})" in err
+    assert beside(tmp_path) == ["src"] and digest(src) == before
+
+
+def test_dead_writers_leftovers_are_removed_and_said(src: Path, tmp_path: Path, caplog) -> None:
+    out = tmp_path / "out"
+    for leftover in (".out.partial-999999", ".out.old-999998"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "junk").write_text("x")
+    (tmp_path / ".out.lock").write_text("999999\n")  # kill -9 leaves the lock file; its flock died with it
+    with caplog.at_level(logging.WARNING, logger="headfold"):
+        assert main(["convert", str(src), str(out), "--kv-heads", "2", "-q"]) == 0
+    removed = [r.getMessage() for r in caplog.records if "left by writer pid" in r.getMessage()]
+    assert len(removed) == 2 and any(".out.partial-999999" in m for m in removed)
+    assert beside(tmp_path) == ["out", "src"]
+
+
+def test_final_rename_never_replaces_without_overwrite(tmp_path: Path) -> None:
+    """Another writer that finished while this one worked: this one refuses, its temp vanishes."""
+    out = tmp_path / "out"
+    with pytest.raises(BadInput, match="appeared while this command ran; pass --overwrite"):
+        with atomic_output(out) as tmp:
+            (tmp / "a").write_text("late")
+            out.mkdir()  # what a writer that skipped the lock would do meanwhile
+            (out / "theirs").write_text("first")
+    assert (out / "theirs").read_text() == "first" and beside(tmp_path) == ["out"]
+
+
+@pytest.mark.slow
+def test_concurrent_writers_exactly_one_wins(wide, tmp_path: Path) -> None:
+    src, before = wide
+    out = tmp_path / "out"
+    procs = [start_convert(src, out) for _ in range(3)]
+    results = [(p.pid, p.wait(), p.stderr.read().strip()) for p in procs]
+    winners = [pid for pid, code, _ in results if code == 0]
+    assert len(winners) == 1, results
+    for pid, code, err in results:
+        if pid != winners[0]:
+            assert code == 2 and (f"being written by another headfold process (pid {winners[0]})" in err or "already exists" in err), err
+            one_line(err)
+    assert beside(tmp_path) == ["out"] and digest(src) == before
+
+
+@pytest.mark.slow
+def test_kill_9_mid_write_then_the_next_run_cleans_up(wide, tmp_path: Path) -> None:
+    """kill -9 as the hidden folder appears, after its first shard, and half-way through; each
+    time a second convert succeeds, removes the dead writer's folder, and says so."""
+    src, before = wide
+    out = tmp_path / "out"
+    total = sum(f.stat().st_size for f in src.glob("*.safetensors")) * 0.85  # kv heads halve K and V
+    for moment in (0, 1, total / 2):
+        proc = start_convert(src, out)
+        caught = wait_for(proc, lambda: (n := partial_bytes(out, proc.pid)) is not None and n >= moment)
+        proc.kill()
+        proc.wait()
+        assert caught, f"the conversion finished before {moment} bytes were written: make the checkpoint wider"
+        assert f".out.partial-{proc.pid}" in beside(tmp_path)
+        again = subprocess.run([HEADFOLD, "convert", src, out, "--kv-heads", "2", "-q"], capture_output=True, text=True)
+        assert again.returncode == 0, again.stderr
+        assert f".out.partial-{proc.pid}, left by writer pid {proc.pid}" in again.stderr
+        assert beside(tmp_path) == ["out"]
+        manifest = json.loads((out / "headfold.json").read_text())
+        assert all(hashlib.sha256((out / name).read_bytes()).hexdigest() == sha for name, sha in manifest["files"].items())
+        shutil.rmtree(out)
+    assert digest(src) == before
+
+
+@pytest.mark.slow
+def test_sigterm_cleans_up_and_exits_143(wide, tmp_path: Path) -> None:
+    src, before = wide
+    out = tmp_path / "out"
+    proc = start_convert(src, out)
+    assert wait_for(proc, lambda: partial_bytes(out, proc.pid) is not None)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait() == 143
+    err = proc.stderr.read().strip()
+    assert err == "headfold: terminated (SIGTERM); removing partial outputs"
+    assert beside(tmp_path) == [] and digest(src) == before
+
+
+@pytest.mark.slow
+def test_demo_leaves_no_temp_folder_on_sigterm(tmp_path: Path) -> None:
+    proc = subprocess.Popen([HEADFOLD, "demo"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert wait_for(proc, lambda: (tmp_path / f"headfold-demo-{proc.pid}-0" / "run" / "stages.json").exists())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait() == 143
+    assert "terminated (SIGTERM)" in proc.stderr.read()
+    assert not list(tmp_path.glob("headfold-*")) and not list(tmp_path.glob(".*"))
+
+
+def test_scratch_folders_of_dead_processes_are_removed(tmp_path: Path, monkeypatch, caplog) -> None:
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    (tmp_path / "headfold-demo-999999-0").mkdir()
+    (tmp_path / f"headfold-demo-{os.getpid()}-99").mkdir()  # a live process's: kept
+    with caplog.at_level(logging.WARNING, logger="headfold"):
+        with pytest.raises(RuntimeError), scratch_dir("headfold-demo") as tmp:
+            (tmp / "x").write_text("x")
+            raise RuntimeError
+    assert beside(tmp_path) == [f"headfold-demo-{os.getpid()}-99"]
+    assert "left by pid 999999, which no longer runs" in caplog.text
+
+
+# -- the disk and the mount table --------------------------------------------------------------
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """mount(size) → a fresh tmpfs at a new folder, unmounted afterwards; skips where mounting fails."""
+    mounts: list[Path] = []
+
+    def mount(size: str, at: Path | None = None) -> Path:
+        point = at or tmp_path / f"tmpfs{len(mounts)}"
+        point.mkdir(exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", point], capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'}); needs root or CAP_SYS_ADMIN")
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        subprocess.run(["umount", point], check=False)
+
+
+def test_disk_full_is_one_line_and_leaves_nothing(wide, tmpfs, capsys) -> None:
+    src, before = wide
+    disk = tmpfs("8m")
+    code, err = cli(["convert", src, disk / "out", "--kv-heads", "2", "-q"], capsys)
+    assert code == 2 and "no space left on the device while writing" in err
+    one_line(err)
+    assert beside(disk) == [] and digest(src) == before
+
+
+def test_failing_final_rename_is_one_line_and_leaves_nothing(src: Path, tmp_path: Path, tmpfs, capsys) -> None:
+    out = tmpfs("1m", tmp_path / "out")  # a mount point cannot be renamed away: EBUSY
+    (out / "theirs").write_text("kept")
+    before = digest(src)
+    code, err = cli(["convert", src, out, "--kv-heads", "2", "--overwrite", "-q"], capsys)
+    assert code == 2 and "cannot move the finished output into place" in err and "mount point" in err
+    one_line(err)
+    assert beside(tmp_path) == ["out", "src"] and beside(out) == ["theirs"] and digest(src) == before
