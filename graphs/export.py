@@ -1,9 +1,13 @@
 """Export a (converted) checkpoint to ONNX with one fused, GQA-shaped `Attention` node per layer.
 
-Decoders get two graphs: prefill.onnx (input_ids, attention_mask → logits, present K/V) and
-decode.onnx (one new token + past K/V → logits, present K/V); encoders get model.onnx
-(→ last_hidden_state). Each graph is exported by torch.onnx (dynamo), rewritten by
-headfold.graphs.rewrite, checked, and saved with external weights; export.json summarises them.
+Decoders get one merged graph by default, model.onnx: input_ids [B, S], attention_mask [B, P + S]
+and past K/V [B, kvᵢ, P, d] with P ≥ 0 → logits, present K/V, so a prompt (P = 0), one generated
+token and multi-token appends after a past all run through it; beside it genai_config.json and the
+checkpoint's tokenizer files make the folder an onnxruntime-genai model (graphs.genai). With
+graphs="split" they get prefill.onnx (no past) and decode.onnx (one new token + past), the pair
+TensorRT profiles want. Encoders get model.onnx (→ last_hidden_state). Each graph is exported by
+torch.onnx (dynamo), rewritten by headfold.graphs.rewrite, checked, and saved with external
+weights; export.json summarises them.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from transformers.cache_utils import DynamicCache
 from headfold.atomic import atomic_output, check_output
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse
 from headfold.errors import BadInput
+from headfold.graphs.genai import write_model_folder
 from headfold.graphs.modeling import load_model
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
+from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
 
 __all__ = [
@@ -38,6 +44,8 @@ __all__ = [
     "export_graph",
     "torch_export",
     "decoder_graphs",
+    "visible_keys",
+    "GRAPH_LAYOUTS",
     "encoder_graphs",
     "position_ids",
     "check_opset",
@@ -110,6 +118,45 @@ class Decode(nn.Module):
         return (out.logits, *_present(cache))
 
 
+def visible_keys(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """[B, 1, S, P + S] bool: which keys each of the S new tokens attends to.
+
+    Causal aligned bottom-right (new token i sits at column P + i) and real keys only, so left,
+    right and gapped padding all work with any past. Every token also sees its own column: a pad
+    query would otherwise see no key at all, and its NaN would reach the real rows through the
+    cache. An explicit mask instead of `is_causal` keeps S dynamic (torch cannot trace is_causal
+    for a symbolic length).
+    """
+    total = attention_mask.shape[1]
+    keys = torch.arange(total, device=attention_mask.device)
+    queries = torch.arange(total - new_tokens, total, device=attention_mask.device)[:, None]  # S exactly, not a slice
+    causal_real = (keys <= queries) & attention_mask.bool()[:, None, None, :]
+    return causal_real | (keys == queries)
+
+
+class Decoder(nn.Module):
+    """The merged graph: input_ids (B, S), attention_mask (B, P + S), past K/V (B, kvᵢ, P, d), P ≥ 0
+    → logits (B, S, V), present K/V (B, kvᵢ, P + S, d)."""
+
+    def __init__(self, model: transformers.PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        cache = DynamicCache(list(zip(past[0::2], past[1::2])), config=self.model.config)
+        new_tokens = input_ids.shape[1]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=visible_keys(attention_mask, new_tokens),
+            position_ids=position_ids(attention_mask)[:, -new_tokens:],
+            cache=cache,
+            use_cache=True,
+        )
+        return (out.logits, *_present(cache))
+
+
 class Encoder(nn.Module):
     """input_ids, attention_mask [, token_type_ids] → last_hidden_state."""
 
@@ -143,13 +190,30 @@ def _example_tokens(config: transformers.PretrainedConfig, batch: int, seq: int)
     return ids, torch.ones(batch, seq, dtype=torch.long)
 
 
-def decoder_graphs(model: transformers.PreTrainedModel, layers: int) -> list[GraphSpec]:
+GRAPH_LAYOUTS = ("merged", "split")
+MERGED_GRAPH = "model.onnx"
+
+
+def decoder_graphs(model: transformers.PreTrainedModel, layers: int, layout: str = "merged") -> list[GraphSpec]:
+    """The merged graph (model.onnx), or prefill.onnx + decode.onnx for layout="split"."""
     batch, sequence, past = Dim("batch"), Dim("sequence"), Dim("past_sequence")
     ids, mask = _example_tokens(model.config, _BATCH, _SEQUENCE)
     prefill = Prefill(model)
     with torch.no_grad():
         past_kv = prefill(*_example_tokens(model.config, _BATCH, _PAST))[1:]
     kv_axes = {0: batch, 2: past}
+    if layout == "merged":
+        return [
+            GraphSpec(
+                MERGED_GRAPH,
+                Decoder(model),
+                (ids, torch.ones(_BATCH, _PAST + _SEQUENCE, dtype=torch.long), *past_kv),
+                ["input_ids", "attention_mask", *_kv_names("past_key_values", layers)],
+                ["logits", *_kv_names("present", layers)],
+                # P + S as its own symbol: torch.export's derived dims take one symbol only
+                ({0: batch, 1: sequence}, {0: batch, 1: Dim("total_sequence")}, (kv_axes,) * len(past_kv)),
+            )
+        ]
     return [
         GraphSpec(
             "prefill.onnx",
@@ -229,8 +293,11 @@ def export_graph(
     layers: int,
     attention: AttentionKind = "onnx",
     trt_version: str | None = None,
+    ort_fusions: bool = False,
 ) -> dict:
     """Export, rewrite, check and save one graph; return its summary.
+
+    With `ort_fusions`, ONNX Runtime's fused ops follow (graphs/rewrite/ort_fusions), counted.
 
     With `trt_version`, ops that version's TensorRT parser lacks are then decomposed into
     primitives (graphs/rewrite/decompose); the fused attention nodes stay.
@@ -240,6 +307,7 @@ def export_graph(
     exported = time.perf_counter()
     report = optimize(model, kv_heads=kv_heads, layers=layers, graph=spec.file, attention=attention)
     decomposed = {op: n for op, n in decompose(model, trt_version).items() if n} if trt_version else {}
+    fused_for_ort = fuse_for_ort(model) if ort_fusions else None
     rewritten = time.perf_counter()
     save(model, folder / spec.file)
     summary = {
@@ -251,6 +319,8 @@ def export_graph(
         "torch_export_s": round(exported - start, 2),
         "rewrite_s": round(rewritten - exported, 2),
     }
+    if fused_for_ort is not None:
+        summary["ort_fusions"] = fused_for_ort
     if decomposed:  # only when the version lacks an op a rule covers
         summary["decomposed_for_tensorrt"] = {"version": trt_version, **decomposed}
     return summary
@@ -273,8 +343,14 @@ def export(
     overwrite: bool = False,
     progress: bool = True,
     trt_version: str | None = None,
+    graphs: str = "merged",
+    optimize: str | None = None,
 ) -> dict:
     """Export the checkpoint folder `src` to ONNX graphs in `out_dir` (atomically); return the summary.
+
+    graphs="merged" (decoders) writes model.onnx, genai_config.json and the tokenizer files: an
+    onnxruntime-genai model folder; graphs="split" writes prefill.onnx + decode.onnx instead.
+    optimize="ort" applies ONNX Runtime's fusions and records their counts per graph.
 
     attention="ort-gqa" (decoders) writes com.microsoft.GroupQueryAttention nodes for ONNX Runtime;
     those graphs need unpadded or right-padded batches (headfold.graphs.rewrite.ort_gqa).
@@ -285,6 +361,12 @@ def export(
     with K/V at kv-heads.
     """
     check_opset(opset)
+    if graphs not in GRAPH_LAYOUTS:
+        raise BadInput(f"unknown graph layout {graphs!r}; use --graphs merged or --graphs split")
+    if optimize not in (None, "ort"):
+        raise BadInput(f"unknown optimization {optimize!r}; use --optimize ort")
+    if optimize and trt_version:
+        raise BadInput("--optimize ort writes ONNX Runtime's own ops, which TensorRT cannot parse; drop --optimize or --trt-version")
     if trt_version is not None:
         rule_set(trt_version)  # an unknown version is bad input before the slow part
     if attention not in ATTENTION_OPS:
@@ -296,7 +378,7 @@ def export(
     layers, heads, kv_heads = attention_shape(model.config)
     if attention == "ort-gqa" and not model.can_generate():
         raise BadInput(f"--attention ort-gqa is for decoders (ORT's GroupQueryAttention is causal); {src} is an encoder")
-    graphs = decoder_graphs(model, layers) if model.can_generate() else encoder_graphs(model)
+    specs = decoder_graphs(model, layers, graphs) if model.can_generate() else encoder_graphs(model)
     summary = {
         "source": str(src),
         "model_type": model.config.model_type,
@@ -306,12 +388,17 @@ def export(
         "layers": layers,
         "heads": heads,
         "kv_heads": collapse(kv_heads),  # one count, or one per layer
+        "optimize": optimize,
+        "layout": graphs if model.can_generate() else "encoder",
         "graphs": {},
     }
     with atomic_output(out, overwrite=overwrite) as tmp:
-        for spec in tqdm(graphs, desc="export", unit="graph", disable=not progress):
+        for spec in tqdm(specs, desc="export", unit="graph", disable=not progress):
             summary["graphs"][spec.file] = export_graph(
-                spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version
-            )
+                spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version,
+                ort_fusions=optimize == "ort",
+            )  # fmt: skip
+        if summary["layout"] == "merged":
+            summary["genai"] = write_model_folder(src, tmp, model.config, MERGED_GRAPH, attention=attention)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary

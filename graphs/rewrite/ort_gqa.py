@@ -13,6 +13,11 @@ right-padded batches**. A left-padded row would attend to its pads (ORT's CUDA k
 the `attention_bias` input that could mask them). With right padding ORT writes each new token's
 K/V at the row's own length, so the cache stays compact per row while the buffer grows by one per
 step; the caller keeps appending ones to `attention_mask` exactly as for the standard graphs.
+
+In the merged graph every layer's node takes past K/V and writes present K/V in every phase (an
+empty past at the prompt), so onnxruntime-genai can hand it one max-length buffer as both
+(`past_present_share_buffer`). ORT itself refuses, at run time, several new tokens after a
+non-empty past when the batch has more than one row; one row (chat turns) and the prompt work.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
         if mask.dtype != ir.DataType.BOOL or not self._mask_of_input(mask):
             return result.fail(f"the mask is not a bool (B, 1, S, T) mask over the graph's {MASK_INPUT}", mask)
         if self.past:
-            return self._check_past(result, dims(query, 4), bindings)
+            return self._check_past(result, bindings)
         return result
 
     def _mask_of_input(self, mask: ir.Value) -> bool:
@@ -64,11 +69,9 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
         return m is not None and rows is not None and same_dim(m[0], rows[0]) and same_dim(m[3], rows[1])
 
     @staticmethod
-    def _check_past(result: MatchResult, q: tuple, bindings: dict) -> MatchResult:
+    def _check_past(result: MatchResult, bindings: dict) -> MatchResult:
         if {bindings["key_axis"].as_int(), bindings["value_axis"].as_int()} - {2, -2}:
             return result.fail("the past is not concatenated along the sequence axis")
-        if q[2] != 1:  # ORT: with past context, sequence_length > 1 requires batch_size == 1
-            return result.fail("with a past, ORT's GQA takes one new token per row (batch > 1)")
         return result
 
     def rewrite(self, op, query, key, value, mask, attention, past_key=None, past_value=None, **_):
