@@ -51,7 +51,7 @@ def export_decode(checkpoint: Path, folder: Path) -> dict:
     model = load_model(checkpoint)
     layers, _, kv_heads = attention_shape(model.config)
     folder.mkdir(parents=True)
-    decode = next(spec for spec in decoder_graphs(model, layers) if spec.file == "decode.onnx")
+    decode = next(spec for spec in decoder_graphs(model, layers, "split") if spec.file == "decode.onnx")
     return export_graph(decode, folder, opset=23, kv_heads=kv_heads, layers=layers)
 
 

@@ -268,6 +268,52 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
     _finish(report)
 
 
+@cli.command("distill")
+@click.argument("teacher", type=click.Path(path_type=Path))
+@click.argument("student", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--data", type=click.Path(path_type=Path), default=None, help="Training text: a text file, .jsonl/.parquet with a 'text' field, or a datasets save_to_disk folder. Default only for the embedded model: its training split.")
+@click.option("--eval-data", type=click.Path(path_type=Path), default=None, help="Held-out text (same formats). Default: the first --eval-windows windows of --data, never trained on.")
+@click.option("--tokens", type=int, default=None, help="Training tokens (over all processes); rounded down to whole steps. [default: 40 steps]")
+@click.option("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens.")
+@click.option("--seq-len", type=int, default=256, help="Tokens per training window.")
+@click.option("--batch-size", type=int, default=16, help="Windows per step and process.")
+@click.option("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0).")
+@click.option("--train", type=click.Choice(("kv", "attention", "all", "lora")), default="all", help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end.")
+@click.option("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine).")
+@click.option("--temperature", type=float, default=1.0, help="Softmax temperature of the KL (loss scaled by T²).")
+@click.option("--eval-every", type=int, default=None, help="Evaluate on the held-out windows every N steps. [default: 8 evaluations per run]")
+@click.option("--eval-windows", type=int, default=32, help="Held-out windows of --seq-len tokens.")
+@click.option("--until-kl", type=float, default=None, help="Stop once the held-out KL is at most this (checked at each evaluation).")
+@click.option("--until-ppl-increase", type=Fraction(), default=None, help="Stop once the held-out perplexity is within this of the teacher's, e.g. 2%.")
+@click.option("--save-every", type=int, default=None, help="Write a resumable checkpoint every N steps into .OUT.distill-state beside OUT.")
+@click.option("--resume", is_flag=True, help="Continue from the last checkpoint in .OUT.distill-state (same inputs and options).")
+@click.option("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, ~30 % slower.")
+@click.option("--seed", type=int, default=0, help="Seed of the window shuffle (and LoRA's initialisation).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (atomically, after the run succeeded).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def distill_cmd(teacher: Path, student: Path, out: Path, quiet: bool, **options) -> None:
+    """Distill STUDENT (a headfold conversion of TEACHER) from TEACHER into OUT.
+
+    The teacher (the MHA original) is frozen; the student learns to match its next-token
+    distributions (decoders) or hidden states (encoders) on --data. OUT is a checkpoint like
+    `convert` writes (same files, config and kv heads; trained tensors in the source dtype) with a
+    chained headfold.json, distill-log.json and distill-curve.png. Runs data-parallel under
+    `accelerate launch` or `torchrun` (only the main process writes).
+    """
+    import json
+
+    from headfold.distillation import distill
+
+    _quiet_libraries()
+    result = distill(teacher, student, out, progress=not quiet, log=click.echo, **options)
+    final = json.loads((result / "headfold.json").read_text())["distillation"]
+    scores = ", ".join(f"{k} {v:.4g}" for k, v in final["final_eval"].items())
+    click.echo(f"wrote {result} ({final['steps']} steps, {final['tokens']} tokens; held-out {scores})")
+    if final["target_reached"] is False:
+        click.echo("note: the --until target was not reached within the token budget")
+
+
 class KvBudget(Fraction):
     """0.25 or 25% of the source's KV cache, or an integer total of kv heads over all layers."""
 

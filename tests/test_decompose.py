@@ -169,8 +169,8 @@ def exported(request, tiny_checkpoint, tmp_path_factory) -> tuple[str, Path, Pat
     family = request.param
     src = tiny_checkpoint(family)
     folder = tmp_path_factory.mktemp(f"decompose_{family}")
-    export(src, folder / "plain", progress=False)
-    summary = export(src, folder / "trt10.14", trt_version="10.14", progress=False)
+    export(src, folder / "plain", progress=False, graphs="split")
+    summary = export(src, folder / "trt10.14", trt_version="10.14", progress=False, graphs="split")
     return family, folder / "plain", folder / "trt10.14", summary
 
 

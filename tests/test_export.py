@@ -61,7 +61,7 @@ def exported(tiny_checkpoint, tmp_path_factory):
             checkpoint = tiny_checkpoint(family)
             if kv != HEADS:
                 checkpoint = convert(checkpoint, folder / "checkpoint", kv, progress=False)
-            export(checkpoint, folder / "onnx", progress=False)
+            export(checkpoint, folder / "onnx", progress=False, graphs="split")  # merged: test_export_merged.py
             cache[family, kv] = checkpoint, folder / "onnx"
         return cache[family, kv]
 

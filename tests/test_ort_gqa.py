@@ -39,7 +39,7 @@ def graphs(tiny_checkpoint, tmp_path_factory):
         if family not in cache:
             folder = tmp_path_factory.mktemp(f"{family}-gqa")
             checkpoint = convert(tiny_checkpoint(family), folder / "checkpoint", KV, progress=False)
-            export(checkpoint, folder / "onnx", progress=False)
+            export(checkpoint, folder / "onnx", progress=False, graphs="split")
             (folder / "ort-gqa").mkdir()
             for name in ("prefill.onnx", "decode.onnx"):
                 model = ir.load(folder / "onnx" / name)

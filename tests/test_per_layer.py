@@ -214,7 +214,7 @@ def torch_greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_export_mixed_matches_torch(family: str, tiny_checkpoint, tmp_path: Path) -> None:
     checkpoint = convert(tiny_checkpoint(family), tmp_path / "checkpoint", MIXED, progress=False)
-    summary = export(checkpoint, tmp_path / "onnx", progress=False)
+    summary = export(checkpoint, tmp_path / "onnx", progress=False, graphs="split")
     assert summary["kv_heads"] == [4, 2]
     assert all(graph["attention_kv_heads"] == [4, 2] for graph in summary["graphs"].values())
     decode = onnx.load(tmp_path / "onnx" / "decode.onnx", load_external_data=False)
@@ -239,7 +239,7 @@ def test_export_mixed_matches_torch(family: str, tiny_checkpoint, tmp_path: Path
 @pytest.mark.slow
 def test_export_mixed_ort_gqa_sets_kv_num_heads_per_node(tiny_checkpoint, tmp_path: Path) -> None:
     checkpoint = convert(tiny_checkpoint("llama"), tmp_path / "checkpoint", MIXED, progress=False)
-    export(checkpoint, tmp_path / "onnx", attention="ort-gqa", progress=False)
+    export(checkpoint, tmp_path / "onnx", attention="ort-gqa", progress=False, graphs="split")
     for name in ("prefill.onnx", "decode.onnx"):
         graph = onnx.load(tmp_path / "onnx" / name, load_external_data=False).graph
         nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
@@ -254,7 +254,7 @@ def test_export_mixed_ort_gqa_sets_kv_num_heads_per_node(tiny_checkpoint, tmp_pa
 @pytest.mark.slow
 def test_onnx_convert_takes_a_list(tiny_checkpoint, tmp_path: Path) -> None:
     src = tiny_checkpoint("llama")
-    export(src, tmp_path / "mha", progress=False)
+    export(src, tmp_path / "mha", progress=False, graphs="split")
     summary = convert_onnx(tmp_path / "mha" / "prefill.onnx", tmp_path / "gqa.onnx", MIXED)
     assert (summary["kv_heads"], summary["source_kv_heads"]) == ([4, 2], [HEADS])
     model = load_model(convert(src, tmp_path / "checkpoint", MIXED, progress=False))

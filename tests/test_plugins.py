@@ -241,7 +241,7 @@ def decode_graphs(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
     paths = {}
     for name, overrides in DECODERS.items():
         folder = tmp_path_factory.mktemp(name) / "onnx"  # export refuses an existing folder
-        export(tiny_checkpoint("llama", **overrides), folder, progress=False)
+        export(tiny_checkpoint("llama", **overrides), folder, progress=False, graphs="split")
         paths[name] = folder / "decode.onnx"
     return paths
 

@@ -177,7 +177,7 @@ def eager_llama_gqa(tiny_checkpoint, tmp_path_factory):
     folder = convert(tiny_checkpoint("llama"), tmp_path_factory.mktemp("llama") / "kv2", KV, progress=False)
     model = load_model(folder)
     model.set_attn_implementation("eager")
-    return lambda: torch_export(decoder_graphs(model, 2)[0], 23)
+    return lambda: torch_export(decoder_graphs(model, 2, "split")[0], 23)
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

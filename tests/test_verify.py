@@ -34,7 +34,7 @@ def tiny(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("verify")
     src = tiny_checkpoint("llama", vocab_size=256)
     paths = {"src": src, "kv8": convert(src, root / "kv8", 8, progress=False), "kv2": convert(src, root / "kv2", 2, progress=False)}
-    export(paths["kv2"], root / "kv2-onnx", progress=False)
+    export(paths["kv2"], root / "kv2-onnx", progress=False, graphs="split")
     paths["onnx"] = root / "kv2-onnx"
     paths["other"] = tiny_checkpoint("llama", vocab_size=256, intermediate_size=64, seed=1)
     return paths

@@ -1,8 +1,9 @@
-"""The KV-cache path in `headfold verify`: prefill + teacher-forced decode steps through decode.onnx.
+"""The KV-cache path in `headfold verify`: prompt + teacher-forced steps through the merged model.onnx
+(its own present K/V fed back as past), or through decode.onnx for a split export.
 
-Tiny llama (GQA, per-layer kv heads) and gpt2 exports pass within 1e-4; a decode graph wired to
-the wrong layer's cache fails (exit 1, naming the decode check's metric); --decode-steps 0 skips
-the path and says so; encoders get no decode check.
+Tiny llama (GQA, per-layer kv heads) and gpt2 exports pass within 1e-4, merged and split; a graph
+wired to the wrong layer's cache fails (exit 1, naming the decode check's metric) while its prompt
+logits pass; --decode-steps 0 skips the path and says so; encoders get no decode check.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class Exports(dict):
         self.tiny_checkpoint, self.root = tiny_checkpoint, root
 
     def __missing__(self, name: str) -> tuple[Path, Path]:
+        if name.endswith(":split"):
+            checkpoint, _ = self[name.removesuffix(":split")]
+            onnx_dir = self.root / f"{checkpoint.name}-split"
+            export(checkpoint, onnx_dir, progress=False, graphs="split")
+            self[name] = checkpoint, onnx_dir
+            return self[name]
         llama = lambda: self.tiny_checkpoint("llama", vocab_size=256)  # noqa: E731
         make = {
             "llama-kv2": lambda: convert(llama(), self.root / name, 2, progress=False),
@@ -79,17 +86,19 @@ def test_decoded_positions_count_real_tokens_whatever_the_padding() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-kv2", "llama-kv4,2", "gpt2"])
+@pytest.mark.parametrize("name", ["llama-kv2", "llama-kv4,2", "gpt2", "llama-kv2:split"])
 def test_decode_fidelity_passes(exports, name: str) -> None:
     checkpoint, onnx_dir = exports[name]
+    graphs = ("prefill.onnx", "decode.onnx") if name.endswith(":split") else ("model.onnx", "model.onnx")
     report = verify(checkpoint, onnx_dir, inputs=SPEC)
     assert [c.name for c in report.checks] == ["fidelity", "fidelity-decode"] and report.passed
     prefill, decode = report.checks
     assert decode.kind == "fidelity" and decode.budget == prefill.budget and decode.notes
     assert decode.metrics["max_abs_err"] <= ATOL and decode.metrics["top1"] == 1.0 and decode.metrics["mismatched"] == 0
     assert decode.metrics["elements"] == _expected_elements(checkpoint, 16)
-    assert decode.candidate["runner"] == "onnxruntime:decode.onnx" and decode.candidate["decode_steps"] == 16
-    assert {"prefill.onnx_sha256", "decode.onnx_sha256"} <= set(decode.candidate)
+    assert prefill.candidate["runner"] == f"onnxruntime:{graphs[0]}"
+    assert decode.candidate["runner"] == f"onnxruntime:{graphs[1]}" and decode.candidate["decode_steps"] == 16
+    assert {f"{graph}_sha256" for graph in graphs} <= set(decode.candidate)
     print(f"{name}: decode max abs {decode.metrics['max_abs_err']:.3g}, prefill max abs {prefill.metrics['max_abs_err']:.3g}")
 
 
@@ -99,20 +108,25 @@ def test_export_as_reference_and_step_count(exports) -> None:
     checkpoint, onnx_dir = exports["llama-kv2"]
     spec = InputSpec(window=32, max_rows=12, batch_size=4, decode_steps=5)
     _, decode = verify(onnx_dir, checkpoint, inputs=spec).checks
-    assert decode.passed and decode.reference["runner"] == "onnxruntime:decode.onnx"
+    assert decode.passed and decode.reference["runner"] == "onnxruntime:model.onnx"
     assert decode.metrics["elements"] == _expected_elements(checkpoint, 5)
 
 
 @pytest.mark.slow
-def test_left_padded_rows_decode_like_the_prefill_graph(exports) -> None:
-    """Left padding (as generate pads): the KV-cache path matches the prefill graph, whose positions come from the mask."""
-    checkpoint, onnx_dir = exports["llama-kv2"]
+@pytest.mark.parametrize("layout", ["merged", "split"])
+def test_left_padded_rows_decode_like_the_prompt(exports, layout: str) -> None:
+    """Left padding (as generate pads): the KV-cache path matches the prompt's logits, whose positions come from the mask."""
+    checkpoint, onnx_dir = exports["llama-kv2" if layout == "merged" else "llama-kv2:split"]
     inputs = make_inputs(checkpoint, SPEC)
     pads = [(feed["attention_mask"] == 0).sum(1) for feed in inputs.feeds]  # right padding → left padding
     inputs.feeds = [{k: np.stack([np.roll(row, n) for row, n in zip(v, p)]) for k, v in f.items()} for f, p in zip(inputs.feeds, pads)]
     assert any((f["attention_mask"][:, 0] == 0).any() for f in inputs.feeds)
-    prefill = OnnxRuntimeRunner(onnx_dir / "prefill.onnx")
-    kv_cache = KvCacheRunner(prefill, OnnxRuntimeRunner(onnx_dir / "decode.onnx"), steps=8)
+    if layout == "merged":  # one graph, one session: the prompt and every step
+        prefill = OnnxRuntimeRunner(onnx_dir / "model.onnx")
+        kv_cache = KvCacheRunner(prefill, prefill, steps=8)
+    else:
+        prefill = OnnxRuntimeRunner(onnx_dir / "prefill.onnx")
+        kv_cache = KvCacheRunner(prefill, OnnxRuntimeRunner(onnx_dir / "decode.onnx"), steps=8)
     positions = lambda feed: decoded_positions(feed["attention_mask"], 8)  # noqa: E731
     (result,) = run_checks([CheckSpec("left", "fidelity", prefill, kv_cache, fidelity_budget("fp32"), positions=positions)], inputs)
     assert result.passed and result.metrics["max_abs_err"] <= ATOL
@@ -121,17 +135,18 @@ def test_left_padded_rows_decode_like_the_prefill_graph(exports) -> None:
 # --- failures, skipping, encoders ------------------------------------------------------------------
 
 
-def _swap_past_inputs(onnx_dir: Path, folder: Path) -> Path:
-    """A copy of the export whose decode graph feeds layer 0's past key to layer 1 and back."""
+def _swap_past_inputs(onnx_dir: Path, folder: Path, graph: str = "model.onnx") -> Path:
+    """A copy of the export whose graph feeds layer 0's past key to layer 1 and back (at the
+    prompt both pasts are empty, so only the cache steps can notice)."""
     shutil.copytree(onnx_dir, folder)
-    model = ir.load(onnx_dir / "decode.onnx")
+    model = ir.load(onnx_dir / graph)
     inputs = {v.name: v for v in model.graph.inputs}
     first, second = inputs["past_key_values.0.key"], inputs["past_key_values.1.key"]
     first.name, second.name = "swapping", first.name
     first.name = "past_key_values.1.key"  # via a free name: value names stay unique
-    (folder / "decode.onnx").unlink()
-    (folder / "decode.onnx.data").unlink()
-    ir.save(model, folder / "decode.onnx", external_data="decode.onnx.data")
+    (folder / graph).unlink()
+    (folder / f"{graph}.data").unlink()
+    ir.save(model, folder / graph, external_data=f"{graph}.data")
     return folder
 
 

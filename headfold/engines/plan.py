@@ -307,7 +307,10 @@ def source_graphs(src: Path) -> tuple[list[Path], str]:
     if src.is_file() and src.suffix == ".onnx":
         return [src.resolve()], "file"
     if src.is_dir() and (src / EXPORT_SUMMARY).is_file():
-        names = list(json.loads((src / EXPORT_SUMMARY).read_text()).get("graphs", {}))
+        summary = json.loads((src / EXPORT_SUMMARY).read_text())
+        if summary.get("layout") == "merged":  # its total length P + S is no profile dimension
+            raise BadInput(f"{src} holds the merged decoder graph (ONNX Runtime, onnxruntime-genai); TensorRT builds the split pair: headfold export SRC OUT --graphs split")
+        names = list(summary.get("graphs", {}))
         missing = [n for n in names if not (src / n).is_file()]
         if missing or not names:
             raise BadInput(f"export folder {src} lacks {', '.join(missing) or 'graphs'}; re-run headfold export")

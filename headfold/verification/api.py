@@ -81,7 +81,9 @@ class _RunnerCache:
         if artifact.decode is None:
             return self.full(artifact)
         if artifact.path not in self._kv_cache:
-            self._kv_cache[artifact.path] = KvCacheRunner(self.full(artifact), artifact.decode_runner(), self.decode_steps)
+            # a merged graph continues through its own runner: one session for both paths
+            decode = self.full(artifact) if artifact.decode == artifact.path else artifact.decode_runner()
+            self._kv_cache[artifact.path] = KvCacheRunner(self.full(artifact), decode, self.decode_steps)
         return self._kv_cache[artifact.path]
 
 

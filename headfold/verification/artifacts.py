@@ -3,8 +3,10 @@
 A checkpoint folder (config.json) runs in torch; an export folder (export.json) or a .onnx file
 runs in ONNX Runtime; a .engine (or a `headfold build` folder) runs in TensorRT. An ONNX graph's
 model is the checkpoint export.json names as its source; an engine's is its source graph's
-(found through the engine's .engine.json sidecar). A decoder export's prefill graph carries its
-decode graph along (`Artifact.decode`) for the KV-cache check (verification.decoding).
+(found through the engine's .engine.json sidecar). A decoder export's graph carries the graph
+that continues from its cache along (`Artifact.decode`) for the KV-cache check
+(verification.decoding): a merged model.onnx continues through itself, a split prefill.onnx
+through decode.onnx.
 Same model on both sides → fidelity; a candidate whose model is a headfold conversion
 (headfold.json) of the reference's → conversion loss.
 """
@@ -23,7 +25,8 @@ from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRu
 EXPORT_SUMMARY = "export.json"
 CONVERSION_MANIFEST = "headfold.json"
 GRAPHS = ("prefill.onnx", "model.onnx")  # the full-sequence graph of a decoder / an encoder
-PREFILL_GRAPH, DECODE_GRAPH = "prefill.onnx", "decode.onnx"  # a decoder export's KV-cache pair
+PREFILL_GRAPH, DECODE_GRAPH = "prefill.onnx", "decode.onnx"  # a split decoder export's KV-cache pair
+MERGED_GRAPH = "model.onnx"  # a merged decoder export: prompt and cache steps in one graph
 PREFILL_ENGINE, DECODE_ENGINE = "prefill.engine", "decode.engine"  # the same pair after `headfold build`
 ENGINE_SUFFIXES = (".engine", ".plan")
 ENGINES = ("prefill.engine", "model.engine")  # in a `headfold build` folder, like GRAPHS
@@ -131,7 +134,10 @@ def _export_source(summary: dict[str, Any], folder: Path) -> Path | None:
 
 
 def _decode_graph(graph: Path, summary: dict[str, Any]) -> Path | None:
-    """The decode graph paired with `graph` when `graph` is a decoder export's prefill graph."""
+    """The graph that continues from `graph`'s cache: itself for a merged decoder graph, decode.onnx
+    for a split export's prefill graph, else None."""
+    if graph.name == MERGED_GRAPH and summary.get("layout") == "merged":
+        return graph
     decode = graph.parent / DECODE_GRAPH
     paired = graph.name == PREFILL_GRAPH and DECODE_GRAPH in summary.get("graphs", {})
     return decode if paired and decode.is_file() else None

@@ -2,7 +2,8 @@
 
 `KvCacheRunner.infer(feed)` answers like a full forward (logits [B, S, V] over the feed's rows)
 but fills only each row's last `steps` real positions, and computes them through the cache:
-prefill on the row's earlier tokens, then one decode call per remaining token, fed that token
+prefill on the row's earlier tokens, then one decode call per remaining token (through the same
+graph for a merged export, through decode.onnx for a split one), fed that token
 (teacher forcing: the row's next real token, not the model's guess) and the previous call's
 present K/V as past K/V. The attention mask grows by one per step, so a row shorter than the
 batch's longest keeps its pads between prefix and new tokens; the graphs derive positions from

@@ -16,8 +16,12 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from headfold.errors import BadInput
+
 # Preferred ONNX Runtime providers, best first; those the installed build lacks are skipped.
 ORT_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+PAST = "past_key_values."  # graphs.export's past K/V inputs: past_key_values.{i}.key / .value
+_ORT_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
 
 @runtime_checkable
@@ -126,7 +130,16 @@ class OnnxRuntimeRunner(BaseRunner):
 
     def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = [o.name for o in self.session.get_outputs()]
-        return dict(zip(names, self.session.run(names, dict(feed_dict))))
+        feed = {**self._empty_past(feed_dict), **feed_dict}
+        return dict(zip(names, self.session.run(names, feed)))
+
+    def _empty_past(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A merged decoder graph fed without past K/V runs a prompt: past of length 0 [B, kvᵢ, 0, d]."""
+        batch = len(feed["input_ids"]) if "input_ids" in feed else 0
+        missing = [i for i in self.session.get_inputs() if i.name.startswith(PAST) and i.name not in feed]
+        if any(i.type not in _ORT_FLOATS for i in missing):
+            raise BadInput(f"{self.graph.name} takes its past K/V as {missing[0].type}, which numpy cannot build; export it in fp32 or fp16 to verify it")
+        return {i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), _ORT_FLOATS[i.type]) for i in missing}
 
     def describe(self) -> dict[str, str]:
         import onnxruntime as ort

@@ -1,0 +1,190 @@
+"""Distillation data: text documents from local files or 🤗 datasets, tokenized and packed into windows.
+
+`--data` is a text file (one example per line, line breaks kept), a `.jsonl` / `.json` or
+`.parquet` file with a `text` field, or a folder written by 🤗 datasets' `save_to_disk`. Files
+stream through `datasets` (never loaded whole, never the network); windows are cut from the
+concatenated token stream, documents separated by the tokenizer's EOS token (or a blank line).
+The held-out windows are the first `eval_windows` of the stream unless `--eval-data` is given;
+training windows come after them, shuffled in a seeded buffer, epoch after epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import torch
+
+from headfold import corpus
+from headfold.converter.checkpoint import check_links
+from headfold.converter.tokens import TOKENIZER_FILES
+from headfold.errors import BadInput
+
+TEXT_FIELD = "text"
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else is read as text
+SHUFFLE_WINDOWS = 1024  # training windows shuffled together: neighbours in the text rarely share a batch
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """Where documents come from: `docs()` streams them again on every call."""
+
+    name: str
+    sha256: str
+    docs: Callable[[], Iterator[str]]
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """Token ids of a text, the ids between two documents, and the ids wrapped around each window."""
+
+    encode: Callable[[str], list[int]]
+    separator: list[int]
+    wrap: Callable[[list[int]], list[int]]
+    overhead: int  # special tokens `wrap` adds
+    name: str
+
+
+def _digest(paths: Iterable[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def builtin_source(text: str, name: str) -> TextSource:
+    """The embedded corpus (or any in-memory text) as one document."""
+    return TextSource(name, hashlib.sha256(text.encode()).hexdigest(), lambda: iter([text]))
+
+
+def file_source(path: Path, option: str = "--data") -> TextSource:
+    """A text / jsonl / parquet file or a save_to_disk folder; BadInput when it cannot be one."""
+    if not path.exists():
+        raise BadInput(f"{option} {path} does not exist; pass a text, .jsonl or .parquet file or a datasets save_to_disk folder")
+    if path.is_dir():
+        return _disk_source(path, option)
+    if path.stat().st_size == 0:
+        raise BadInput(f"{option} {path} is empty; pass a file with text in it")
+    builder = BUILDERS.get(path.suffix.lower(), "text")
+    options = {"keep_linebreaks": True} if builder == "text" else {}
+
+    def docs() -> Iterator[str]:
+        import datasets
+
+        stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
+        return _texts(stream, path, option)
+
+    return TextSource(str(path), _digest([path]), docs)
+
+
+def _disk_source(folder: Path, option: str) -> TextSource:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError) as err:
+        raise BadInput(f"{option} {folder} is not a datasets save_to_disk folder ({str(err).splitlines()[0]}); pass a file or such a folder") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded and len(loaded) != 1:
+            raise BadInput(f"{option} {folder} has splits {sorted(loaded)} but no 'train'; save the split to use on its own")
+        loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    if loaded.num_rows == 0:
+        raise BadInput(f"{option} {folder} holds no rows; pass a dataset with text in it")
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return TextSource(str(folder), _digest(files), lambda: _texts(loaded.to_iterable_dataset(), folder, option))
+
+
+def _texts(stream, path: Path, option: str) -> Iterator[str]:
+    for row in stream:
+        if TEXT_FIELD not in row:
+            raise BadInput(f"{option} {path} has no '{TEXT_FIELD}' field (it has {', '.join(sorted(row))}); name the text column '{TEXT_FIELD}'")
+        if row[TEXT_FIELD]:
+            yield row[TEXT_FIELD]
+
+
+def encoder_for(folder: Path, vocab_size: int, encoder_model: bool) -> Encoder:
+    """The checkpoint's own tokenizer (offline, no remote code); bytes for a 256-token vocabulary without one."""
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        if vocab_size != corpus.VOCAB_SIZE:
+            raise BadInput(f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) and is not byte-level; add its tokenizer to the folder")
+        return Encoder(corpus.encode, corpus.encode(corpus.SEPARATOR), list, 0, "bytes")
+    import transformers
+
+    check_links(folder)  # like converter.tokens: no file linked from outside the folder
+    tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    separator = [tok.eos_token_id] if tok.eos_token_id is not None and not encoder_model else tok.encode("\n\n", add_special_tokens=False)
+    # encoders see every window framed as in training ([CLS] … [SEP]); decoders a plain slice of the stream
+    wrap = tok.build_inputs_with_special_tokens if encoder_model else list
+    overhead = tok.num_special_tokens_to_add() if encoder_model else 0
+    return Encoder(lambda text: tok.encode(text, add_special_tokens=False, verbose=False), separator, wrap, overhead, type(tok).__name__)
+
+
+def windows(source: TextSource, encoder: Encoder, seq_len: int) -> Iterator[list[int]]:
+    """Consecutive windows of exactly `seq_len` tokens from the source's token stream (the tail is dropped)."""
+    body = seq_len - encoder.overhead
+    buffer: list[int] = []
+    for i, doc in enumerate(source.docs()):
+        buffer += (encoder.separator if i else []) + encoder.encode(doc)
+        while len(buffer) >= body:
+            yield encoder.wrap(buffer[:body])
+            del buffer[:body]
+
+
+def _shuffled(items: Iterator[list[int]], rng: random.Random, size: int = SHUFFLE_WINDOWS) -> Iterator[list[int]]:
+    """Fill a buffer of `size`, then emit a random element for each new one (like datasets' shuffle)."""
+    buffer = list(islice(items, size))
+    for item in items:
+        i = rng.randrange(len(buffer))
+        yield buffer[i]
+        buffer[i] = item
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """Which windows train and which evaluate; checked before anything runs."""
+
+    train: TextSource
+    heldout: TextSource | None  # None: the first `eval_windows` windows of `train` are held out
+    encoder: Encoder
+    seq_len: int
+    eval_windows: int
+    seed: int
+
+    @property
+    def skip(self) -> int:
+        return self.eval_windows if self.heldout is None else 0
+
+    def eval_batch(self) -> torch.Tensor:
+        """The held-out windows, [count, seq_len]; never trained on."""
+        rows = list(islice(windows(self.heldout or self.train, self.encoder, self.seq_len), self.eval_windows))
+        return torch.tensor(rows, dtype=torch.long)
+
+    def train_windows(self, skip: int = 0) -> Iterator[list[int]]:
+        """Training windows forever (a new seeded shuffle per epoch), after dropping the first `skip` (resume)."""
+        def epochs() -> Iterator[list[int]]:
+            for epoch in range(1 << 62):
+                rng = random.Random(f"{self.seed}:{epoch}")
+                yield from _shuffled(islice(windows(self.train, self.encoder, self.seq_len), self.skip, None), rng)
+
+        return islice(epochs(), skip, None)
+
+    def check(self) -> None:
+        """BadInput when the data gives no window, or no training window after the held-out ones."""
+        first = list(islice(windows(self.train, self.encoder, self.seq_len), self.skip + 1))
+        if not first:
+            raise BadInput(f"--data {self.train.name} is shorter than one window of {self.seq_len} tokens; give more text or a smaller --seq-len")
+        if len(first) <= self.skip:
+            raise BadInput(
+                f"--data {self.train.name} has only {len(first)} window(s) of {self.seq_len} tokens, all needed as the "
+                f"{self.eval_windows} held-out windows; give more text, a smaller --eval-windows, or --eval-data"
+            )
+        if self.heldout is not None and not next(windows(self.heldout, self.encoder, self.seq_len), None):
+            raise BadInput(f"--eval-data {self.heldout.name} is shorter than one window of {self.seq_len} tokens; give more text or a smaller --seq-len")

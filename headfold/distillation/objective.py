@@ -1,0 +1,102 @@
+"""What distillation minimises and how the held-out windows are scored.
+
+Decoders: forward KL(teacher ‖ student) of the next-token distributions per token, both softened by
+the temperature T and scaled by T² (Hinton et al.) so the gradient size does not depend on T;
+`kl+ce` adds the student's next-token cross-entropy. Encoders: MSE of the last hidden states plus
+1 − cosine of the mean-pooled sentence embeddings (what sentence-transformers compares).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Objective:
+    encoder: bool
+    loss: str = "kl"  # "kl" | "kl+ce"
+    temperature: float = 1.0
+
+    def outputs(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Logits (decoders) or last hidden states (encoders) of full windows (no padding, no mask)."""
+        out = model(input_ids=ids)
+        return out.last_hidden_state if self.encoder else out.logits
+
+    def __call__(self, student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.encoder:
+            return F.mse_loss(student.float(), teacher.float()) + (1 - embedding_cosine(student, teacher)).mean()
+        t = self.temperature
+        loss = DistillKL.apply(student / t, teacher / t) * t * t
+        if self.loss == "kl+ce":
+            loss = loss + F.cross_entropy(student[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        return loss
+
+
+class DistillKL(torch.autograd.Function):
+    """Mean per-token KL(teacher ‖ student) with its exact gradient, softmax(student) − softmax(teacher).
+
+    Autograd's own backward through log_softmax leaves float rounding (~1e-8) where the two are
+    equal, and Adam scales such noise up to full-size steps; this gradient is exactly zero there,
+    so a student equal to its teacher stays bit for bit unchanged.
+    """
+
+    @staticmethod
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(student, teacher)
+        return token_kl(student, teacher).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        student, teacher = ctx.saved_tensors
+        positions = student.numel() // student.shape[-1]
+        diff = torch.softmax(student.float(), -1) - torch.softmax(teacher.float(), -1)
+        return (diff * (grad / positions)).to(student.dtype), None
+
+
+def token_kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ student) of each position's distribution, in nats: [batch, seq]."""
+    s, t = F.log_softmax(student.float(), -1), F.log_softmax(teacher.float(), -1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def embedding_cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Cosine of the mean-pooled embeddings of each window: [batch]."""
+    return F.cosine_similarity(student.float().mean(1), teacher.float().mean(1), dim=-1)
+
+
+@torch.no_grad()
+def evaluate(objective: Objective, student: torch.nn.Module, teacher: torch.nn.Module, batch: torch.Tensor, rows: int) -> dict[str, float]:
+    """Held-out scores of the student against the teacher on `batch` windows, `rows` at a time.
+
+    Decoders: mean per-token KL, both perplexities, the relative perplexity increase and top-1
+    agreement; encoders: mean embedding cosine and hidden-state MSE.
+    """
+    sums: dict[str, float] = {}
+    for ids in batch.split(rows):
+        s, t = objective.outputs(student, ids), objective.outputs(teacher, ids)
+        for name, value in _scores(objective, s, t, ids).items():
+            sums[name] = sums.get(name, 0.0) + value
+    if objective.encoder:
+        return {"cosine": sums["cosine"] / len(batch), "mse": sums["mse"] / len(batch)}
+    n = sums["tokens"]
+    ppl, teacher_ppl = math.exp(sums["nll"] / sums["predicted"]), math.exp(sums["teacher_nll"] / sums["predicted"])
+    return {"kl": sums["kl"] / n, "ppl": ppl, "teacher_ppl": teacher_ppl, "ppl_increase": ppl / teacher_ppl - 1, "top1": sums["top1"] / n}
+
+
+def _scores(objective: Objective, s: torch.Tensor, t: torch.Tensor, ids: torch.Tensor) -> dict[str, float]:
+    """Sums over one batch of windows."""
+    if objective.encoder:
+        return {"cosine": float(embedding_cosine(s, t).sum()), "mse": float(((s.float() - t.float()) ** 2).mean((1, 2)).sum())}
+    targets = ids[:, 1:].flatten()
+    return {
+        "kl": float(token_kl(s, t).sum()),
+        "tokens": ids.numel(),
+        "top1": float((s.argmax(-1) == t.argmax(-1)).sum()),
+        "nll": float(F.cross_entropy(s[:, :-1].flatten(0, 1).float(), targets, reduction="sum")),
+        "teacher_nll": float(F.cross_entropy(t[:, :-1].flatten(0, 1).float(), targets, reduction="sum")),
+        "predicted": targets.numel(),
+    }

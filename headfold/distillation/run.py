@@ -1,0 +1,208 @@
+"""`headfold distill TEACHER STUDENT OUT`: recover what pooling lost by distilling from the MHA original.
+
+Everything the request can get wrong is checked before a model loads (nothing is written on bad
+input). Training runs through 🤗 Accelerate: one process here, or data-parallel (DDP; FSDP from an
+Accelerate config) under `accelerate launch` / `torchrun`, where every process takes its slice of
+each global batch and only the main process writes. The teacher is frozen (eval, no grad); the
+student runs with dropout off, so distillation matches the teacher's deterministic function and a
+resumed run repeats an uninterrupted one exactly on CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headfold import corpus
+from headfold.atomic import atomic_output, check_output
+from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.conversion import MANIFEST
+from headfold.distillation import output, state
+from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, file_source
+from headfold.distillation.objective import Objective
+from headfold.distillation.trainer import Trainer
+from headfold.distillation.trainable import TRAIN_MODES, merged, select, trainable_state
+from headfold.errors import BadInput
+
+DEFAULT_STEPS = 40
+LOSSES = ("kl", "kl+ce")
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    """Everything that shapes the result (recorded in the manifest; a resumed run must repeat it)."""
+
+    tokens: int | None = None
+    steps: int | None = None
+    seq_len: int = 256
+    batch_size: int = 16
+    lr: float = 1e-3
+    warmup: float = 0.1  # fraction of the steps with a linear LR ramp, then cosine to 0
+    train: str = "all"
+    loss: str = "kl"
+    temperature: float = 1.0
+    eval_every: int | None = None  # steps; default: 8 evaluations over the run
+    eval_at: tuple[int, ...] = ()  # further steps to evaluate at (benchmarks: fixed token budgets)
+    eval_windows: int = 32
+    until_kl: float | None = None
+    until_ppl_increase: float | None = None
+    gradient_checkpointing: bool = False
+    seed: int = 0
+
+
+def distill(
+    teacher: str | os.PathLike,
+    student: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    data: str | os.PathLike | None = None,
+    eval_data: str | os.PathLike | None = None,
+    save_every: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    log=print,
+    **options: Any,
+) -> Path:
+    """Distill STUDENT (a headfold conversion of TEACHER) towards TEACHER on `data`; the output folder.
+
+    `options` are the fields of DistillOptions. Raises BadInput (nothing written) for a bad request.
+    """
+    teacher, student = Path(teacher), Path(student)
+    opts = DistillOptions(**options)
+    teacher_ckpt, student_ckpt, manifest = check_pair(teacher, student)
+    out = check_output(Path(out), overwrite=overwrite, sources=(teacher, student))
+    encoder_model = student_ckpt.spec.kind == "encoder"
+    check_options(opts, student_ckpt, encoder_model)
+    plan = window_plan(teacher, student_ckpt, data, eval_data, opts, encoder_model)
+    plan.check()
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    steps = total_steps(opts, accelerator.num_processes)
+    identity = run_identity(teacher, student, plan, opts, accelerator.num_processes)
+    folder = state.state_folder(out)
+    checkpoint = state.open_run(folder, identity, resume)
+    trainer = Trainer(accelerator, teacher, student_ckpt, plan, opts, steps, Objective(encoder_model, opts.loss, opts.temperature))
+    if checkpoint is not None:
+        trainer.restore(checkpoint)
+        log(f"distill: resumed from {checkpoint} (step {trainer.progress.step} of {steps})")
+    elif accelerator.is_main_process:
+        state.begin(folder, identity)
+    start = time.perf_counter()
+    final, reached = trainer.train(folder, save_every, progress)
+    seconds = time.perf_counter() - start
+    if accelerator.is_main_process:
+        record = {"teacher": {"path": str(teacher.resolve()), "config_sha256": identity["teacher_config_sha256"]},
+                  "student": {"path": str(student.resolve()), "manifest": manifest},
+                  "data": {"train": plan.train.name, "train_sha256": plan.train.sha256,
+                           "heldout": plan.heldout.name if plan.heldout else f"first {opts.eval_windows} windows of the training data",
+                           "heldout_sha256": (plan.heldout or plan.train).sha256, "tokenizer": plan.encoder.name},
+                  "options": asdict(opts), "processes": accelerator.num_processes, "steps": trainer.progress.step,
+                  "tokens": trainer.progress.tokens, "target_reached": reached, "final_eval": final,
+                  "initial_eval": trainer.progress.log["eval"][0], "seconds": round(seconds, 1)}  # fmt: skip
+        with atomic_output(out, overwrite=overwrite) as tmp:
+            files = output.write_checkpoint(student_ckpt, trainer.checkpoint_state(), tmp)
+            output.write_log(tmp, trainer.progress.log, trainer.metric)
+            output.write_manifest(tmp, manifest, record, files)
+        state.finish(folder)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return out
+
+
+def check_pair(teacher: Path, student: Path) -> tuple[SourceCheckpoint, SourceCheckpoint, dict[str, Any]]:
+    """Both checkpoints valid, the same vocabulary, layers and width, and STUDENT converted from TEACHER."""
+    t, s = SourceCheckpoint(teacher), SourceCheckpoint(student)
+    keys = t.spec.config
+    for what, key in (("vocabulary", "vocab_size"), ("layers", keys.layers), ("hidden size", keys.hidden)):
+        if t.config.get(key) != s.config.get(key):
+            raise BadInput(f"teacher and student differ in {what} ({t.config.get(key)} vs {s.config.get(key)}); the student must be a headfold conversion of the teacher")
+    manifest_file = student / MANIFEST
+    if not manifest_file.is_file():
+        raise BadInput(f"student {student} has no {MANIFEST}, so it is not a headfold conversion; make one with headfold convert {teacher} STUDENT --kv-heads N")
+    manifest = json.loads(manifest_file.read_text())
+    source = manifest.get("source", {})
+    if source.get("config_sha256") != _sha256(teacher / "config.json"):
+        raise BadInput(f"student {student} was converted from {source.get('path')}, not from teacher {teacher} (config.json differs); pass the student's own original")
+    return t, s, manifest
+
+
+def check_options(opts: DistillOptions, student: SourceCheckpoint, encoder_model: bool) -> None:
+    if opts.train not in TRAIN_MODES:
+        raise BadInput(f"--train {opts.train!r} is not one of {', '.join(TRAIN_MODES)}")
+    if opts.loss not in LOSSES:
+        raise BadInput(f"--loss {opts.loss!r} is not one of {', '.join(LOSSES)}")
+    if encoder_model and (opts.loss != "kl" or opts.until_kl is not None or opts.until_ppl_increase is not None):
+        raise BadInput("an encoder has no next-token distribution: --loss kl+ce, --until-kl and --until-ppl-increase are for decoders")
+    positive = {"--seq-len": opts.seq_len, "--batch-size": opts.batch_size, "--lr": opts.lr, "--temperature": opts.temperature, "--eval-windows": opts.eval_windows}
+    for option, value in positive.items():
+        if not value > 0:
+            raise BadInput(f"{option} must be positive, got {value}")
+    limit = student.config.get("max_position_embeddings") or student.config.get("n_positions")
+    if limit and opts.seq_len > limit:
+        raise BadInput(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions; choose at most {limit}")
+    if opts.tokens is not None and opts.steps is not None:
+        raise BadInput("give --tokens or --steps, not both")
+
+
+def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts: DistillOptions, encoder_model: bool) -> WindowPlan:
+    """Training and held-out text: the embedded model's own corpus splits when no --data is given."""
+    embedded = is_embedded(teacher)
+    if data is None and not embedded:
+        raise BadInput("--data is required: pass a text, .jsonl or .parquet file or a datasets folder (the built-in text is the embedded model's own corpus)")
+    train = builtin_source(corpus.train_text(), "built-in training split") if data is None else file_source(Path(data))
+    heldout = file_source(Path(eval_data), "--eval-data") if eval_data is not None else None
+    if heldout is None and data is None:
+        heldout = builtin_source(corpus.heldout_text(), "built-in held-out split")
+    encoder = encoder_for(student.folder, int(student.config.get("vocab_size", 0)), encoder_model)
+    return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed)
+
+
+def is_embedded(teacher: Path) -> bool:
+    embedded = Path(str(resources.files("headfold") / "data" / "default_model"))
+    weights = teacher / "model.safetensors"
+    return teacher.resolve() == embedded.resolve() or (weights.is_file() and _sha256(weights) == _sha256(embedded / "model.safetensors"))
+
+
+def total_steps(opts: DistillOptions, processes: int) -> int:
+    per_step = opts.batch_size * opts.seq_len * processes
+    if opts.tokens is None:
+        steps = DEFAULT_STEPS if opts.steps is None else opts.steps
+        if steps < 1:
+            raise BadInput(f"--steps must be at least 1, got {steps}")
+        return steps
+    if opts.tokens < per_step:
+        raise BadInput(f"--tokens {opts.tokens} is below one batch ({opts.batch_size} × {opts.seq_len} tokens × {processes} process(es) = {per_step}); give more tokens or a smaller batch")
+    return opts.tokens // per_step
+
+
+def run_identity(teacher: Path, student: Path, plan: WindowPlan, opts: DistillOptions, processes: int) -> dict[str, Any]:
+    """What a resumed run must share with the one that wrote the state (as JSON reads it back)."""
+    identity = {
+        "teacher_config_sha256": _sha256(teacher / "config.json"),
+        "student_manifest_sha256": _sha256(student / MANIFEST),
+        "data_sha256": plan.train.sha256,
+        "eval_data_sha256": plan.heldout.sha256 if plan.heldout else None,
+        "options": asdict(opts),
+        "processes": processes,
+    }
+    return json.loads(json.dumps(identity))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+

@@ -1,0 +1,93 @@
+"""Resumable distillation state, beside the output: `.OUT.distill-state/`.
+
+    run.json                 what the run is (inputs' hashes and options); --resume refuses another
+    step-000040/             the latest checkpoint, written atomically (older ones are removed)
+        trainable.safetensors   the trainable tensors (fp32)
+        optimizer.pt            optimizer and LR-schedule state, torch RNG state (read weights_only)
+        progress.json           step, tokens, windows consumed, the log so far
+
+A run killed at any moment leaves either the previous or the new checkpoint whole. The folder is
+removed once OUT is written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from headfold.atomic import atomic_output
+from headfold.errors import BadInput
+
+RUN_FILE = "run.json"
+CHECKPOINT = re.compile(r"step-(\d+)")
+
+
+def state_folder(out: Path) -> Path:
+    return out.with_name(f".{out.name}.distill-state")
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    tokens: int = 0
+    windows: int = 0  # global training windows consumed: where the data stream resumes
+    log: dict[str, list] | None = None
+
+    def __post_init__(self) -> None:
+        self.log = self.log if self.log is not None else {"train": [], "eval": []}
+
+
+def latest(folder: Path) -> Path | None:
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*") if (m := CHECKPOINT.fullmatch(p.name)) and p.is_dir()]
+    return max(found)[1] if found else None
+
+
+def open_run(folder: Path, identity: dict[str, Any], resume: bool) -> Path | None:
+    """The checkpoint to resume from (None: start fresh); BadInput for state of another run or unasked-for state."""
+    previous = folder / RUN_FILE
+    if not previous.is_file():
+        return None
+    if not resume:
+        raise BadInput(f"{folder} holds the state of an unfinished run; pass --resume to continue it, or delete the folder to start over")
+    recorded = json.loads(previous.read_text())
+    if differs := sorted(k for k in identity.keys() | recorded.keys() if identity.get(k) != recorded.get(k)):
+        raise BadInput(f"{folder} is the state of a run with other {', '.join(differs)}; repeat that run's options, or delete the folder to start over")
+    return latest(folder)
+
+
+def begin(folder: Path, identity: dict[str, Any]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(identity, indent=2, default=str) + "\n")
+    tmp.replace(folder / RUN_FILE)
+
+
+def save(folder: Path, progress: Progress, tensors: dict[str, torch.Tensor], optimizer: dict, schedule: dict) -> Path:
+    """Write checkpoint `step-N` whole (or not at all), then drop the older ones."""
+    target = folder / f"step-{progress.step:06d}"
+    with atomic_output(target, overwrite=True) as tmp:  # a resumed run may pass the same step again
+        save_file(tensors, str(tmp / "trainable.safetensors"))
+        torch.save({"optimizer": optimizer, "schedule": schedule, "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+        (tmp / "progress.json").write_text(json.dumps(progress.__dict__) + "\n")
+    for old in folder.glob("step-*"):
+        if old != target and CHECKPOINT.fullmatch(old.name):
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def load(checkpoint: Path) -> tuple[Progress, dict[str, torch.Tensor], dict[str, Any]]:
+    """(progress, trainable tensors, optimizer/schedule/rng states) of a checkpoint `save` wrote."""
+    states = torch.load(checkpoint / "optimizer.pt", weights_only=True)  # our own file, still no code in it
+    progress = Progress(**json.loads((checkpoint / "progress.json").read_text()))
+    return progress, load_file(str(checkpoint / "trainable.safetensors")), states
+
+
+def finish(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)

