@@ -46,6 +46,12 @@ def attention_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, 
     return calibrate(ckpt, batch, progress)
 
 
+def check_settings() -> None:
+    """$HEADFOLD_DEVICE and $HEADFOLD_CALIBRATION_RAM: BadInput before any slow work."""
+    compute_device()
+    layerwise.ram_limit()
+
+
 def calibrate(ckpt: SourceCheckpoint, batch: torch.Tensor, progress: bool = True) -> list[torch.Tensor]:
     """Per layer [tokens, hidden]: the attention inputs on `batch` ([windows, T] token ids), layer by
     layer on the methods' compute device ($HEADFOLD_DEVICE, else the first GPU, else the CPU)."""

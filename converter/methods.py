@@ -78,13 +78,13 @@ class Recipe:
         groups = [list(range(g * n // kv_heads, (g + 1) * n // kv_heads)) for g in range(kv_heads)]
         if not self.data_aware:
             return LayerResult(_pool(attn, groups, self.pool), groups)
-        keys, values = _activations(attn.k, attn.k_bias, ctx), _activations(attn.v, attn.v_bias, ctx)
+        keys, values = head_activations(attn.k, attn.k_bias, ctx), head_activations(attn.v, attn.v_bias, ctx)
         key_rotary = ctx.rotary if ctx.rotate_keys else None
         if self.grouped:
             groups = similar_groups(keys, values, kv_heads, key_rotary)
         if self.aligned:
             attn = align(attn, groups, keys, values, key_rotary)
-            keys, values = _activations(attn.k, attn.k_bias, ctx), _activations(attn.v, attn.v_bias, ctx)
+            keys, values = head_activations(attn.k, attn.k_bias, ctx), head_activations(attn.v, attn.v_bias, ctx)
         pooled = _pool(attn, groups, self.pool)
         if self.aligned:
             pooled = _restore_norms(pooled, groups, keys, values, ctx)
@@ -132,7 +132,7 @@ def _moved(attn: AttentionWeights, device: torch.device) -> AttentionWeights:
 # -- activations ------------------------------------------------------------------------
 
 
-def _activations(w: torch.Tensor, bias: torch.Tensor | None, ctx: LayerContext) -> list[torch.Tensor]:
+def head_activations(w: torch.Tensor, bias: torch.Tensor | None, ctx: LayerContext) -> list[torch.Tensor]:
     """Per source kv head [tokens, d]: X W_jᵀ + b_j, or the weights themselves (with the bias as
     one more row) when there is no calibration input."""
     if ctx.inputs is None:
@@ -277,7 +277,10 @@ def permute(attn: AttentionWeights, order: list[int]) -> AttentionWeights:
 
 def _group_queries(pooled: AttentionWeights, source: AttentionWeights, groups: list[list[int]]) -> AttentionWeights:
     """Query heads (and O rows) follow their source kv head into its group: groups become contiguous."""
-    queries = _queries_of(source, [j for g in groups for j in g])
+    order = [j for g in groups for j in g]
+    if order == sorted(order):  # already contiguous: nothing moves
+        return pooled
+    queries = _queries_of(source, order)
     return replace(pooled, q=pooled.q[queries], o=pooled.o[queries], q_bias=_take(pooled.q_bias, queries))
 
 
@@ -285,18 +288,24 @@ def _group_queries(pooled: AttentionWeights, source: AttentionWeights, groups: l
 
 
 def _pool(attn: AttentionWeights, groups: list[list[int]], how: str) -> AttentionWeights:
+    """One reduction per tensor, at memory bandwidth: heads in group order, viewed [groups, G, ...]
+    (no copy when the groups are contiguous), averaged over G in fp32."""
+    order = [j for g in groups for j in g]
+    index = None if order == list(range(len(order))) else torch.tensor(order)
+
     def pool(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
-        return torch.stack([t[g].mean(0) if how == "mean" else t[g[0]] for g in groups])
+        grouped = (t if index is None else t[index.to(t.device)]).unflatten(0, (len(groups), -1))
+        return grouped.mean(1, dtype=torch.float32) if how == "mean" else grouped[:, 0]
 
     return attn.with_kv(pool(attn.k), pool(attn.v), pool(attn.k_bias), pool(attn.v_bias))
 
 
 def _restore_norms(pooled: AttentionWeights, groups, keys, values, ctx: LayerContext) -> AttentionWeights:
     """Averaging unrelated directions shrinks activations (~1/√group): scale them back."""
-    pooled_keys = _activations(pooled.k, pooled.k_bias, ctx)
-    pooled_values = _activations(pooled.v, pooled.v_bias, ctx)
+    pooled_keys = head_activations(pooled.k, pooled.k_bias, ctx)
+    pooled_values = head_activations(pooled.v, pooled.v_bias, ctx)
     scale = lambda acts, pooled_acts, g: torch.stack([acts[j].norm() for j in groups[g]]).mean() / pooled_acts[g].norm().clamp_min(1e-30)  # noqa: E731
     ks = torch.stack([scale(keys, pooled_keys, g) for g in range(len(groups))])
     vs = torch.stack([scale(values, pooled_values, g) for g in range(len(groups))])
@@ -307,8 +316,8 @@ def _restore_norms(pooled: AttentionWeights, groups, keys, values, ctx: LayerCon
 def refit(pooled: AttentionWeights, groups, keys, values, ctx: LayerContext, key_rotary: int | None) -> AttentionWeights:
     """Per source head j: T_j = argmin ‖Ā T − A_j‖ from the pooled activations Ā to the head's own,
     folded into W_Q (scores use Q T_jᵀ · Ā) and W_O (outputs use Ā T_j W_O)."""
-    pooled_keys = _activations(pooled.k, pooled.k_bias, ctx)
-    pooled_values = _activations(pooled.v, pooled.v_bias, ctx)
+    pooled_keys = head_activations(pooled.k, pooled.k_bias, ctx)
+    pooled_values = head_activations(pooled.v, pooled.v_bias, ctx)
     q, o = pooled.q.clone(), pooled.o.clone()
     qb = None if pooled.q_bias is None else pooled.q_bias.clone()
     per_kv = q.shape[0] // len(keys)

@@ -1,4 +1,5 @@
-"""Build a runnable torch model for a Hugging Face checkpoint folder, source or converted.
+"""Build a runnable torch model for a Hugging Face checkpoint folder, source or converted (whole, or
+as an empty skeleton whose parts calibration loads one at a time: `empty_model`).
 
 Families whose transformers code knows `num_key_value_heads` (llama, mistral, qwen2, qwen3,
 phi3, ...) and every unconverted checkpoint load with plain `from_pretrained`. gpt2, gpt_neox,
@@ -46,7 +47,7 @@ from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
 from headfold.converter.spec import spec_for
 from headfold.errors import BadInput
 
-__all__ = ["load_model", "GQA_ATTENTION"]
+__all__ = ["load_model", "empty_model", "parameter_names", "GQA_ATTENTION"]
 
 # The only attention implementation the GQA subclasses are wired for: transformers' SDPA
 # path repeats/groups K/V from `num_key_value_groups`; the families' own eager functions don't.
@@ -570,6 +571,24 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
         _load_weights(model, _plan(model, meta, converters_ok=False), files)
         _finish_like_from_pretrained(model, folder)
     return model.eval()
+
+
+def empty_model(folder: Path, shapes: dict[str, tuple[int, ...]]) -> tuple[transformers.PreTrainedModel, dict[str, str]]:
+    """The fp32 model for the checkpoint folder on the meta device (it holds no memory), GQA attention
+    swapped in as `load_model` does, and model tensor -> checkpoint tensor for every tensor it loads.
+
+    `shapes` are the checkpoint's tensor shapes by name (from its headers); BadInput as for load_model.
+    """
+    config = _read_config(folder)
+    cls = _model_class(config)
+    heads, kv_heads = _kv_heads(config)
+    model = _build(cls, config, _gqa_class(config, heads, kv_heads), kv_heads, torch.float32, device="meta")
+    plan = _plan(model, {name: (shape, "") for name, shape in shapes.items()}, converters_ok=False)
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    for name, partner in [*tied.items(), *((b, a) for a, b in tied.items())]:  # the checkpoint stores either name
+        if partner in plan and name not in plan:
+            plan[name] = plan[partner]
+    return model.eval(), plan
 
 
 def _finish_like_from_pretrained(model: transformers.PreTrainedModel, folder: Path) -> None:

@@ -29,12 +29,11 @@ from tqdm.auto import tqdm
 
 from headfold import corpus
 from headfold.atomic import atomic_output, check_output
-from headfold.converter.calibration import WINDOW, capture_inputs, sample_windows, token_ids, window_starts
+from headfold.converter.calibration import WINDOW, calibrate, check_settings, sample_windows, token_ids, window_starts
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import calibration_text, layer_contexts
 from headfold.converter.layout import AttentionCodec, AttentionWeights
-from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, get_method
-from headfold.converter.methods import _activations as head_activations  # per-head X Wᵀ + b, as the methods see it
+from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, get_method, head_activations
 from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
 from headfold.errors import BadInput
 from headfold.verification.metrics import log_probs
@@ -316,6 +315,7 @@ def inspect_checkpoint(
     a total of kv heads), write the heatmap / JSON atomically. BadInput before any work for bad requests."""
     source = Path(source)
     recipe = get_method(method)
+    check_settings()  # $HEADFOLD_DEVICE, $HEADFOLD_CALIBRATION_RAM
     outputs = [p for p in (heatmap, json_path) if p is not None]
     with SourceCheckpoint(source) as ckpt:
         if len(set(ckpt.layer_shapes)) > 1:
@@ -346,7 +346,7 @@ def _measure(
     windows = choose_windows(ids, tokens, seed, fit=fit_text is not None)
     contexts = layer_contexts(ckpt, None, 0, seed, False)  # RoPE dims and K rules, no inputs yet
     if windows.fit is not None:
-        contexts = [replace(ctx, inputs=x) for ctx, x in zip(contexts, capture_inputs(ckpt, model, windows.fit, progress))]
+        contexts = [replace(ctx, inputs=x) for ctx, x in zip(contexts, calibrate(ckpt, windows.fit, progress))]
     reference, live = Reference(model, windows.eval, ckpt.spec.kind), LiveAttention(model, ckpt)
     converter = LayerConverter(ckpt, recipe, contexts)
     layers = _layer_reports(converter, live, reference, candidates, progress)

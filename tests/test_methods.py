@@ -14,7 +14,7 @@ from tiny_models import HEADS
 
 from headfold.converter import alignment, convert
 from headfold.converter.layout import AttentionWeights
-from headfold.converter.methods import LayerContext, _activations, align, get_method, permute
+from headfold.converter.methods import LayerContext, align, get_method, head_activations, permute
 from headfold.errors import BadInput
 
 # RoPE (full and partial rotary), RoPE with q/k norms, no RoPE with fused QKV, encoder with biases
@@ -25,7 +25,7 @@ METHODS = ("aligned", "grouped", "refit", "aligned+grouped", "aligned+grouped+re
 def align_in_pairs(attn: AttentionWeights, ctx: LayerContext) -> AttentionWeights:
     """Alignment rotations for groups of two heads, folded in, but nothing pooled."""
     groups = [[j, j + 1] for j in range(0, attn.kv_heads, 2)]
-    keys, values = _activations(attn.k, attn.k_bias, ctx), _activations(attn.v, attn.v_bias, ctx)
+    keys, values = head_activations(attn.k, attn.k_bias, ctx), head_activations(attn.v, attn.v_bias, ctx)
     return align(attn, groups, keys, values, ctx.rotary if ctx.rotate_keys else None)
 
 

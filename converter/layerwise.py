@@ -1,0 +1,212 @@
+"""Layer-by-layer calibration: the source model run one layer at a time, never whole.
+
+The model is built on the meta device, where it holds no memory. Its embedding stage runs once
+over the calibration windows with the first layer replaced by a catcher, which keeps the hidden
+states and every other argument the model hands its layers (masks, rotary cos/sin, ...) and stops
+the forward: whatever a family computes before its layers is computed by its own code. Then each
+layer alone is loaded from the checkpoint onto the compute device, run over the kept hidden states
+(overwriting them with its outputs, the next layer's inputs) with a hook on its Q (or fused QKV)
+projection keeping the attention input, and freed. The last layer stops at that hook.
+
+Peak memory: one layer, the embedding stage, and the activations. These live in RAM while they fit
+$HEADFOLD_CALIBRATION_RAM (default 2GiB), past it in memory-mapped temporary files (under $TMPDIR).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.modeling import empty_model
+from headfold.errors import BadInput
+
+RAM_VARIABLE = "HEADFOLD_CALIBRATION_RAM"
+DEFAULT_RAM = "2GiB"
+CHUNK = 8  # windows per forward pass
+
+
+class ActivationStore:
+    """fp32 tensors in RAM while their total stays under `limit` bytes, past it in memory-mapped files.
+
+    A file is unlinked as soon as it is mapped: the mapping alone keeps it, and the space is
+    returned when the tensor is freed or the process ends, however it ends.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_ram = limit, 0
+
+    def empty(self, *shape: int) -> torch.Tensor:
+        nbytes = 4 * math.prod(shape)
+        if self.in_ram + nbytes <= self.limit:
+            self.in_ram += nbytes
+            return torch.empty(shape)
+        with tempfile.NamedTemporaryFile(prefix="headfold-calibration-") as f:
+            f.truncate(nbytes)
+            return torch.from_numpy(np.memmap(f.name, np.float32, "r+", shape=shape))
+
+
+def ram_limit() -> int:
+    """Bytes of activations kept in RAM: $HEADFOLD_CALIBRATION_RAM (e.g. 8GiB), else 2 GiB."""
+    from headfold.converter.conversion import parse_size  # conversion imports calibration
+
+    value = os.environ.get(RAM_VARIABLE) or DEFAULT_RAM
+    try:
+        return parse_size(value)
+    except BadInput:
+        raise BadInput(f"{RAM_VARIABLE}={value!r} is not a size; write e.g. 2GiB (activations past it go to memory-mapped files)") from None
+
+
+class _Stop(Exception):
+    """Ends a forward pass once what it was run for has been kept."""
+
+
+class _Catcher(nn.Module):
+    """Stands in for the first layer: keeps the arguments the model calls it with, then stops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple, dict[str, Any]]] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((args, kwargs))
+        raise _Stop
+
+
+class LayerwiseModel:
+    """A checkpoint's model whose parts hold weights only while they run."""
+
+    def __init__(self, ckpt: SourceCheckpoint, device: torch.device) -> None:
+        self.ckpt, self.device = ckpt, device
+        self.model, self.sources = empty_model(ckpt.folder, {n: t.shape for n, t in ckpt.tensors.items()})
+        self.names = {m: name for name, m in self.model.named_modules()}
+        self.layers = self._layer_list()
+
+    def _layer_list(self) -> nn.ModuleList:
+        """The ModuleList that the spec's layer prefix ("layers.{layer}.self_attn.") indexes."""
+        path = self.ckpt.spec.layer_prefix.split("{layer}")[0].rstrip(".")
+        for name, module in self.model.named_modules():
+            if isinstance(module, nn.ModuleList) and (name == path or name.endswith("." + path)) and len(module) == self.ckpt.layers:
+                return module
+        raise BadInput(f"cannot find the {self.ckpt.layers} layers '{path}' in {type(self.model).__name__} to calibrate")
+
+    def load(self, module: nn.Module, recurse: bool = True) -> None:
+        """Give `module` (and its children) real tensors on the device: the checkpoint's, and the
+        non-persistent buffers (RoPE frequencies, position ids) computed as from_pretrained does."""
+        module.to_empty(device=self.device, recurse=recurse)
+        for m in module.modules() if recurse else [module]:
+            if m._non_persistent_buffers_set:
+                self.model._init_weights(m)
+            prefix = self.names[m] + "." if self.names[m] else ""
+            for name, t in chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False)):
+                if prefix + name in self.sources:
+                    t.copy_(self.ckpt.get(self.sources[prefix + name]))
+
+    def projection(self, layer: int) -> nn.Module:
+        """The module whose input is layer `layer`'s attention input: its Q or fused QKV projection."""
+        spec = self.ckpt.spec
+        suffix = (spec.fused_qkv or spec.projections["q"]).weight.removesuffix(".weight")
+        prefix = self.names[self.layers[layer]] + "."
+        inner = spec.layer_prefix.split("{layer}.")[1] + suffix
+        return self.model.get_submodule(prefix + inner)
+
+    def embed(self, batch: torch.Tensor, store: ActivationStore) -> tuple[torch.Tensor, list[tuple[tuple, dict[str, Any]]]]:
+        """The hidden states entering the first layer [windows, T, hidden] and, per chunk of windows,
+        the other arguments the model passes its layers; only modules the embedding stage calls are loaded."""
+        catcher, first = _Catcher(), self.layers[0]
+        self.layers[0] = catcher
+        loaded: list[nn.Module] = []
+        hooks = [m.register_forward_pre_hook(self._loader(loaded)) for m in self._outside_layers()]
+        hidden, calls = None, []
+        try:
+            for c, rows in enumerate(batch.split(CHUNK)):
+                try:
+                    self.model(input_ids=rows.to(self.device), use_cache=False)
+                except _Stop:
+                    pass
+                (states, *args), kwargs = catcher.calls.pop()
+                if hidden is None:
+                    hidden = store.empty(len(batch), *states.shape[1:])
+                hidden[c * CHUNK : c * CHUNK + len(rows)] = states
+                calls.append((tuple(args), kwargs))
+        finally:
+            self.layers[0] = first
+            for h in hooks:
+                h.remove()
+            for m in loaded:
+                m.to("meta")
+        return hidden, calls
+
+    def _outside_layers(self) -> Iterator[nn.Module]:
+        inside = set(self.layers.modules())
+        return (m for m in self.model.modules() if m not in inside and next(chain(m.parameters(False), m.buffers(False)), None) is not None)
+
+    def _loader(self, loaded: list[nn.Module]) -> Callable:
+        def load_once(module: nn.Module, args: Any) -> None:
+            if module not in loaded:
+                self.load(module, recurse=False)
+                loaded.append(module)
+
+        return load_once
+
+
+def _moved(obj: Any, device: torch.device) -> Any:
+    """Tensors inside nested tuples / lists / dicts, on `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_moved(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    return obj
+
+
+@torch.no_grad()
+def attention_inputs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device, progress: bool = True) -> list[torch.Tensor]:
+    """Per layer [tokens, hidden]: what the attention projections of the source read on `batch`
+    ([windows, T] token ids), computed one layer at a time (see the module doc)."""
+    store = ActivationStore(ram_limit())
+    runner = LayerwiseModel(ckpt, device)
+    hidden, calls = runner.embed(batch, store)
+    calls = [_moved(call, device) for call in calls]
+    inputs = []
+    for i in tqdm(range(ckpt.layers), desc="calibrate", unit="layer", disable=not progress):
+        inputs.append(store.empty(hidden.shape[0] * hidden.shape[1], hidden.shape[2]))
+        _run_layer(runner, i, hidden, calls, inputs[-1], last=i == ckpt.layers - 1)
+    return inputs
+
+
+def _run_layer(runner: LayerwiseModel, i: int, hidden: torch.Tensor, calls: list, inputs: torch.Tensor, last: bool) -> None:
+    """Layer i over every chunk: its attention input into `inputs`, its output over `hidden` (not for the last)."""
+    layer, rows = runner.layers[i], CHUNK * hidden.shape[1]
+    offset = [0]
+
+    def keep(module: nn.Module, args: tuple) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1])
+        inputs[offset[0] : offset[0] + len(x)].copy_(x)
+        if last:
+            raise _Stop
+
+    runner.load(layer)
+    handle = runner.projection(i).register_forward_pre_hook(keep)
+    try:
+        for c, (args, kwargs) in enumerate(calls):
+            offset[0] = c * rows
+            chunk = hidden[c * CHUNK : (c + 1) * CHUNK]
+            try:
+                out = layer(chunk.to(runner.device), *args, **kwargs)
+            except _Stop:
+                continue
+            chunk.copy_(out[0] if isinstance(out, tuple) else out)
+    finally:
+        handle.remove()
+        layer.to("meta")
