@@ -44,6 +44,7 @@ from transformers.pytorch_utils import Conv1D
 
 from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
+from headfold.converter.checkpoint import inside, validated_config
 from headfold.converter.spec import spec_for
 from headfold.errors import BadInput
 
@@ -262,8 +263,7 @@ def _check_forward_signature(cls: type[_GQA]) -> None:
 
 
 def _read_config(folder: Path) -> transformers.PretrainedConfig:
-    if not (folder / "config.json").is_file():
-        raise BadInput(f"no config.json in {folder}: pass a Hugging Face checkpoint folder")
+    validated_config(folder)  # missing, unreadable, links out, quantized, bad sizes or rope: before transformers sizes anything
     try:
         return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
@@ -334,7 +334,7 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise BadInput(f"{index} is not a safetensors index (no weight_map); re-save the checkpoint") from None
-        files = {name: folder / file for name, file in weight_map.items()}
+        files = {name: inside(folder, file, index) for name, file in weight_map.items()}
         missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
         if missing:
             raise BadInput(f"{index.name} lists missing shard(s) {', '.join(missing)}; copy the whole checkpoint")
@@ -595,7 +595,7 @@ def _finish_like_from_pretrained(model: transformers.PreTrainedModel, folder: Pa
     """What from_pretrained also does: record the source and use its generation defaults."""
     model.config.name_or_path = str(folder)
     if model.can_generate() and (folder / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
 
 
 def parameter_names(model: transformers.PreTrainedModel, path: str | os.PathLike) -> dict[str, str]:

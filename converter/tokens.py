@@ -31,7 +31,7 @@ class Tokenizer:
 def find_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer | None:
     """The checkpoint's own tokenizer, bytes for a byte-level model, None when it has neither."""
     if any((folder / name).is_file() for name in TOKENIZER_FILES):
-        return _transformers_tokenizer(folder)
+        return _transformers_tokenizer(folder, vocab_size)
     if vocab_size == BYTE_VOCAB:
         return Tokenizer(corpus.encode, "bytes")
     return None
@@ -45,7 +45,7 @@ def load_tokenizer(folder: Path, vocab_size: int | None, fix: str = "add its tok
     return tokenizer
 
 
-def _transformers_tokenizer(folder: Path) -> Tokenizer:
+def _transformers_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer:
     from transformers import AutoTokenizer
 
     check_links(folder)
@@ -57,7 +57,14 @@ def _transformers_tokenizer(folder: Path) -> Tokenizer:
             f"cannot load the tokenizer in {folder} ({first_line}); headfold loads only transformers' own tokenizer "
             "classes and never runs a checkpoint's code"
         ) from None
-    return Tokenizer(lambda text: tok.encode(text, add_special_tokens=False, verbose=False), f"AutoTokenizer({type(tok).__name__})")
+
+    def encode(text: str) -> list[int]:
+        ids = tok.encode(text, add_special_tokens=False, verbose=False)
+        if vocab_size and ids and max(ids) >= vocab_size:  # would index past the embedding table
+            raise BadInput(f"the tokenizer in {folder} gives token id {max(ids)}, outside the model's vocabulary of {vocab_size}; its tokenizer files belong to another model")
+        return ids
+
+    return Tokenizer(encode, f"AutoTokenizer({type(tok).__name__})")
 
 
 def read_text(path: Path, option: str) -> str:

@@ -9,7 +9,6 @@ rejects; a warning is something documented as unsupported that the parser does n
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -19,7 +18,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from headfold.errors import BadInput
+from headfold.errors import BadInput, read_json_object
 from headfold.graphs.trt_ops import MIN_OPSET, RELEASES, TYPED_INPUT
 
 __all__ = ["Finding", "LintReport", "RuleSet", "rule_set", "lint", "lint_export", "format_table", "export_table"]
@@ -95,12 +94,14 @@ def _parse_version(text: str) -> tuple[int, int]:
 
 
 def rule_set(trt_version: str) -> RuleSet:
-    """The newest rule set not newer than `trt_version` (10.14.1 → 10.14; 11.5 → 11.0)."""
+    """The newest rule set not newer than `trt_version` (10.14.1 → 10.14; 11.5 → 11.0); a major
+    release newer than the rule sets' is refused (its parser is unknown, not "like 11.0")."""
     version = _parse_version(trt_version)
     known = [s for s in RULE_SETS if s.version <= version]
-    if not known:
+    if not known or version[0] > RULE_SETS[-1].version[0]:
         names = ", ".join(s.name for s in RULE_SETS)
-        raise BadInput(f"no TensorRT rule set for {trt_version}: rule sets exist for {names} (and later versions)")
+        majors = " and ".join(sorted({str(s.version[0]) for s in RULE_SETS}))
+        raise BadInput(f"no TensorRT rule set for {trt_version}: known releases are {names} (later minors of {majors} use their newest); pass one of them")
     return known[-1]
 
 
@@ -259,7 +260,7 @@ def lint_export(out_dir: str | os.PathLike, trt_version: str, *, plugins: Iterab
     """Lint every graph of a `headfold export` folder (those listed in export.json, else *.onnx)."""
     folder = Path(out_dir)
     summary = folder / "export.json"
-    names = list(json.loads(summary.read_text())["graphs"]) if summary.is_file() else sorted(p.name for p in folder.glob("*.onnx"))
+    names = list(read_json_object(summary, f"re-run headfold export into {folder}").get("graphs", {})) if summary.is_file() else sorted(p.name for p in folder.glob("*.onnx"))
     if not names:
         raise BadInput(f"no ONNX graphs in {folder}")
     return {name: lint(folder / name, trt_version, plugins=plugins) for name in names}

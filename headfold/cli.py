@@ -1,14 +1,21 @@
-"""The `headfold` command line (contract in DESIGN.md): exit 0 ok, 1 a check failed, 2 bad input."""
+"""The `headfold` command line (contract in DESIGN.md): exit 0 ok, 1 a check failed, 2 bad input, 3 a bug."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import sys
+import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from headfold.errors import HeadfoldError
+
+EXIT_CODES = "Exit codes: 0 ok, 1 a check or gate failed, 2 bad input or environment (one line, nothing written), 3 internal error (a bug; --debug shows the traceback)."
+_debug = False  # set by the group's --debug, read by main() once the command has failed
 
 
 class KvHeads(click.ParamType):
@@ -30,8 +37,30 @@ def _kv_text(kv_heads: int | tuple[int, ...]) -> str:
     return str(kv_heads) if isinstance(kv_heads, int) else ",".join(map(str, kv_heads))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+class Command(click.Command):
+    """A command whose OS errors without a file name (a full disk during a write) name its output."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except OSError as err:
+            if err.filename is None:
+                err.filename = next((str(ctx.params[k]) for k in ("out", "out_dir", "json_path") if ctx.params.get(k)), None)
+            raise
+
+
+class Group(click.Group):
+    command_class = Command
+
+
+def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    global _debug
+    _debug = value
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True}, epilog=EXIT_CODES)
 @click.version_option(package_name="headfold")
+@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help="Show the traceback of any failure.")
 def cli() -> None:
     """Convert MHA transformers to GQA/MQA, export, build engines, verify."""
 
@@ -64,6 +93,8 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
     SRC may also be an MHA model.onnx (methods mean/first): its K/V projection
     initializers are pooled and the graph rewritten to GQA Attention nodes, into OUT.onnx.
     """
+    if quiet:
+        _quiet_libraries()
     if src.suffix == ".onnx":
         from headfold.graphs.onnx_convert import convert_onnx
 
@@ -84,18 +115,25 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
 @click.option("--attention", type=click.Choice(("onnx", "ort-gqa")), default="onnx", help="Fused node: onnx = standard Attention (ORT, TensorRT); ort-gqa = com.microsoft.GroupQueryAttention for ONNX Runtime CUDA decoding (decoders only; unpadded or right-padded batches; CUDA runs it in fp16/bf16).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--graphs", type=click.Choice(("merged", "split")), default="merged", help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles).")
+@click.option("--optimize", type=click.Choice(("ort",)), default=None, help="ort = ONNX Runtime's fusions (onnxscript ort_fusions: simplified/skip layer norm, fused matmuls), counted in export.json; the graph then runs in ONNX Runtime only.")
 @click.option("--trt-version", default=None, metavar="MAJOR.MINOR", help="Target this TensorRT version: decompose the ops its ONNX parser lacks (RMSNormalization, RotaryEmbedding before 10.15) into primitives, then print which exported graphs it takes (a lint on CPU; rule sets 10.13, 10.14, 10.15, 11.0).")
-def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, overwrite: bool, quiet: bool, trt_version: str | None) -> None:
+def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, graphs: str, optimize: str | None, overwrite: bool, quiet: bool, trt_version: str | None) -> None:
     """Export the checkpoint folder SRC to ONNX with one GQA Attention node per layer.
 
-    Decoders get prefill.onnx and decode.onnx (KV cache at kv-heads), encoders model.onnx;
-    weights go to .onnx.data. Exits 1 when an attention layer did not fuse.
+    Decoders get one merged model.onnx (any number of new tokens after a past of any length, KV
+    cache at kv-heads) with genai_config.json and the tokenizer files: an onnxruntime-genai model
+    folder; --graphs split gives prefill.onnx + decode.onnx instead. Encoders get model.onnx.
+    Weights go to .onnx.data. Exits 1 when an attention layer did not fuse.
     """
     from headfold.graphs.export import export
 
+    if quiet:
+        _quiet_libraries()
     summary = export(
-        src, out_dir, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=not quiet, trt_version=trt_version
-    )
+        src, out_dir, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=not quiet,
+        trt_version=trt_version, graphs=graphs, optimize=optimize,
+    )  # fmt: skip
     for name, graph in summary["graphs"].items():
         decomposed = {op: n for op, n in graph.get("decomposed_for_tensorrt", {}).items() if op != "version"}
         note = f"; decomposed for TensorRT {trt_version}: {', '.join(f'{n} {op}' for op, n in decomposed.items())}" if decomposed else ""
@@ -175,7 +213,7 @@ input_options = _options(
     click.option("--max-rows", type=int, default=128, help="Use a seeded subset of this many rows when the text has more (0 = all)."),
     click.option("--batch-size", type=int, default=8, help="Rows per padded batch."),
     click.option("--seed", type=int, default=0, help="Seed for row lengths and the row subset."),
-    click.option("--decode-steps", type=int, default=16, help="Decoder exports: the last N tokens of each row go through decode.onnx one by one (KV cache), gated like the prefill (0 = skip)."),
+    click.option("--decode-steps", type=int, default=16, help="Decoder exports: the last N tokens of each row go one by one through the KV cache (model.onnx fed its own present K/V, or decode.onnx), gated like the prefill (0 = skip)."),
 )
 threshold_options = _options(
     click.option("--budget", "budget_file", type=click.Path(path_type=Path), default=None, help="TOML/YAML/JSON file with [fidelity] and [loss] budgets (options below override it)."),
@@ -193,10 +231,10 @@ report_options = _options(
 )
 
 
-def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, seed: int, decode_steps: int):
+def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, seed: int, decode_steps: int, token_ids: Path | None = None):
     from headfold.verification.inputs import InputSpec
 
-    return InputSpec(text, window, max_rows or None, batch_size, seed, decode_steps)
+    return InputSpec(text, window, max_rows or None, batch_size, seed, decode_steps, token_ids)
 
 
 def _thresholds(budget_file: Path | None, **values: float | None):
@@ -213,33 +251,53 @@ def _finish(report) -> None:
 
 
 def _quiet_libraries() -> None:
+    """Only errors from the libraries: no progress bars, no warnings (also the exporter's)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per runner otherwise
     hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")  # torch.onnx's "torchvision is not installed" and friends
+    for name in ("torch.onnx", "onnxscript", "torch._dynamo", "torch.export"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 @cli.command("verify")
 @click.argument("reference", type=click.Path(path_type=Path))
 @click.argument("candidate", type=click.Path(path_type=Path))
 @click.option("--check", type=click.Choice(("auto", "fidelity", "loss")), default="auto", help="auto: same model on both sides → fidelity; CANDIDATE converted from REFERENCE → loss.")
+@click.option("--token-ids", type=click.Path(path_type=Path), default=None, metavar="FILE", help="Feed these token ids instead of a text: one row per line, whitespace-separated ids. Without it, a model with no tokenizer files gets seeded random ids (fidelity only).")
 @input_options
 @threshold_options
 @report_options
-def verify_cmd(reference: Path, candidate: Path, check: str, text, window, max_rows, batch_size, seed, decode_steps, budget_file, json_path, markdown_path, junit_path, **thresholds) -> None:
+def verify_cmd(reference: Path, candidate: Path, check: str, token_ids, text, window, max_rows, batch_size, seed, decode_steps, budget_file, json_path, markdown_path, junit_path, **thresholds) -> None:
     """Compare CANDIDATE with REFERENCE on the same text; exit 1 when a budget is exceeded.
 
     Each side is a checkpoint folder (run in torch), an export folder or a .onnx file (run in
     ONNX Runtime). Fidelity: the same model on two backends (abs/rel error, cosine, top-1); a
     decoder export also runs its KV-cache path (prefill, then --decode-steps steps through
-    decode.onnx) as the check fidelity-decode. Conversion loss: original vs converted (perplexity increase, KL, top-1; encoders: cosine).
+    the same model.onnx, or decode.onnx of a split export) as the check fidelity-decode. Conversion loss: original vs converted (perplexity increase, KL, top-1; encoders: cosine).
     """
     from headfold.verification.api import verify
 
     _quiet_libraries()
-    report = verify(reference, candidate, inputs=_input_spec(text, window, max_rows, batch_size, seed, decode_steps), thresholds=_thresholds(budget_file, **thresholds), check=check)
+    report = verify(reference, candidate, inputs=_input_spec(text, window, max_rows, batch_size, seed, decode_steps, token_ids), thresholds=_thresholds(budget_file, **thresholds), check=check)
     report.write(json_path, markdown_path, junit_path)
     _finish(report)
+
+
+distill_stage_options = _options(
+    click.option("--distill-data", type=click.Path(path_type=Path), default=None, help="Add the distill stage between convert and export, trained on this text (formats as for `headfold distill --data`)."),
+    click.option("--distill-tokens", type=int, default=None, help="Tokens the distill stage trains on. [default: 40 steps of 16 × 256] Alone, for the embedded model: its own training split."),
+)
+
+
+def _distill_stage(data: Path | None, tokens: int | None):
+    """The distill stage `run` adds when asked for (None: convert → export directly)."""
+    if data is None and tokens is None:
+        return None
+    from headfold.distillation.stage import DistillStage
+
+    return DistillStage(data, {} if tokens is None else {"tokens": tokens})
 
 
 @cli.command("run")
@@ -252,6 +310,7 @@ def verify_cmd(reference: Path, candidate: Path, check: str, text, window, max_r
 @click.option("--overwrite", is_flag=True, help="Also accept an OUT_DIR holding other files (they stay: run replaces only the stage folders its stages.json records).")
 @input_options
 @threshold_options
+@distill_stage_options
 def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, opset: int, dtype: str, overwrite: bool, text, window, max_rows, batch_size, seed, decode_steps, budget_file, **thresholds) -> None:
     """Convert → export → build → verify SRC into OUT_DIR/{convert,export,build,verify}.
 
@@ -264,7 +323,8 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
     from headfold.pipeline import run
 
     _quiet_libraries()
-    report = run(src, out_dir, kv_heads, method=method, opset=opset, dtype=dtype, overwrite=overwrite, inputs=_input_spec(text, window, max_rows, batch_size, seed, decode_steps), thresholds=_thresholds(budget_file, **thresholds), log=click.echo)
+    distill = _distill_stage(thresholds.pop("distill_data"), thresholds.pop("distill_tokens"))
+    report = run(src, out_dir, kv_heads, method=method, opset=opset, dtype=dtype, overwrite=overwrite, distill=distill, inputs=_input_spec(text, window, max_rows, batch_size, seed, decode_steps), thresholds=_thresholds(budget_file, **thresholds), log=click.echo)
     _finish(report)
 
 
@@ -360,35 +420,77 @@ def inspect_cmd(src: Path, quiet: bool, **options) -> None:
 @cli.command()
 @click.option("--kv-heads", type=KvHeads(), default="4", help="K/V heads to convert the embedded 8-head, 4-layer model to: one value (1 = MQA) or one per layer (4,2,1,1).")
 @click.option("--method", default="aligned+grouped+refit", metavar="METHOD", help="How the K/V heads of a group become one, as for `headfold convert --method`.")
+@click.option("--distill-tokens", type=int, default=None, help="Tokens to distill on. [default: 24 steps of 8 × 256, the reference budget's recipe]")
+@click.option("--no-distill", is_flag=True, help="Skip distillation: what training-free conversion alone reaches (the reference budget then fails).")
 @threshold_options
-def demo(kv_heads: int | tuple[int, ...], method: str, budget_file, **thresholds) -> None:
+def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: int | None, no_distill: bool, budget_file, **thresholds) -> None:
     """`headfold run` on the embedded trained model (Llama layout, 8 heads) in a temporary folder.
 
-    Converts, exports, (builds where TensorRT is present) and verifies on Python documentation
-    text the model never saw in training, then prints the report table. Without --budget the
+    Converts, distills on the model's own training split, exports, (builds where TensorRT is
+    present) and verifies on Python documentation text the model never saw in training, then
+    prints the report table. Without --budget the
     gates are the embedded model's reference budget (headfold/data/default_model/demo-budget.toml).
     """
+    from headfold.demo import DEMO_DISTILL, demo_budget
     from headfold.demo import demo as run_demo
-    from headfold.demo import demo_budget
+    from headfold.distillation.stage import DistillStage
 
     _quiet_libraries()
-    _finish(run_demo(kv_heads, method, log=click.echo, thresholds=_thresholds(budget_file or demo_budget(), **thresholds)))
+    distill = None if no_distill else DEMO_DISTILL if distill_tokens is None else DistillStage(None, {**DEMO_DISTILL.options, "steps": None, "tokens": distill_tokens})
+    _finish(run_demo(kv_heads, method, log=click.echo, distill=distill, thresholds=_thresholds(budget_file or demo_budget(), **thresholds)))
+
+
+def os_error_line(err: OSError) -> str:
+    """One line naming the path and the fix for an OS error (errno decides the fix)."""
+    path = " → ".join(str(p) for p in (err.filename, err.filename2) if p is not None) or "a file"
+    fixes = {
+        errno.ENOSPC: f"no space left on the device holding {path}; free space there or choose another output",
+        errno.EDQUOT: f"disk quota exceeded writing {path}; free space or choose another output",
+        errno.EROFS: f"{path} is on a read-only file system; choose an output on a writable one",
+        errno.EACCES: f"permission denied: {path}; fix its permissions or choose another path",
+        errno.EPERM: f"operation not permitted on {path}; fix its permissions or choose another path",
+        errno.ENAMETOOLONG: f"the name {path} is too long for the file system; choose a shorter name",
+        errno.ENOTDIR: f"a parent of {path} is a file, not a folder; choose a path whose parents are folders",
+        errno.ENOENT: f"{path} does not exist; check the path",
+        errno.EISDIR: f"{path} is a folder where a file was expected; pass a file",
+    }
+    return fixes.get(err.errno, f"{err.strerror or err}: {path}; check the path and the device")
+
+
+def _usage_line(err: click.UsageError) -> str:
+    """Click's usage block as one line: the problem, then where the help is."""
+    command = err.ctx.command_path if err.ctx else "headfold"
+    return f"{err.format_message().rstrip('.')} (see '{command} --help')"
+
+
+def _fail(message: str, code: int) -> int:
+    if _debug:
+        traceback.print_exc()
+    click.secho(f"headfold: error: {message}", fg="red", err=True)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point: headfold's errors become one line and an exit code."""
+    """Console entry point: every failure becomes one line on stderr and an exit code (EXIT_CODES)."""
+    global _debug
+    _debug = False
     try:
-        cli.main(args=argv, prog_name="headfold", standalone_mode=False)
+        code = cli.main(args=argv, prog_name="headfold", standalone_mode=False)
     except HeadfoldError as e:
-        click.secho(f"headfold: error: {e}", fg="red", err=True)
-        return e.exit_code
+        return _fail(str(e), e.exit_code)
     except click.exceptions.Abort:
         click.echo("headfold: aborted", err=True)
         return 130
+    except click.UsageError as e:
+        return _fail(_usage_line(e), 2)
     except click.ClickException as e:
-        e.show()
-        return e.exit_code
-    return 0
+        return _fail(e.format_message(), e.exit_code)
+    except OSError as e:
+        return _fail(os_error_line(e), 2)
+    except Exception as e:  # anything else is a bug in headfold
+        first_line = next(iter(str(e).strip().splitlines()), "")
+        return _fail(f"internal error ({type(e).__name__}: {first_line}); this is a bug: rerun with --debug for the traceback", 3)
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

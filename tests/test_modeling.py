@@ -215,7 +215,7 @@ def _edit_config(folder: Path, **changes: object) -> None:
 
 
 def test_missing_config(tmp_path: Path) -> None:
-    _bad_input(tmp_path, "no config.json")
+    _bad_input(tmp_path, "config.json is missing")
 
 
 @pytest.mark.parametrize("architecture", ["NotAModel", "MyRemoteCodeForCausalLM", "load_model", "PreTrainedModel"])

@@ -11,7 +11,9 @@ import importlib.util
 from dataclasses import dataclass
 
 from headfold.errors import BadInput
-from headfold.graphs.trt_lint import rule_set
+from headfold.graphs.trt_lint import RULE_SETS, rule_set
+
+ASSUMED = "dry run: features assumed for this release"
 
 
 @dataclass(frozen=True)
@@ -22,17 +24,18 @@ class Target:
     strongly_typed: bool  # NetworkDefinitionCreationFlag.STRONGLY_TYPED exists
     precision_flags: bool  # BuilderFlag.FP16/BF16 exist (TensorRT < 11)
     detected: bool  # True: features read from the installed module; False: assumed for a dry run
+    how: str = "features detected on the installed module"  # for the plan's first line
 
     @property
     def major(self) -> int:
         return int(self.version.split(".")[0])
 
     @classmethod
-    def assumed(cls, version: str) -> Target:
+    def assumed(cls, version: str, how: str = ASSUMED) -> Target:
         """A dry run for `version`: every release headfold lints (10.13+) has STRONGLY_TYPED."""
         rule_set(version)  # BadInput for versions headfold has no parser data for
         precision_flags = int(str(version).split(".")[0]) < 11
-        return cls(str(version), strongly_typed=True, precision_flags=precision_flags, detected=False)
+        return cls(str(version), strongly_typed=True, precision_flags=precision_flags, detected=False, how=how)
 
     @classmethod
     def installed(cls) -> Target:
@@ -79,7 +82,8 @@ def target_for(trt_version: str | None, *, dry_run: bool) -> Target:
             raise BadInput(f"{why_not}: cannot build an engine here; use --dry-run [--trt-version X.Y] to see the plan")
     if _missing("tensorrt"):
         if trt_version is None:
-            raise BadInput("TensorRT is not installed; pass --trt-version X.Y with --dry-run to plan for a release")
+            newest = RULE_SETS[-1].name
+            return Target.assumed(newest, f"TensorRT is not installed: dry run for the newest release headfold knows, {newest}; --trt-version X.Y plans for another")
         return Target.assumed(trt_version)
     target = Target.installed()
     if trt_version is None or rule_set(trt_version).version == rule_set(target.version).version:

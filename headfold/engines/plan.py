@@ -24,7 +24,7 @@ from typing import Any
 import onnx_ir as ir
 
 from headfold.engines.env import Target
-from headfold.errors import BadInput
+from headfold.errors import BadInput, read_json_object
 from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
 from headfold.graphs.trt_lint import Finding, LintReport, lint
 
@@ -260,7 +260,7 @@ class BuildPlan:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def describe(self) -> str:
-        how = "features detected on the installed module" if self.target.detected else "dry run: features assumed for this release"
+        how = self.target.how
         layout = "one engine per graph in this folder" if self.layout == "folder" else "one engine file"
         cache = f"{self.timing_cache} (loaded if present, updated after)" if self.timing_cache else "none"
         lines = [
@@ -307,7 +307,7 @@ def source_graphs(src: Path) -> tuple[list[Path], str]:
     if src.is_file() and src.suffix == ".onnx":
         return [src.resolve()], "file"
     if src.is_dir() and (src / EXPORT_SUMMARY).is_file():
-        summary = json.loads((src / EXPORT_SUMMARY).read_text())
+        summary = read_json_object(src / EXPORT_SUMMARY, f"re-run headfold export into {src}")
         if summary.get("layout") == "merged":  # its total length P + S is no profile dimension
             raise BadInput(f"{src} holds the merged decoder graph (ONNX Runtime, onnxruntime-genai); TensorRT builds the split pair: headfold export SRC OUT --graphs split")
         names = list(summary.get("graphs", {}))

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from headfold.errors import BadInput
+from headfold.errors import BadInput, read_json_object
 from headfold.verification.artifacts import Artifact, check_kind, loosest, resolve
 from headfold.verification.budget import FidelityBudget, LossBudget, Thresholds
 from headfold.verification.checks import CheckResult, CheckSpec, run_checks
@@ -21,7 +20,7 @@ CHECK_NAMES = {"fidelity": "fidelity", "loss": "conversion-loss"}
 def _vocab(artifact: Artifact) -> int | None:
     if artifact.model is None:
         return None
-    config = json.loads((artifact.model / "config.json").read_text())
+    config = read_json_object(artifact.model / "config.json", "restore it from the original checkpoint")
     return config.get("vocab_size")
 
 
@@ -106,5 +105,5 @@ def verify(
     kind = check_kind(ref, cand, check)
     precision = loosest(ref.precision, cand.precision)
     budget = thresholds.fidelity(precision, floors=True) if kind == "fidelity" else thresholds.loss(precision)
-    feeds = make_inputs(ref.model or cand.model, inputs)
+    feeds = make_inputs(ref.model or cand.model, inputs, allow_random=kind == "fidelity")
     return Report(run_artifact_checks([(CHECK_NAMES[kind], kind, ref, cand, budget)], feeds), feeds.info)

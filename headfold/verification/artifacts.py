@@ -14,12 +14,11 @@ Same model on both sides → fidelity; a candidate whose model is a headfold con
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headfold.errors import BadInput
+from headfold.errors import BadInput, read_json_object
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 
 EXPORT_SUMMARY = "export.json"
@@ -82,7 +81,7 @@ class Artifact:
 
             info["engine"] = summary(read_sidecar(self.path))
         if self.is_conversion:
-            info["conversion"] = json.loads((self.model / CONVERSION_MANIFEST).read_text())["conversion"]
+            info["conversion"] = conversion_manifest(self.model)["conversion"]
         return info
 
 
@@ -115,15 +114,21 @@ def attention_info(checkpoint: Path, precision: str) -> dict[str, Any]:
 
 
 def _checkpoint_precision(folder: Path) -> str:
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json_object(folder / "config.json", "restore it from the original checkpoint")
     return _TORCH_PRECISION.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), "fp32")
 
 
 def _read_summary(summary_file: Path) -> dict[str, Any]:
-    try:
-        return json.loads(summary_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise BadInput(f"cannot read {summary_file}: {str(err).splitlines()[0]}") from None
+    return read_json_object(summary_file, f"re-run headfold export into {summary_file.parent}")
+
+
+def conversion_manifest(model: Path) -> dict[str, Any]:
+    """headfold.json of a converted checkpoint, with the sections verify reads."""
+    path, fix = model / CONVERSION_MANIFEST, f"re-run headfold convert into {model}"
+    manifest = read_json_object(path, fix)
+    if not all(isinstance(manifest.get(key), dict) for key in ("source", "conversion")):
+        raise BadInput(f"{path} is corrupt (no 'source' and 'conversion' sections); {fix}")
+    return manifest
 
 
 def _export_source(summary: dict[str, Any], folder: Path) -> Path | None:
@@ -189,7 +194,7 @@ def loosest(a: str, b: str) -> str:
 
 
 def _converted_from(reference: Path, candidate: Path) -> bool:
-    source = json.loads((candidate / CONVERSION_MANIFEST).read_text())["source"]
+    source = conversion_manifest(candidate)["source"]
     return source.get("config_sha256") == sha256_file(reference / "config.json")
 
 

@@ -4,13 +4,16 @@ Rows are consecutive segments of the text whose lengths are drawn (fixed seed) b
 window and a window, so every batch is padded and no text is lost between rows. Right padding
 keeps positions 0..n-1 for real tokens in every backend (ONNX derives positions from the mask,
 transformers from the order), and a causal model's real tokens never see a pad.
+
+Without text: rows of given token ids (`--token-ids FILE`: one row per line, whitespace-separated
+ids), or for a model without a tokenizer seeded random ids, like Polygraphy's default data loader:
+enough for fidelity (one model, two backends), meaningless for conversion loss.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,11 +21,12 @@ from typing import Any
 import numpy as np
 
 from headfold import corpus
+from headfold.converter.tokens import TOKENIZER_FILES, find_tokenizer
+from headfold.converter.tokens import read_text as read_text_file
 from headfold.errors import BadInput
 
 BUILTIN_TEXT = "builtin:heldout"  # headfold.corpus.heldout_text(): never seen in the embedded model's training
-BYTE_VOCAB = 256  # headfold's byte-level convention: no tokenizer files, ids are UTF-8 bytes
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
+RANDOM_IDS = "random token ids"
 # Leave room for position offsets such as RoBERTa's padding_idx + 1.
 _SPARE_POSITIONS = 2
 DEFAULT_DECODE_STEPS = 16  # KV-cache steps per row through a decoder export's decode graph
@@ -38,6 +42,7 @@ class InputSpec:
     batch_size: int = 8
     seed: int = 0
     decode_steps: int = DEFAULT_DECODE_STEPS  # the last tokens of each row fed one by one; 0 = none
+    token_ids: Path | None = None  # rows of token ids instead of a text
 
 
 @dataclass
@@ -51,37 +56,62 @@ def read_text(path: Path | None) -> tuple[str, str]:
     """(text, label); BadInput for a missing, non-UTF-8 or empty file."""
     if path is None:
         return corpus.heldout_text(), BUILTIN_TEXT
-    if not path.is_file():
-        raise BadInput(f"text file {path} does not exist; pass --text with a UTF-8 text file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise BadInput(f"text file {path} is not UTF-8 text") from None
-    if not text.strip():
-        raise BadInput(f"text file {path} is empty")
-    return text, str(path)
+    return read_text_file(path, "--text"), str(path)
 
 
 def read_config(folder: Path) -> dict[str, Any]:
     try:
         return json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BadInput(f"cannot read {folder / 'config.json'}: {str(err).splitlines()[0]}") from None
 
 
-def tokenizer_for(folder: Path, config: dict[str, Any]) -> tuple[Callable[[str], list[int]], str]:
-    """The checkpoint's own tokenizer (offline, no remote code), else bytes for a 256-token vocabulary."""
-    if any((folder / name).is_file() for name in TOKENIZER_FILES):
-        from transformers import AutoTokenizer
+def read_token_ids(path: Path, vocab_size: int) -> list[np.ndarray]:
+    """`--token-ids FILE`: one row per non-blank line, whitespace-separated ids in [0, vocab_size)."""
+    rows = []
+    for number, line in enumerate(read_text_file(path, "--token-ids").splitlines(), 1):
+        try:
+            row = np.array([int(word) for word in line.split()], dtype=np.int64)
+        except ValueError:
+            raise BadInput(f"--token-ids {path} line {number} is not whitespace-separated integers; write one row of token ids per line") from None
+        if row.size == 1 or (row.size and (row.min() < 0 or row.max() >= vocab_size)):
+            raise BadInput(f"--token-ids {path} line {number} needs at least 2 ids, each in the vocabulary [0, {vocab_size})")
+        if row.size:
+            rows.append(row)
+    if not rows:
+        raise BadInput(f"--token-ids {path} has no rows; write one row of token ids per line")
+    return rows
 
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-        return (lambda text: tok.encode(text, add_special_tokens=False)), f"AutoTokenizer({type(tok).__name__})"
-    if config.get("vocab_size") == BYTE_VOCAB:
-        return corpus.encode, "bytes"
-    raise BadInput(
-        f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) and its vocabulary is not "
-        f"{BYTE_VOCAB} bytes; add the tokenizer to the checkpoint folder"
-    )
+
+def random_rows(vocab_size: int, window: int, rows: int, seed: int) -> list[np.ndarray]:
+    """Seeded uniform random ids, rows of seeded lengths in [window // 2, window] (Polygraphy's default data, for fidelity)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(max(2, window // 2), window + 1, size=rows)
+    return [rng.integers(0, vocab_size, size=int(n), dtype=np.int64) for n in lengths]
+
+
+def choose_rows(checkpoint: Path, config: dict[str, Any], spec: InputSpec, window: int, need_text: bool) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """The rows to feed and where they came from: --token-ids, else text through the model's tokenizer,
+    else (no tokenizer, fidelity only) random ids."""
+    vocab_size = config.get("vocab_size")
+    if spec.token_ids is not None:
+        if spec.text is not None:
+            raise BadInput("pass either --text or --token-ids, not both")
+        rows = [r[:window] for r in read_token_ids(spec.token_ids, vocab_size)]  # longer rows are cut to the window
+        return _subset(rows, spec.max_rows, spec.seed), {"text": f"--token-ids {spec.token_ids}", "tokenizer": "none"}
+    text, label = read_text(spec.text)  # first: a bad --text is named as such
+    tokenizer = find_tokenizer(checkpoint, vocab_size)
+    if tokenizer is None and (spec.text is not None or need_text):
+        why = "the conversion-loss check needs real text" if need_text else f"--text {spec.text} cannot be tokenized"
+        raise BadInput(
+            f"{why}, but {checkpoint} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); add the tokenizer to the "
+            "folder, or pass --token-ids FILE (one row of token ids per line)"
+        )
+    if tokenizer is None:
+        rows = random_rows(vocab_size, window, spec.max_rows or 128, spec.seed)
+        return rows, {"text": f"{RANDOM_IDS} (seed {spec.seed}; {checkpoint} has no tokenizer)", "tokenizer": "none"}
+    rows = cut_rows(tokenizer.encode(text), window, spec.max_rows, spec.seed)
+    return rows, {"text": label, "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "tokenizer": tokenizer.name}
 
 
 def position_limit(config: dict[str, Any]) -> int | None:
@@ -99,10 +129,15 @@ def cut_rows(ids: list[int], window: int, max_rows: int | None, seed: int) -> li
         start += length
     if not rows:
         raise BadInput(f"the text has {len(ids)} tokens; it needs at least 2")
-    if max_rows is not None and len(rows) > max_rows:
-        keep = np.sort(rng.choice(len(rows), size=max_rows, replace=False))
-        rows = [rows[i] for i in keep]
-    return rows
+    return _subset(rows, max_rows, seed, rng)
+
+
+def _subset(rows: list[np.ndarray], max_rows: int | None, seed: int, rng: np.random.Generator | None = None) -> list[np.ndarray]:
+    """A seeded subset of `max_rows` rows, in their order, when there are more."""
+    if max_rows is None or len(rows) <= max_rows:
+        return rows
+    keep = np.sort((rng or np.random.default_rng(seed)).choice(len(rows), size=max_rows, replace=False))
+    return [rows[i] for i in keep]
 
 
 def pad_batch(rows: list[np.ndarray], pad_id: int, token_type_ids: bool) -> dict[str, np.ndarray]:
@@ -122,26 +157,23 @@ def wants_token_type_ids(config: dict[str, Any]) -> bool:
     return config.get("type_vocab_size", 0) > 1
 
 
-def make_inputs(checkpoint: Path, spec: InputSpec) -> Inputs:
-    """Feeds for the model in `checkpoint` (its tokenizer and limits) from `spec`."""
+def make_inputs(checkpoint: Path, spec: InputSpec, allow_random: bool = False) -> Inputs:
+    """Feeds for the model in `checkpoint` (its tokenizer and limits) from `spec`; `allow_random`
+    (fidelity only): random ids when the model has no tokenizer and no --token-ids are given."""
     if spec.window < 2 or spec.batch_size < 1 or (spec.max_rows is not None and spec.max_rows < 1):
         raise BadInput("--window must be at least 2, --batch-size and --max-rows at least 1")
     if spec.decode_steps < 0:
         raise BadInput("--decode-steps must be 0 (no KV-cache check) or more")
     config = read_config(checkpoint)
-    text, label = read_text(spec.text)
-    encode, tokenizer = tokenizer_for(checkpoint, config)
     limit = position_limit(config)
     window = min(spec.window, limit) if limit else spec.window
-    rows = cut_rows(encode(text), window, spec.max_rows, spec.seed)
+    rows, source = choose_rows(checkpoint, config, spec, window, need_text=not allow_random)
     pad_id = config.get("pad_token_id") or 0
     types = wants_token_type_ids(config)
     feeds = [pad_batch(rows[i : i + spec.batch_size], pad_id, types) for i in range(0, len(rows), spec.batch_size)]
     ids_hash = hashlib.sha256(b"".join(r.tobytes() for r in rows)).hexdigest()
     info = {
-        "text": label,
-        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-        "tokenizer": tokenizer,
+        **source,
         "input_ids_sha256": ids_hash,
         "tokens": int(sum(len(r) for r in rows)),
         "rows": len(rows),

@@ -123,7 +123,11 @@ class OnnxRuntimeRunner(BaseRunner):
         providers = [p for p in (self.providers or ORT_PROVIDERS) if p in available] or ["CPUExecutionProvider"]
         options = ort.SessionOptions()
         options.log_severity_level = 3  # errors only: ORT warns about unused initializers
-        self.session = ort.InferenceSession(str(self.graph), options, providers=providers)
+        try:
+            self.session = ort.InferenceSession(str(self.graph), options, providers=providers)
+        except Exception as err:  # ORT's errors subclass only Exception; a graph it cannot load is bad input
+            first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
+            raise BadInput(f"ONNX Runtime cannot load {self.graph} ({first_line}); re-run headfold export (a truncated .onnx.data?)") from None
 
     def deactivate_impl(self) -> None:
         self.session = None

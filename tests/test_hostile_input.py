@@ -1,0 +1,501 @@
+"""Hostile and careless input, the reading side (issue 10): nothing executed, nothing read outside
+the source, validated not assumed, one line always.
+
+Every refusal asserts the exit code, one stderr line without a traceback, nothing at or beside OUT
+(hidden folders included) and the source unchanged; the code-execution cases also assert that the
+marker file the checkpoint's own code would write does not exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import make_checkpoint
+
+import headfold.converter.conversion as conversion
+from headfold.cli import main
+from headfold.engines import env
+
+LAYER0 = "model.layers.0.self_attn."
+HEADFOLD = Path(sys.executable).with_name("headfold")
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def tree_digest(folder: Path) -> str:
+    """Names, bytes and link targets of everything under `folder`."""
+    digest = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        digest.update(p.relative_to(folder).as_posix().encode())
+        if p.is_symlink():
+            digest.update(os.readlink(p).encode())
+        elif p.is_file():
+            digest.update(p.read_bytes())
+    return digest.hexdigest()
+
+
+def run(capsys, *args) -> tuple[int, str]:
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+def assert_one_line(code: int, err: str, expected: int, *words: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == expected, err
+    assert len(lines) == 1 and lines[0].startswith("headfold: error:") and "Traceback" not in err, err
+    for word in words:
+        assert word.lower() in err.lower(), err
+
+
+def assert_nothing_written(out: Path) -> None:
+    """Neither OUT nor a hidden sibling of it (listing the parent: OUT's own name may be too long to stat)."""
+    names = os.listdir(out.parent) if out.parent.is_dir() else []
+    assert not [n for n in names if n == out.name or n.startswith(f".{out.name}")], names
+
+
+def refused(capsys, src: Path, out: Path, args: list, *words: str) -> None:
+    """Run headfold with `args`; assert exit 2, one line with `words`, nothing written, `src` unchanged."""
+    before = tree_digest(src)
+    code, err = run(capsys, *args)
+    assert_one_line(code, err, 2, *words)
+    assert_nothing_written(out)
+    assert tree_digest(src) == before
+
+
+@pytest.fixture
+def src(tiny_checkpoint, tmp_path: Path) -> Path:
+    folder = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint("llama"), folder)
+    return folder
+
+
+def edit_tensors(src: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+
+
+def edit_config(src: Path, **changes) -> None:
+    path = src / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def ascii_text(path: Path) -> Path:
+    path.write_text(" ".join(f"word{i % 97}." for i in range(1500)))
+    return path
+
+
+def add_gpt2_tokenizer(folder: Path, tokenizer_config: dict | None = None) -> None:
+    """A byte-level BPE vocabulary (vocab.json + merges.txt, GPT-2's files) for printable ASCII, space and newline."""
+    vocab = {chr(c): c - 33 for c in range(33, 127)} | {"Ġ": 94, "Ċ": 95}
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    if tokenizer_config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+
+def checkpoint_code(folder: Path, marker: Path) -> None:
+    """Python a hostile checkpoint ships: loading it would write `marker`."""
+    (folder / "evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from transformers import PreTrainedTokenizer as EvilTokenizer\n"
+    )
+
+
+# ---- 3. nothing executed ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokenizer_class, code", [("EvilTokenizer", 2), ("GPT2Tokenizer", 0)])
+@pytest.mark.parametrize("command", ["calibration", "verify"])
+def test_checkpoint_code_never_runs(command: str, tokenizer_class: str, code: int, src: Path, tmp_path: Path, capsys) -> None:
+    """A tokenizer_config.json with auto_map: transformers' own class or a one-line refusal; never the code, never a prompt."""
+    marker = tmp_path / "MARKER"
+    add_gpt2_tokenizer(src, {"auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}, "tokenizer_class": tokenizer_class})
+    checkpoint_code(src, marker)
+    text, out = ascii_text(tmp_path / "text.txt"), tmp_path / "out"
+    if command == "calibration":
+        args = ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "--calibration", text, "--calibration-tokens", "256", "-q"]
+    else:
+        args = ["verify", src, src, "--text", text, "--max-rows", "2", "--window", "16", "--decode-steps", "0", "--report", out]
+    before = tree_digest(src)
+    exit_code, err = run(capsys, *args)
+    assert exit_code == code, err
+    if code == 2:
+        assert_one_line(exit_code, err, 2, "never runs a checkpoint's code")
+        assert_nothing_written(out)
+    else:
+        assert out.exists() and (command == "calibration" or json.loads(out.read_text())["inputs"]["tokenizer"] == "AutoTokenizer(GPT2Tokenizer)")
+    assert not marker.exists()
+    assert tree_digest(src) == before
+
+
+def test_pickle_named_by_safetensors_index_is_never_loaded(src: Path, tmp_path: Path, capsys) -> None:
+    """Whatever the index says, no torch.load without --allow-pickle: the pickle's payload would write a marker."""
+    marker = tmp_path / "MARKER"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    names = list(load_file(src / "model.safetensors"))
+    (src / "model.safetensors").unlink()
+    (src / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, "pytorch_model.bin")}))
+    out = tmp_path / "out"
+    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], "pytorch_model.bin", "not a .safetensors file")
+    refused(capsys, src, out, ["verify", src, src, "--max-rows", "2", "--window", "8", "--report", out], "pytorch_model.bin")
+    assert not marker.exists()
+
+
+# ---- 3. nothing read outside SRC --------------------------------------------------------------
+
+
+def _index_to(src: Path, entry: Callable[[Path], str]) -> None:
+    """Move the weights out of SRC and point an index entry at them."""
+    outside = src.parent / "other"
+    outside.mkdir()
+    names = list(load_file(src / "model.safetensors"))
+    shutil.move(src / "model.safetensors", outside / "model.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, entry(outside))}))
+
+
+def _link(name: str, target: Callable[[Path], Path]) -> Callable[[Path], None]:
+    def make(src: Path) -> None:
+        (src / name).symlink_to(target(src))
+
+    return make
+
+
+def _outside_file(src: Path) -> Path:
+    secret = src.parent / "secret.txt"
+    secret.write_text("host secret")
+    return secret
+
+
+def _linked_shard(src: Path) -> None:
+    shutil.move(src / "model.safetensors", src.parent / "elsewhere.safetensors")
+    (src / "model.safetensors").symlink_to(src.parent / "elsewhere.safetensors")
+
+
+OUTSIDE: dict[str, tuple[Callable[[Path], None], str]] = {
+    "index entry with ..": (lambda s: _index_to(s, lambda o: "../other/model.safetensors"), "'../other/model.safetensors'"),
+    "absolute index entry": (lambda s: _index_to(s, lambda o: str(o / "model.safetensors")), "other/model.safetensors'"),
+    "link to a host file": (_link("notes.txt", _outside_file), "notes.txt links to"),
+    "link to /etc": (_link("etc", lambda s: Path("/etc")), "etc links to /etc"),
+    "linked shard": (_linked_shard, "model.safetensors links to"),
+    "linked tokenizer": (_link("tokenizer.json", _outside_file), "tokenizer.json links to"),
+}
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+@pytest.mark.parametrize("case", OUTSIDE)
+def test_nothing_read_outside_the_source(case: str, command: str, src: Path, tmp_path: Path, capsys) -> None:
+    make, words = OUTSIDE[case]
+    make(src)
+    out = tmp_path / "out"
+    args = ["convert", src, out, "--kv-heads", "2", "-q"] if command == "convert" else ["verify", src, src, "--max-rows", "2", "--window", "8", "--report", out]
+    refused(capsys, src, out, args, words)
+
+
+def test_hugging_face_cache_snapshot_links_are_followed(src: Path, tmp_path: Path, capsys) -> None:
+    """A hub cache snapshot links every file to ../../blobs/<hash>: that is still the checkpoint."""
+    repo = tmp_path / "models--tiny--llama"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in src.iterdir():
+        blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(Path("../../blobs") / blob.name)
+    assert run(capsys, "convert", src, tmp_path / "direct", "--kv-heads", "2", "-q")[0] == 0
+    assert run(capsys, "convert", snapshot, tmp_path / "cached", "--kv-heads", "2", "-q")[0] == 0
+    assert (tmp_path / "cached/model.safetensors").read_bytes() == (tmp_path / "direct/model.safetensors").read_bytes()
+
+
+# ---- 4. validated, not assumed ----------------------------------------------------------------
+
+
+def _set(name: str, make: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], None]:
+    def edit(tensors: dict) -> None:
+        tensors[name] = make(tensors[name]).contiguous()
+
+    return edit
+
+
+def _add(name: str, tensor: torch.Tensor, also: Callable[[dict], None] = lambda t: None) -> Callable[[dict], None]:
+    def edit(tensors: dict) -> None:
+        also(tensors)
+        tensors[name] = tensor
+
+    return edit
+
+
+TENSORS: dict[str, tuple[Callable[[dict], None], tuple[str, ...]]] = {
+    "K projection of the wrong input width": (_set(LAYER0 + "k_proj.weight", lambda t: torch.cat([t, t[:, :1]], 1)), ("k_proj.weight", "expected")),
+    "1-D Q projection": (_set(LAYER0 + "q_proj.weight", lambda t: t.reshape(-1)), ("q_proj.weight", "expected")),
+    "3-D V projection": (_set(LAYER0 + "v_proj.weight", lambda t: t[None]), ("v_proj.weight", "expected")),
+    "integer K projection": (_set(LAYER0 + "k_proj.weight", lambda t: t.to(torch.int8)), ("k_proj.weight", "torch.int8", "floating point")),
+    "bool O projection": (_set(LAYER0 + "o_proj.weight", lambda t: t > 0), ("o_proj.weight", "torch.bool")),
+    "FP8 with weight_scale": (
+        _add(LAYER0 + "k_proj.weight_scale", torch.ones(1), _set(LAYER0 + "k_proj.weight", lambda t: t.to(torch.float8_e4m3fn))),
+        ("k_proj.weight_scale", "FP8", "dequantize first"),
+    ),
+    "FP8 without scales": (_set(LAYER0 + "k_proj.weight", lambda t: t.to(torch.float8_e4m3fn)), ("k_proj.weight", "float8", "dequantize first")),
+    "GPTQ qweight": (_add(LAYER0 + "q_proj.qweight", torch.zeros(4, 4, dtype=torch.int32)), ("q_proj.qweight", "GPTQ/AWQ", "dequantize first")),
+    "bitsandbytes SCB": (_add(LAYER0 + "q_proj.SCB", torch.ones(4)), ("q_proj.SCB", "bitsandbytes", "dequantize first")),
+    "bitsandbytes 4-bit": (_add(LAYER0 + "q_proj.weight.quant_state.bitsandbytes__nf4", torch.zeros(8, dtype=torch.uint8)), ("quant_state", "dequantize first")),
+    "0-size tensor": (_set("model.norm.weight", lambda t: t[:0]), ("model.norm.weight", "0-size")),
+}
+
+
+@pytest.mark.parametrize("case", TENSORS)
+def test_attention_tensors_and_quantization_are_checked(case: str, src: Path, tmp_path: Path, capsys) -> None:
+    edit, words = TENSORS[case]
+    edit_tensors(src, edit)
+    out = tmp_path / "out"
+    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], *words)
+
+
+CONFIGS: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "0 hidden size": ({"hidden_size": 0}, ("'hidden_size' must be a positive integer",)),
+    "0 heads": ({"num_attention_heads": 0}, ("'num_attention_heads' must be a positive integer",)),
+    "0 MLP width": ({"intermediate_size": 0}, ("'intermediate_size'",)),
+    "rotary factor above 1": ({"partial_rotary_factor": 1.5}, ("partial_rotary_factor", "(0, 1]")),
+    "rotary factor 0": ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0}}, ("partial_rotary_factor",)),
+    "string rope_parameters": ({"rope_parameters": "linear"}, ("'rope_parameters' must be an object",)),
+    "malformed rope_scaling": ({"rope_scaling": {"rope_type": "linear", "factor": "two"}}, ("rope_scaling.factor must be a positive number",)),
+    "absurd layer count": ({"num_hidden_layers": 10**9}, ("more than 10000",)),
+    "layers not matching the weights": ({"num_hidden_layers": 3}, ("disagree",)),
+    "quantization_config": ({"quantization_config": {"quant_method": "fp8"}}, ("quantization_config", "dequantize first")),
+}
+
+
+@pytest.mark.parametrize("case", CONFIGS)
+def test_config_values_are_checked_before_allocation(case: str, src: Path, tmp_path: Path, capsys) -> None:
+    changes, words = CONFIGS[case]
+    edit_config(src, **changes)
+    out = tmp_path / "out"
+    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], *words)
+
+
+@pytest.mark.parametrize("case", ["absurd layer count", "string rope_parameters", "quantization_config"])
+def test_config_values_are_checked_by_every_loader(case: str, src: Path, tmp_path: Path, capsys) -> None:
+    """verify (and export, inspect: the same loader) refuse what convert refuses, before building a model."""
+    changes, words = CONFIGS[case]
+    edit_config(src, **changes)
+    out = tmp_path / "report.json"
+    refused(capsys, src, out, ["verify", src, src, "--max-rows", "2", "--window", "8", "--report", out], *words)
+
+
+# ---- 5. one line, always ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["convert", "SRC"], ["Missing argument 'OUT'", "headfold convert --help"]),
+        (["convert", "SRC", "OUT", "--kv-heads", "2", "--bogus"], ["No such option", "--help"]),
+        (["export", "SRC", "OUT", "--dtype", "fp64"], ["'fp64' is not one of", "--help"]),
+        (["nosuchcommand"], ["No such command", "headfold --help"]),
+        (["build", "SRC", "OUT", "--dry-run", "--trt-version", "99.9"], ["known releases are 10.13, 10.14, 10.15, 11.0"]),
+    ],
+)
+def test_usage_errors_fit_one_line(args: list[str], words: list[str], capsys) -> None:
+    assert_one_line(*run(capsys, *args), 2, *words)
+
+
+def test_internal_error_is_one_line_exit_3_and_debug_shows_the_traceback(src: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(conversion, "write_config", bug)
+    out = tmp_path / "out"
+    code, err = run(capsys, "convert", src, out, "--kv-heads", "2", "-q")
+    assert_one_line(code, err, 3, "internal error (ZeroDivisionError: a bug)", "rerun with --debug for the traceback")
+    assert_nothing_written(out)
+    code, err = run(capsys, "--debug", "convert", src, out, "--kv-heads", "2", "-q")
+    assert code == 3 and "Traceback" in err and "ZeroDivisionError: a bug" in err
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("case", ["/dev/zero", "binary", "huge", "not UTF-8", "empty", "missing"])
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_text_files_that_are_not_text(case: str, command: str, src: Path, tmp_path: Path, capsys) -> None:
+    """--calibration (convert) and --text (verify): never read a device or a huge file into memory."""
+    path = tmp_path / "text"
+    if case == "/dev/zero":
+        path = Path("/dev/zero")
+    elif case == "binary":
+        path.write_bytes(b"some text\x00\x01\x02 and a NUL")
+    elif case == "huge":
+        with path.open("wb") as f:
+            f.truncate(65 << 20)  # sparse: no disk used
+    elif case == "not UTF-8":
+        path.write_bytes("caf\u00e9".encode("latin-1"))
+    elif case == "empty":
+        path.write_text("  \n")
+    words = {"/dev/zero": "not a regular file", "binary": "binary", "huge": "MiB", "not UTF-8": "not UTF-8", "empty": "empty", "missing": "does not exist"}[case]
+    out = tmp_path / "out"
+    option = "--calibration" if command == "convert" else "--text"
+    args = ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "-q"] if command == "convert" else ["verify", src, src, "--report", out]
+    add_gpt2_tokenizer(src, {"tokenizer_class": "GPT2Tokenizer"})  # the text, not a missing tokenizer, is what is wrong
+    refused(capsys, src, out, [*args, option, path], option, str(path), words)
+
+
+def test_bad_output_paths(src: Path, tmp_path: Path, capsys) -> None:
+    """A name too long for the file system; OUT below a file: one line naming the path, nothing written."""
+    too_long = tmp_path / ("x" * 300)
+    refused(capsys, src, too_long, ["convert", src, too_long, "--kv-heads", "2", "-q"], "too long")
+    (tmp_path / "a-file").write_text("not a folder")
+    below_file = tmp_path / "a-file" / "out"
+    before = tree_digest(src)
+    code, err = run(capsys, "convert", src, below_file, "--kv-heads", "2", "-q")
+    assert_one_line(code, err, 2, "a-file")
+    assert (tmp_path / "a-file").read_text() == "not a folder" and tree_digest(src) == before
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """mount(options) → a fresh small tmpfs; skipped where this machine cannot mount one."""
+    mounted: list[Path] = []
+
+    def mount(options: str) -> Path:
+        point = tmp_path / f"mnt{len(mounted)}"
+        point.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True, text=True)
+        if result.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or 'mount failed'})")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=False)
+
+
+def test_disk_full_and_read_only_destination(src: Path, tmpfs, capsys) -> None:
+    full = tmpfs("size=200k")  # the tiny checkpoint's weights alone are 400 kB
+    out = full / "out"
+    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], "no space left", str(full))
+    assert list(full.iterdir()) == []  # hidden temporary folders included
+    read_only = tmpfs("size=1m,ro")
+    out = read_only / "out"
+    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], "read-only file system", str(read_only))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to run headfold as another user")
+@pytest.mark.parametrize("unreadable", ["config.json", "model.safetensors", "output folder"])
+def test_permission_denied_is_named_as_such(unreadable: str, tiny_checkpoint) -> None:
+    """As user nobody, through the installed entry point: "permission denied", never "missing" or "No such file"."""
+    root = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        os.chmod(root, 0o755)
+        src = shutil.copytree(tiny_checkpoint("llama"), root / "src")
+        for p in [src, *src.iterdir()]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        parent = root / "outputs"
+        parent.mkdir(mode=0o755 if unreadable == "output folder" else 0o777)
+        os.chmod(parent, 0o755 if unreadable == "output folder" else 0o777)
+        if unreadable != "output folder":
+            os.chmod(src / unreadable, 0)
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        environment = {**os.environ, "HOME": str(parent), "HF_HOME": str(root / "hf")}
+        result = subprocess.run([*nobody, HEADFOLD, "convert", src, parent / "out", "--kv-heads", "2", "-q"], capture_output=True, text=True, env=environment)
+        assert_one_line(result.returncode, result.stderr, 2, "permission denied", unreadable if unreadable != "output folder" else "outputs")
+        assert list(parent.iterdir()) == []
+    finally:
+        shutil.rmtree(root)
+
+
+def test_corrupt_manifests(src: Path, tmp_path: Path, capsys) -> None:
+    """headfold.json of a candidate or a source, export.json of an export folder: one line, the fix."""
+    converted = tmp_path / "kv2"
+    assert run(capsys, "convert", src, converted, "--kv-heads", "2", "-q")[0] == 0
+    (converted / "headfold.json").write_text('{"format": 1, "source": ')
+    report = tmp_path / "report.json"
+    refused(capsys, converted, report, ["verify", src, converted, "--report", report], "headfold.json is corrupt", "re-run headfold convert")
+    out = tmp_path / "again"
+    refused(capsys, converted, out, ["convert", converted, out, "--kv-heads", "1", "-q"], "headfold.json is corrupt")
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "export.json").write_text("[1, 2")
+    (export / "model.onnx").write_bytes(b"")
+    engines = tmp_path / "engines"
+    refused(capsys, export, engines, ["build", export, engines, "--dry-run", "--trt-version", "10.15"], "export.json is corrupt", "re-run headfold export")
+
+
+# ---- 6. usability -----------------------------------------------------------------------------
+
+
+def test_verify_without_tokenizer(src: Path, tmp_path: Path, capsys) -> None:
+    """Fidelity runs on seeded random ids or --token-ids FILE; conversion loss needs text and says how to give it."""
+    report = tmp_path / "report.json"
+    code, err = run(capsys, "verify", src, src, "--max-rows", "4", "--window", "16", "--report", report)
+    assert code == 0, err
+    assert json.loads(report.read_text())["inputs"]["text"].startswith("random token ids (seed 0;")
+    ids = tmp_path / "ids.txt"
+    ids.write_text("5 6 7 8 9\n\n10 11 12\n")
+    code, err = run(capsys, "verify", src, src, "--token-ids", ids, "--report", report)
+    assert code == 0, err
+    inputs = json.loads(report.read_text())["inputs"]
+    assert (inputs["text"], inputs["rows"], inputs["tokens"]) == (f"--token-ids {ids}", 2, 8)
+
+    converted = tmp_path / "kv2"
+    assert run(capsys, "convert", src, converted, "--kv-heads", "2", "-q")[0] == 0
+    loss_report = tmp_path / "loss.json"
+    refused(capsys, src, loss_report, ["verify", src, converted, "--report", loss_report], "conversion-loss check needs real text", "--token-ids FILE")
+    code, err = run(capsys, "verify", src, converted, "--token-ids", ids, "--report", loss_report)
+    assert code in (0, 1) and json.loads(loss_report.read_text())["checks"][0]["name"] == "conversion-loss"  # 1: pooling lost more than the budget
+
+    ids.write_text("5 6 x\n")
+    refused(capsys, src, report.with_name("r2.json"), ["verify", src, src, "--token-ids", ids, "--report", report.with_name("r2.json")], "line 1", "integers")
+    ids.write_text("5 6 999\n")
+    refused(capsys, src, report.with_name("r2.json"), ["verify", src, src, "--token-ids", ids, "--report", report.with_name("r2.json")], "vocabulary [0, 160)")
+
+
+@pytest.mark.skipif(not env._missing("tensorrt"), reason="the fallback where TensorRT is not installed")
+def test_build_dry_run_without_tensorrt_plans_for_the_newest_release(tmp_path: Path, capsys) -> None:
+    from onnx import TensorProto, helper, save
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), tmp_path / "m.onnx")
+    code = main(["build", str(tmp_path / "m.onnx"), str(tmp_path / "m.engine"), "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0 and "TensorRT 11.0 (TensorRT is not installed: dry run for the newest release headfold knows, 11.0" in out
+    assert not (tmp_path / "m.engine").exists()
+
+
+def test_gpt2_tokenizer_files_in_calibration_and_verify_and_quiet(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    """A GPT-2 folder's vocab.json + merges.txt tokenize for calibration and verify alike; -q prints
+    nothing but the result (no progress bars, no library warnings), also while calibrating."""
+    src = shutil.copytree(tiny_checkpoint("gpt2", n_positions=512), tmp_path / "gpt2")  # calibration windows are 256 tokens
+    add_gpt2_tokenizer(src)
+    text = ascii_text(tmp_path / "text.txt")
+    capsys.readouterr()  # building the tiny checkpoint printed transformers' own bar
+    code, err = run(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "--method", "aligned", "--calibration", text, "--calibration-tokens", "256", "-q")
+    assert (code, err) == (0, "")
+    report = tmp_path / "report.json"
+    code, err = run(capsys, "verify", src, src, "--text", text, "--max-rows", "2", "--window", "16", "--decode-steps", "0", "--report", report)
+    assert code == 0, err
+    assert json.loads(report.read_text())["inputs"]["tokenizer"] == "AutoTokenizer(GPT2Tokenizer)"
+
+
+def test_make_checkpoint_still_converts(tmp_path: Path, capsys) -> None:
+    """The refusals above are not false alarms: every family's tiny checkpoint converts (exit 0)."""
+    for family in ("gpt2", "gpt_neox", "phi3", "opt", "bert"):
+        src = make_checkpoint(family, tmp_path / family)
+        code, err = run(capsys, "convert", src, tmp_path / f"{family}-kv2", "--kv-heads", "2", "-q")
+        assert code == 0, err
