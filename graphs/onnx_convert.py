@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 import torch
 
-from headfold.atomic import check_output
+from headfold.atomic import check_output, staging_folder
 from headfold.converter.conversion import target_shape
 from headfold.converter.layout import AttentionWeights, HeadShape, merge_heads, split_heads
 from headfold.converter.methods import Recipe, get_method
@@ -100,7 +99,7 @@ def convert_onnx(
     }
     _refresh_shapes(model)
     check_attention(attention_nodes(model), kv_heads=collapse(per_layer), layers=len(nodes), graph=src.name)
-    _save(model, out)
+    _save(model, out, overwrite)
     return {
         "source": str(src),
         "output": str(out),
@@ -342,13 +341,13 @@ def _refresh_shapes(model: ir.Model) -> None:
     common.ShapeInferencePass()(model)
 
 
-def _save(model: ir.Model, out: Path) -> None:
-    """Graph + `<name>.data` are written and checked in a hidden sibling folder, then renamed into
-    place, weights first, so `out` never points at missing weights; on error nothing remains."""
+def _save(model: ir.Model, out: Path, overwrite: bool) -> None:
+    """Graph + `<name>.data` are written and checked in a hidden sibling folder (under `out`'s
+    lock), then renamed into place, weights first, so `out` never points at missing weights; on
+    error nothing remains."""
     data = out.with_name(f"{out.name}.data")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.partial-") as staging:
-        staged = Path(staging) / out.name
+    with staging_folder(out, overwrite=overwrite) as staging:
+        staged = staging / out.name
         ir.save(model, staged, external_data=data.name)
         onnx.checker.check_model(str(staged))
         os.replace(staged.with_name(data.name), data)

@@ -175,6 +175,48 @@ def _remove_leftovers(out: Path) -> None:
             log.warning(f"headfold: removed {path}, left by writer pid {m[1]}, which stopped before finishing")
 
 
+def _refuse_existing(out: Path, overwrite: bool, how: str) -> None:
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise BadInput(f"output {out} {how}; pass --overwrite to replace it or choose another path")
+
+
+@contextmanager
+def staging_folder(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Under `out`'s lock, the hidden sibling folder `.OUT.partial-PID`, removed at the end, on any
+    error and on SIGTERM. `atomic_output` builds on it; a writer that moves several files into place
+    itself (a graph and its `.onnx.data`) can use it directly."""
+    with output_lock(out):
+        _refuse_existing(out, overwrite, "already exists")
+        folder = out.with_name(f".{out.name}.partial-{os.getpid()}")
+        try:
+            _remove(folder)  # a dead process that had our pid
+            folder.mkdir()
+            yield folder
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise BadInput(f"no space left on the device while writing {out}; free some space or choose another output") from None
+            raise
+        finally:
+            _remove(folder)
+
+
+@contextmanager
+def atomic_output(out: Path, *, is_dir: bool = True, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary path named like `out` in its staging folder; on success it becomes `out`
+    (replacing an existing one only with `overwrite`), on any error or signal it vanishes."""
+    with staging_folder(out, overwrite=overwrite) as folder:
+        tmp = folder / out.name
+        if is_dir:
+            tmp.mkdir()
+        yield tmp
+        _refuse_existing(out, overwrite, "appeared while this command ran")  # a writer that skipped the lock
+        try:
+            _place(tmp, out)
+        except OSError as e:
+            why = "is it a mount point? choose a path inside it" if e.errno in (errno.EBUSY, errno.EXDEV) else "check the folder's permissions"
+            raise BadInput(f"cannot move the finished output into place at {out} ({e.strerror}); {why}") from None
+
+
 def _place(tmp: Path, out: Path) -> None:
     """Rename the finished `tmp` to `out` (the caller holds the lock and checked `overwrite`)."""
     exists = out.exists() or out.is_symlink()
@@ -189,39 +231,6 @@ def _place(tmp: Path, out: Path) -> None:
         _remove(old)
     else:
         os.replace(tmp, out)
-
-
-def _rename_error(out: Path, e: OSError) -> BadInput:
-    why = "is it a mount point? choose a path inside it" if e.errno in (errno.EBUSY, errno.EXDEV) else "check the folder's permissions"
-    return BadInput(f"cannot move the finished output into place at {out} ({e.strerror}); {why}")
-
-
-@contextmanager
-def atomic_output(out: Path, *, is_dir: bool = True, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling path; on success it becomes `out` (replacing an existing one only
-    with `overwrite`), on any error or signal it vanishes. One writer per `out` at a time."""
-    with output_lock(out):
-        if (out.exists() or out.is_symlink()) and not overwrite:
-            raise BadInput(f"output {out} already exists; pass --overwrite to replace it or choose another path")
-        tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-        try:
-            _remove(tmp)  # a dead process that had our pid
-            if is_dir:
-                tmp.mkdir()
-            try:
-                yield tmp
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise BadInput(f"no space left on the device while writing {out}; free some space or choose another output") from None
-                raise
-            if (out.exists() or out.is_symlink()) and not overwrite:  # a writer that skipped the lock
-                raise BadInput(f"output {out} appeared while this command ran; pass --overwrite to replace it or choose another path")
-            try:
-                _place(tmp, out)
-            except OSError as e:
-                raise _rename_error(out, e) from None
-        finally:
-            _remove(tmp)
 
 
 # -- scratch folders -----------------------------------------------------------------------

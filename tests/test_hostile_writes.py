@@ -110,9 +110,11 @@ def wait_for(proc: subprocess.Popen, ready, timeout: float = 120) -> bool:
 def partial_bytes(out: Path, pid: int) -> int | None:
     """Bytes written so far into the writer's hidden `.OUT.partial-PID`, None before it exists."""
     tmp = out.with_name(f".{out.name}.partial-{pid}")
+    if not tmp.exists():
+        return None
     try:
-        return sum(e.stat().st_size for e in os.scandir(tmp))
-    except FileNotFoundError:
+        return sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+    except FileNotFoundError:  # it vanished while we counted
         return None
 
 
