@@ -17,10 +17,10 @@ from tqdm.auto import tqdm
 
 from headfold import corpus
 from headfold.atomic import atomic_output, check_output
-from headfold.converter.calibration import attention_inputs
+from headfold.converter.calibration import attention_inputs, check_settings
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, rotary_dims
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
-from headfold.converter.methods import LayerContext, Recipe, compute_device, get_method
+from headfold.converter.methods import LayerContext, Recipe, get_method
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.writer import PlannedTensor, ShardedWriter
 from headfold.errors import BadInput
@@ -54,7 +54,7 @@ def convert(
     source = Path(source)
     recipe = get_method(method)
     if recipe.data_aware:
-        compute_device()  # a bad $HEADFOLD_DEVICE fails before the slow calibration
+        check_settings()  # a bad $HEADFOLD_DEVICE or $HEADFOLD_CALIBRATION_RAM fails before the slow calibration
     with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
         targets = target_shapes(ckpt, kv_heads)
         out = check_output(Path(output), overwrite=overwrite, sources=(source,))
@@ -153,12 +153,32 @@ def layer_contexts(ckpt: SourceCheckpoint, text: str | None, tokens: int, seed: 
 
 
 def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, recipe: Recipe, ctx: LayerContext) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-    """One layer's attention tensors, converted in fp32 and cast back to their source dtypes."""
+    """One layer's changed attention tensors, converted in fp32 and cast back to their source dtypes.
+
+    Tensors the recipe leaves as they are stay unread (shapes only, on the meta device) and are
+    not returned: the writer copies them unchanged. mean/first read the source dtype (mean
+    accumulates in fp32 itself); the data-aware maths get fp32 copies."""
     layer = ckpt.attention.layers[index]
     codec = AttentionCodec(ckpt.spec, ckpt.layer_shapes[index])
-    result = recipe(codec.decode({suffix: ckpt.get(name).float() for suffix, name in layer.items()}), target.kv_heads, ctx)
-    tensors = {layer[s]: t.to(ckpt.tensors[layer[s]].dtype) for s, t in codec.encode(result.attn).items()}
+    kept = untouched_suffixes(ckpt, recipe)
+
+    def read(suffix: str, name: str) -> torch.Tensor:
+        if suffix in kept:
+            return torch.empty(ckpt.tensors[name].shape, device="meta")
+        return ckpt.get(name).float() if recipe.data_aware else ckpt.get(name)
+
+    result = recipe(codec.decode({s: read(s, n) for s, n in layer.items()}), target.kv_heads, ctx)
+    tensors = {layer[s]: t.to(ckpt.tensors[layer[s]].dtype) for s, t in codec.encode(result.attn).items() if s not in kept}
     return tensors, result.groups
+
+
+def untouched_suffixes(ckpt: SourceCheckpoint, recipe: Recipe) -> set[str]:
+    """What a recipe leaves byte-identical: the separate Q and O tensors under mean/first, which
+    pool only K/V and keep the contiguous groups in place."""
+    if recipe.data_aware:
+        return set()
+    kept = [p for role, p in ckpt.spec.projections.items() if role in "qo"]
+    return {s for p in kept for s in (p.weight, p.bias) if s}
 
 
 def write_weights(
@@ -172,12 +192,11 @@ def write_weights(
     bar = tqdm(total=sum(t.nbytes for t in plan), unit="B", unit_scale=True, desc="convert", disable=not progress)
     with bar, ShardedWriter(folder, plan, shard_bytes, metadata={"format": "pt"}) as writer:
         for t in plan:
-            if t.name in owner and t.name not in pending:
-                layer = owner[t.name]
+            if (layer := owner.get(t.name)) is not None and not groups[layer]:
                 converted, groups[layer] = convert_layer(ckpt, layer, targets[layer], recipe, contexts[layer])
                 contexts[layer] = LayerContext()  # calibration inputs of a done layer: free them
                 pending.update(converted)
-            if t.name in owner:
+            if t.name in pending:
                 writer.write(t.name, pending.pop(t.name))
             elif source := ckpt.byte_range(t.name):  # unchanged tensor: no trip through Python
                 writer.copy(t.name, t.dtype, t.shape, source)
