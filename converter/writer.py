@@ -102,9 +102,10 @@ def _hash_range(source: FileRange, digest: Any) -> None:
 class ShardedWriter:
     """Write planned tensors, in plan order, into ``folder``; sha256 of every file kept.
 
-    Writing and hashing each run on their own background thread (both release the GIL)
-    while the caller reads and converts the next tensor; at most ``IN_FLIGHT`` tensors
-    wait, so memory stays bounded.
+    Writing and hashing each run on their own background thread (both release the GIL), so the
+    hash of one tensor overlaps the write of the next while the caller reads and converts the
+    one after. At most ``IN_FLIGHT`` converted tensors wait in memory; byte ranges copied from
+    the source hold none, so they queue freely and neither thread waits for the caller.
     """
 
     IN_FLIGHT = 2
@@ -119,7 +120,7 @@ class ShardedWriter:
         self._next = 0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headfold-write")
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headfold-hash")
-        self._in_flight: deque[tuple[Future[None], Future[None]]] = deque()
+        self._in_flight: deque[tuple[Future[None], Future[None], bool]] = deque()  # write, hash, holds memory
         self._file: BinaryIO | None = None
         self._hash = hashlib.sha256()
 
@@ -147,10 +148,15 @@ class ShardedWriter:
         self._in_flight.append((
             self._writer.submit(self._store, shard_index, header, data, last),
             self._hasher.submit(self._digest, shard_index, header, data, last),
+            isinstance(data, memoryview),
         ))  # fmt: skip
-        while len(self._in_flight) > self.IN_FLIGHT:
-            for job in self._in_flight.popleft():
-                job.result()  # re-raises a failed write here
+        while sum(held for *_, held in self._in_flight) > self.IN_FLIGHT:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        write, digest, _ = self._in_flight.popleft()
+        write.result()  # re-raises a failed write here
+        digest.result()
 
     def _store(self, shard_index: int, header: bytes | None, data: memoryview | FileRange, last: bool) -> None:
         """Writer thread: one call at a time, in order."""
@@ -194,8 +200,7 @@ class ShardedWriter:
         """Drain the writer thread (re-raising its first error) and close any open file."""
         try:
             while self._in_flight:
-                for job in self._in_flight.popleft():
-                    job.result()
+                self._wait_oldest()
         finally:
             self._writer.shutdown(wait=True, cancel_futures=True)
             self._hasher.shutdown(wait=True, cancel_futures=True)
