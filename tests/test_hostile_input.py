@@ -396,26 +396,44 @@ def test_disk_full_and_read_only_destination(src: Path, tmpfs, capsys) -> None:
     refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], "read-only file system", str(read_only))
 
 
+AS_NOBODY = """
+import contextlib, io, json, sys
+from headfold.cli import main
+results = []
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(args)
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to run headfold as another user")
-@pytest.mark.parametrize("unreadable", ["config.json", "model.safetensors", "output folder"])
-def test_permission_denied_is_named_as_such(unreadable: str, tiny_checkpoint) -> None:
-    """As user nobody, through the installed entry point: "permission denied", never "missing" or "No such file"."""
+def test_permission_denied_is_named_as_such(tiny_checkpoint) -> None:
+    """As user nobody: an unreadable config.json, shard or output folder is "permission denied",
+    never "missing" or safetensors' "No such file"."""
     root = Path(tempfile.mkdtemp(dir="/tmp"))
     try:
         os.chmod(root, 0o755)
-        src = shutil.copytree(tiny_checkpoint("llama"), root / "src")
-        for p in [src, *src.iterdir()]:
-            os.chmod(p, 0o755 if p.is_dir() else 0o644)
-        parent = root / "outputs"
-        parent.mkdir(mode=0o755 if unreadable == "output folder" else 0o777)
-        os.chmod(parent, 0o755 if unreadable == "output folder" else 0o777)
-        if unreadable != "output folder":
-            os.chmod(src / unreadable, 0)
-        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-        environment = {**os.environ, "HOME": str(parent), "HF_HOME": str(root / "hf")}
-        result = subprocess.run([*nobody, HEADFOLD, "convert", src, parent / "out", "--kv-heads", "2", "-q"], capture_output=True, text=True, env=environment)
-        assert_one_line(result.returncode, result.stderr, 2, "permission denied", unreadable if unreadable != "output folder" else "outputs")
-        assert list(parent.iterdir()) == []
+        cases, outputs = [], []
+        for unreadable in ("config.json", "model.safetensors", "outputs"):
+            src = shutil.copytree(tiny_checkpoint("llama"), root / f"src-{unreadable}")
+            for p in [src, *src.iterdir()]:
+                os.chmod(p, 0o755 if p.is_dir() else 0o644)
+            parent = root / f"out-{unreadable}"
+            parent.mkdir()
+            os.chmod(parent, 0o755 if unreadable == "outputs" else 0o777)  # 755 of root: nobody may not write
+            if unreadable != "outputs":
+                os.chmod(src / unreadable, 0)
+            cases.append(["convert", str(src), str(parent / "out"), "--kv-heads", "2", "-q"])
+            outputs.append(parent)
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", AS_NOBODY, json.dumps(cases)]
+        result = subprocess.run(nobody, capture_output=True, text=True, env={**os.environ, "HOME": str(root), "HF_HOME": str(root / "hf")})
+        assert result.returncode == 0, result.stderr
+        for (code, err), unreadable, parent in zip(json.loads(result.stdout), ("config.json", "model.safetensors", "out-outputs"), outputs):
+            assert_one_line(code, err, 2, "permission denied", unreadable)
+            assert list(parent.iterdir()) == []
     finally:
         shutil.rmtree(root)
 
@@ -435,6 +453,25 @@ def test_corrupt_manifests(src: Path, tmp_path: Path, capsys) -> None:
     (export / "model.onnx").write_bytes(b"")
     engines = tmp_path / "engines"
     refused(capsys, export, engines, ["build", export, engines, "--dry-run", "--trt-version", "10.15"], "export.json is corrupt", "re-run headfold export")
+
+
+def test_truncated_onnx_data(src: Path, tmp_path: Path, capsys) -> None:
+    """A graph whose external weights file was cut short: one line naming the graph, not ORT's traceback."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    table = numpy_helper.from_array(np.ones((160, 4), np.float32), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["logits"])], "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 4])], [table],
+    )  # fmt: skip
+    graph_file = tmp_path / "model.onnx"
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), graph_file, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    data = (tmp_path / "model.onnx.data").read_bytes()
+    (tmp_path / "model.onnx.data").write_bytes(data[: len(data) // 2])
+    report = tmp_path / "report.json"
+    refused(capsys, src, report, ["verify", src, graph_file, "--max-rows", "2", "--window", "8", "--report", report], "ONNX Runtime cannot load", "model.onnx", "re-run headfold export")
 
 
 # ---- 6. usability -----------------------------------------------------------------------------
