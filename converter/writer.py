@@ -161,6 +161,8 @@ class ShardedWriter:
     def _store(self, shard_index: int, header: bytes | None, data: memoryview | FileRange, last: bool) -> None:
         """Writer thread: one call at a time, in order."""
         if header is not None:
+            if self._file is not None:  # the previous shard failed mid-write (disk full): close, not leak, it
+                self._file.close()
             self._file = open(self.folder / self.names[shard_index], "wb", buffering=0)  # fd writes below
             self._file.write(header)
         assert self._file is not None
