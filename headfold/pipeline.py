@@ -182,10 +182,12 @@ def _run_stages(
         ledger, "convert", conv_inputs, converted, lambda: convert(src, converted, kv_heads, method, overwrite=True, progress=False), log
     )
     stages = {"convert": _status(done)}
-    exp_inputs = {"checkpoint": conv_digest, "opset": opset, "dtype": dtype}
+    layout = "split" if engine_support() is None else "merged"  # TensorRT builds the split pair; onnxruntime-genai runs merged
+    exp_inputs = {"checkpoint": conv_digest, "opset": opset, "dtype": dtype, "graphs": layout}
     exp_digest, done = _stage(
-        ledger, "export", exp_inputs, onnx_dir, lambda: export(converted, onnx_dir, opset=opset, dtype=dtype, overwrite=True, progress=False), log
-    )
+        ledger, "export", exp_inputs, onnx_dir,
+        lambda: export(converted, onnx_dir, opset=opset, dtype=dtype, overwrite=True, progress=False, graphs=layout), log,
+    )  # fmt: skip
     stages["export"] = _status(done)
     build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines, log)
 

@@ -69,11 +69,11 @@ def test_run_end_to_end(first_run) -> None:
     assert [c.name for c in report.checks] == ["conversion-loss", "fidelity-onnx", "fidelity-onnx-decode"]
     loss, fidelity, decode = report.checks
     assert fidelity.passed and fidelity.metrics["max_abs_err"] < 1e-3 and fidelity.metrics["top1"] > 0.999
-    assert decode.passed and decode.metrics["max_abs_err"] < 1e-3 and decode.candidate["runner"] == "onnxruntime:decode.onnx"
+    assert decode.passed and decode.metrics["max_abs_err"] < 1e-3 and decode.candidate["runner"] == "onnxruntime:model.onnx"
     assert loss.candidate["kv_heads"] == 4 and loss.reference["kv_heads"] == 8
     assert loss.candidate["kv_cache_bytes_per_token"] * 2 == loss.reference["kv_cache_bytes_per_token"]
     assert 0 < loss.metrics["kl"] and loss.metrics["reference_ppl"] < loss.metrics["candidate_ppl"]
-    for path in ("convert/headfold.json", "export/prefill.onnx", "export/decode.onnx", "verify/report.json", "verify/junit.xml", "verify/report.md"):
+    for path in ("convert/headfold.json", "export/model.onnx", "export/genai_config.json", "verify/report.json", "verify/junit.xml", "verify/report.md"):
         assert (out / path).is_file(), path
     assert any(line.startswith("build: skipped, ") for line in log)
     assert report.stages == {"convert": "ran", "export": "ran", "build": report.stages["build"], "verify": "ran"}
@@ -101,8 +101,8 @@ def test_demo_passes_its_reference_budget(capsys) -> None:
     code = main(["demo"])
     out = capsys.readouterr().out
     assert code == 0 and "conversion-loss: torch:default_model vs torch:convert" in out and "all checks passed" in out
-    assert "fidelity-onnx: torch:convert vs onnxruntime:prefill.onnx" in out
-    assert "PASS fidelity-onnx-decode: torch:convert vs onnxruntime:decode.onnx" in out
+    assert "fidelity-onnx: torch:convert vs onnxruntime:model.onnx" in out
+    assert "PASS fidelity-onnx-decode: torch:convert vs onnxruntime:model.onnx" in out
 
 
 @pytest.mark.slow

@@ -1,0 +1,150 @@
+"""The merged decoder graph (the default export): ORT vs torch for a prompt, one token and chunked
+appends after a past, with left, right and gapped padding; per-layer kv heads; ort-gqa nodes that
+take past in every phase; --optimize ort equal to the unfused graph; build refuses it with the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from ort_decoding import session
+from tiny_models import HEADS
+
+from headfold.converter import convert
+from headfold.errors import BadInput
+from headfold.graphs.export import export, position_ids
+from headfold.graphs.modeling import load_model
+
+ATOL = 1e-4
+LAYERS = 2
+CHUNKS = (5, 6, 1, 3)  # a prompt, a multi-token append, one generated token, another append (15 tokens)
+
+# (family, kv heads); the first two run by default, the rest are slow.
+CASES = [("llama", 2), ("gpt2", 1)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [("qwen2", 4), ("phi3", 2), ("gpt_neox", 2), ("opt", 4), ("qwen3", (4, 2))]
+]
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_checkpoint, tmp_path_factory):
+    """merged(family, kv, **export options) → (checkpoint, export folder), cached."""
+    cache: dict[tuple, tuple[Path, Path]] = {}
+
+    def get(family: str, kv, **options) -> tuple[Path, Path]:
+        key = (family, kv, tuple(sorted(options.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"{family}-merged")
+            checkpoint = convert(tiny_checkpoint(family), folder / "checkpoint", kv, progress=False) if kv != HEADS else tiny_checkpoint(family)
+            export(checkpoint, folder / "onnx", progress=False, **options)
+            cache[key] = checkpoint, folder / "onnx"
+        return cache[key]
+
+    return get
+
+
+def _padded_batch(vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """3 rows of 15: unpadded, left-padded (3), right-padded (2) — and gapped once chunks follow."""
+    ids = np.random.default_rng(0).integers(3, vocab, (3, sum(CHUNKS)))
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, 3:5] = 0  # pads inside the first chunk: later chunks come after them
+    return ids, mask
+
+
+def _torch_logits(checkpoint: Path, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The whole sequence in one full forward, positions counted over real tokens like the graph."""
+    model = load_model(checkpoint)
+    ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+    with torch.no_grad():
+        return model(input_ids=ids_t, attention_mask=mask_t, position_ids=position_ids(mask_t)).logits.numpy()
+
+
+def run_chunks(graph: Path, ids: np.ndarray, mask: np.ndarray, chunks) -> np.ndarray:
+    """Feed the sequence chunk by chunk (the first with an empty past), present fed back as past."""
+    sess = session(graph)
+    past = {
+        i.name: np.zeros((len(ids), i.shape[1], 0, i.shape[3]), np.float32) for i in sess.get_inputs() if i.name.startswith("past_key_values.")
+    }
+    names = [o.name for o in sess.get_outputs()]
+    logits, start = [], 0
+    for n in chunks:
+        out = dict(zip(names, sess.run(None, {"input_ids": ids[:, start : start + n], "attention_mask": mask[:, : start + n], **past})))
+        past = {"past_key_values." + k.removeprefix("present."): v for k, v in out.items() if k.startswith("present.")}
+        logits.append(out["logits"])
+        start += n
+    return np.concatenate(logits, axis=1)
+
+
+@pytest.mark.parametrize(("family", "kv"), CASES)
+def test_prompt_steps_and_appends_match_torch(merged, family: str, kv) -> None:
+    checkpoint, folder = merged(family, kv)
+    summary = json.loads((folder / "export.json").read_text())
+    assert list(summary["graphs"]) == ["model.onnx"] and summary["layout"] == "merged"
+    kv_layers = list(kv) if isinstance(kv, tuple) else [kv] * LAYERS
+    assert summary["graphs"]["model.onnx"]["attention_kv_heads"] == kv_layers  # one fused Attention per layer
+    graph = onnx.load(folder / "model.onnx", load_external_data=False)
+    past = {i.name: i.type.tensor_type.shape.dim[1].dim_value for i in graph.graph.input if i.name.startswith("past")}
+    assert [past[f"past_key_values.{i}.value"] for i in range(LAYERS)] == kv_layers
+
+    ids, mask = _padded_batch(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
+    expected, real = _torch_logits(checkpoint, ids, mask), mask.astype(bool)
+    for chunks in ((sum(CHUNKS),), CHUNKS, (1,) * sum(CHUNKS)):  # prompt only; mixed appends; token by token
+        got = run_chunks(folder / "model.onnx", ids, mask, chunks)
+        error = np.abs(got - expected)[real].max()
+        assert error <= ATOL, f"{family} chunks {chunks}: max abs error {error:.2e}"
+
+
+def test_ort_gqa_takes_past_in_every_phase(merged) -> None:
+    """Every GroupQueryAttention reads past K/V and writes present (shared buffers); right-padded
+    prompts then one-token steps equal the standard graph."""
+    checkpoint, standard = merged("llama", 2)
+    _, gqa = merged("llama", 2, attention="ort-gqa")
+    graph = onnx.load(gqa / "model.onnx", load_external_data=False)
+    nodes = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
+    outputs = {o.name for o in graph.graph.output}
+    assert len(nodes) == LAYERS and all(n.input[3].startswith("past_key_values.") and n.output[1] in outputs for n in nodes)
+    assert json.loads((gqa / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is True
+
+    ids = np.random.default_rng(1).integers(3, 160, (2, 12))
+    mask = np.ones_like(ids)
+    mask[1, 6:8] = 0  # right-padded prompt of 6 + 2 pads; generated tokens follow the pads
+    chunks = (8, 1, 1, 1, 1)
+    want, got = (run_chunks(f / "model.onnx", ids, mask, chunks) for f in (standard, gqa))
+    error = np.abs(got - want)[mask.astype(bool)].max()
+    assert error <= ATOL, f"ort-gqa vs standard: max abs error {error:.2e}"
+
+
+def test_optimize_ort_counts_fusions_and_keeps_numbers(merged) -> None:
+    checkpoint, plain = merged("llama", 2)
+    _, fused = merged("llama", 2, optimize="ort")
+    counts = json.loads((fused / "export.json").read_text())["graphs"]["model.onnx"]["ort_fusions"]
+    assert counts["SkipSimplifiedLayerNormalization"] == 2 * LAYERS  # before attention and MLP, after each residual Add
+    assert counts["FusedMatMul"] >= 0 and counts["merged_duplicate_nodes"] > 0  # the per-layer rotary tables
+    ops = {n.op_type for n in onnx.load(fused / "model.onnx", load_external_data=False).graph.node}
+    assert "SkipSimplifiedLayerNormalization" in ops and "Attention" in ops
+    ids, mask = _padded_batch(160)
+    for chunks in ((sum(CHUNKS),), CHUNKS):
+        want, got = run_chunks(plain / "model.onnx", ids, mask, chunks), run_chunks(fused / "model.onnx", ids, mask, chunks)
+        assert np.abs(got - want)[mask.astype(bool)].max() <= 1e-5
+
+
+def test_bad_layouts_and_option_clashes(tiny_checkpoint, tmp_path: Path) -> None:
+    src = tiny_checkpoint("llama")
+    with pytest.raises(BadInput, match="--graphs merged or --graphs split"):
+        export(src, tmp_path / "a", graphs="both", progress=False)
+    with pytest.raises(BadInput, match="TensorRT cannot parse"):
+        export(src, tmp_path / "b", optimize="ort", trt_version="10.15", progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_build_refuses_the_merged_graph_with_the_fix(merged, tmp_path: Path) -> None:
+    from headfold.engines.env import target_for
+    from headfold.engines.plan import make_plan
+
+    _, folder = merged("llama", 2)
+    with pytest.raises(BadInput, match="--graphs split"):
+        make_plan(folder, tmp_path / "engines", target_for("10.15", dry_run=True))

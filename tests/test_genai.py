@@ -1,0 +1,185 @@
+"""The merged export folder in the real onnxruntime-genai client (CPU): greedy tokens equal torch's.
+
+Batch 1 and batch 4 with prompts of different lengths (right-padded, as og.Tokenizer pads), for the
+embedded model at kv 4 (standard Attention and ORT GroupQueryAttention with shared K/V buffers), a
+per-layer plan (4,2,1,1), and tiny Qwen2 and GPT-2 conversions fed token ids directly; a
+multi-turn conversation (tokens appended after a past) equals torch on the concatenated turns.
+The embedded model's tokenizer files encode every text to its UTF-8 bytes in transformers and og.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from headfold import corpus
+from headfold.converter import convert
+from headfold.graphs.export import export
+from headfold.graphs.genai import CONFIG_FILE
+from headfold.graphs.modeling import load_model
+
+og = pytest.importorskip("onnxruntime_genai")
+
+DEFAULT = Path(__file__).resolve().parents[1] / "headfold" / "data" / "default_model"
+NEW_TOKENS = 16
+TEXT_PROMPTS = ['The "while" statement', "def f(x):\n    return", "A", "Lists are mutable sequences, typically"]
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_checkpoint, tmp_path_factory):
+    """folders(name) → (checkpoint, export folder), converted and exported once per module."""
+    root = tmp_path_factory.mktemp("genai")
+    sources = {
+        "default-kv4": lambda: convert(DEFAULT, root / "default-kv4", 4, progress=False),
+        "default-4,2,1,1": lambda: convert(DEFAULT, root / "default-plan", (4, 2, 1, 1), progress=False),
+        "qwen2-kv2": lambda: convert(tiny_checkpoint("qwen2"), root / "qwen2-kv2", 2, progress=False),
+        "gpt2-kv2": lambda: convert(tiny_checkpoint("gpt2"), root / "gpt2-kv2", 2, progress=False),
+    }
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def get(name: str, attention: str = "onnx") -> tuple[Path, Path]:
+        if name not in cache:
+            cache[name] = sources[name](), None
+        key = f"{name}/{attention}"
+        if key not in cache:
+            checkpoint, folder = cache[name][0], root / f"{name}-{attention}-onnx".replace(",", "_")
+            export(checkpoint, folder, attention=attention, progress=False)
+            cache[key] = checkpoint, folder
+        return cache[key]
+
+    return get
+
+
+def torch_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy generate on one unpadded prompt; stops at the model's EOS like og."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def og_greedy(folder: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """og greedy generation for a batch of prompts, right-padded with the pad id as og.Tokenizer pads."""
+    model = og.Model(str(folder))
+    pad = json.loads((folder / CONFIG_FILE).read_text())["model"]["pad_token_id"]
+    width = max(map(len, prompts))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=width + new_tokens, do_sample=False, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([p + [pad] * (width - len(p)) for p in prompts], dtype=np.int32))
+    steps = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        steps.append(np.array(generator.get_next_tokens()))
+    return np.stack(steps, axis=1).tolist()
+
+
+def _assert_same_tokens(checkpoint: Path, folder: Path, prompts: list[list[int]]) -> None:
+    model = load_model(checkpoint)
+    expected = [torch_greedy(model, p, NEW_TOKENS) for p in prompts]
+    for batch in ([prompts[0]], prompts):
+        got = og_greedy(folder, batch, NEW_TOKENS)
+        for want, row in zip(expected, got):
+            assert len(want) > 0 and row[: len(want)] == want  # torch stops at EOS; og pads after it
+
+
+def _tiny_prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, vocab, n).tolist() for n in (5, 9, 2, 7)]  # clear of pad/bos/eos (0, 1, 2)
+
+
+# --- the model folder ------------------------------------------------------------------------------
+
+
+def test_embedded_tokenizer_is_bytes_in_transformers_and_og(folders) -> None:
+    from transformers import AutoTokenizer
+
+    _, folder = folders("default-kv4")
+    texts = [corpus.heldout_text(), corpus.train_text(), "héllo wörld ✓ 日本\n\t  x", " leading space", "Ā"]
+    hf, og_tokenizer = AutoTokenizer.from_pretrained(DEFAULT, local_files_only=True), og.Tokenizer(og.Model(str(folder)))
+    for text in texts:
+        ids = list(text.encode("utf-8"))
+        assert hf.encode(text, add_special_tokens=False) == ids and hf.decode(ids) == text
+        assert list(og_tokenizer.encode(text)) == ids and og_tokenizer.decode(np.array(ids, dtype=np.int32)) == text
+
+
+def test_model_folder_contents(folders) -> None:
+    checkpoint, folder = folders("default-4,2,1,1")
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    decoder = config["model"]["decoder"]
+    assert decoder["filename"] == "model.onnx" and (decoder["num_attention_heads"], decoder["num_key_value_heads"]) == (8, 4)
+    assert (decoder["head_size"], decoder["hidden_size"], decoder["num_hidden_layers"]) == (32, 256, 4)
+    assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key" and decoder["outputs"]["present_value_names"] == "present.%d.value"
+    assert {k: config["model"][k] for k in ("eos_token_id", "pad_token_id", "context_length")} == {"eos_token_id": 0, "pad_token_id": 0, "context_length": 512}
+    assert config["search"]["past_present_share_buffer"] is False and config["search"]["do_sample"] is False
+    assert (folder / "tokenizer.json").read_bytes() == (DEFAULT / "tokenizer.json").read_bytes()
+    graph = onnx.load(folder / "model.onnx", load_external_data=False)
+    past = {i.name: i.type.tensor_type.shape.dim[1].dim_value for i in graph.graph.input if i.name.startswith("past")}
+    assert [past[f"past_key_values.{i}.key"] for i in range(4)] == [4, 2, 1, 1]  # og reads each layer's count here
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["export.json", CONFIG_FILE, "model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json"]
+    )
+
+
+# --- greedy generation equals torch ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["onnx", "ort-gqa"])
+def test_embedded_kv4_generates_torch_tokens(folders, attention: str) -> None:
+    checkpoint, folder = folders("default-kv4", attention)
+    share = json.loads((folder / CONFIG_FILE).read_text())["search"]["past_present_share_buffer"]
+    assert share is (attention == "ort-gqa")
+    _assert_same_tokens(checkpoint, folder, [list(p.encode()) for p in TEXT_PROMPTS])
+
+
+@pytest.mark.slow
+def test_per_layer_plan_generates_torch_tokens(folders) -> None:
+    checkpoint, folder = folders("default-4,2,1,1")
+    _assert_same_tokens(checkpoint, folder, [list(p.encode()) for p in TEXT_PROMPTS])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2-kv2", "gpt2-kv2"])
+def test_tiny_conversions_generate_torch_tokens(folders, name: str) -> None:
+    checkpoint, folder = folders(name)
+    _assert_same_tokens(checkpoint, folder, _tiny_prompts(json.loads((checkpoint / "config.json").read_text())["vocab_size"]))
+
+
+@pytest.mark.slow
+def test_multi_turn_append_equals_torch(folders) -> None:
+    """Turn 2 is appended after turn 1 and its answer (several new tokens after a past), in the
+    shared K/V buffer of the ort-gqa graph.
+
+    og leaves the last generated token pending (in the sequence, not yet run); append_tokens feeds
+    only the new tokens, so the pending one is rewound and fed first. With separate past/present
+    buffers (the standard-Attention graph) og 0.18 can neither rewind nor append after generating:
+    it sizes present by the mask, which counts the pending token (README).
+    """
+    checkpoint, folder = folders("default-kv4", "ort-gqa")
+    turns = [list(b'Q: what does "pass" do?\nA:'), list(b"\nQ: and a while loop?\nA:")]
+    model = load_model(checkpoint)
+    first = torch_greedy(model, turns[0], NEW_TOKENS)
+    second = torch_greedy(model, turns[0] + first + turns[1], NEW_TOKENS)
+
+    og_model = og.Model(str(folder))
+    params = og.GeneratorParams(og_model)
+    params.set_search_options(max_length=sum(map(len, turns)) + 2 * NEW_TOKENS, do_sample=False)
+    generator = og.Generator(og_model, params)
+    answers: list[list[int]] = []
+    for turn in turns:
+        if answers:  # the pending token, rewound and fed again with the new turn
+            generator.rewind_to(len(generator.get_sequence(0)) - 1)
+            turn = answers[-1][-1:] + turn
+        generator.append_tokens(np.array([turn], dtype=np.int32))
+        answer = []
+        for _ in range(NEW_TOKENS):
+            generator.generate_next_token()
+            answer.append(int(generator.get_next_tokens()[0]))
+        answers.append(answer)
+    assert answers == [first, second]
