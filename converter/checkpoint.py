@@ -95,8 +95,9 @@ def _outside(path: Path, roots: tuple[Path, ...]) -> bool:
 
 
 def check_links(folder: Path) -> None:
-    """BadInput naming the first link in `folder` whose target lies outside it: headfold reads
-    nothing outside the checkpoint folder, and copies no host file into an output."""
+    """BadInput naming the first link in `folder` whose target lies outside it (headfold reads
+    nothing outside the checkpoint folder, and copies no host file into an output), or the first
+    special file (a FIFO or device would block or never end when read)."""
     roots = _allowed_roots(folder)
     for parent, dirs, files in os.walk(folder):
         for name in sorted(dirs + files):
@@ -106,6 +107,8 @@ def check_links(folder: Path) -> None:
                     f"{path} links to {os.readlink(path)}, outside {folder}; headfold reads nothing outside the "
                     "checkpoint folder: copy the file into it or remove the link"
                 )
+            if name in files and path.exists() and not path.is_file():
+                raise BadInput(f"{path} is not a regular file (a FIFO, socket or device); remove it from the checkpoint folder")
 
 
 def inside(folder: Path, entry: Any, index: Path) -> Path:
@@ -141,7 +144,7 @@ def check_config(config: dict[str, Any], spec: ArchitectureSpec | None) -> None:
         method = config["quantization_config"].get("quant_method", "?") if isinstance(config["quantization_config"], dict) else "?"
         raise BadInput(f"config.json has a quantization_config (quant_method {method!r}): {DEQUANTIZE}")
     keys = spec.config if spec else ConfigKeys("num_attention_heads", "hidden_size", "num_hidden_layers")
-    for key in (keys.heads, keys.hidden, keys.layers, keys.kv_heads, keys.head_dim, "vocab_size", "intermediate_size"):
+    for key in (keys.heads, keys.hidden, keys.layers, keys.kv_heads, keys.head_dim, "vocab_size", "intermediate_size", "max_position_embeddings", "n_positions"):
         if key and config.get(key) is not None:
             _positive_int(config, key)
     if config.get(keys.layers, 0) > MAX_LAYERS:

@@ -567,7 +567,9 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
             local_files_only=True,
         )
     else:
-        model = _build(cls, config, gqa, kv_heads, _resolve_dtype(dtype, config, meta), device="cpu")
+        model_dtype = _resolve_dtype(dtype, config, meta)
+        _plan(_build(cls, config, gqa, kv_heads, model_dtype, device="meta"), meta, converters_ok=False)  # before allocating
+        model = _build(cls, config, gqa, kv_heads, model_dtype, device="cpu")
         _load_weights(model, _plan(model, meta, converters_ok=False), files)
         _finish_like_from_pretrained(model, folder)
     return model.eval()

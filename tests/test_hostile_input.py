@@ -197,6 +197,7 @@ OUTSIDE: dict[str, tuple[Callable[[Path], None], str]] = {
     "link to /etc": (_link("etc", lambda s: Path("/etc")), "etc links to /etc"),
     "linked shard": (_linked_shard, "model.safetensors links to"),
     "linked tokenizer": (_link("tokenizer.json", _outside_file), "tokenizer.json links to"),
+    "FIFO in the folder": (lambda s: os.mkfifo(s / "notes.txt"), "notes.txt is not a regular file"),  # reading it would block
 }
 
 
@@ -273,6 +274,7 @@ CONFIGS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "0 hidden size": ({"hidden_size": 0}, ("'hidden_size' must be a positive integer",)),
     "0 heads": ({"num_attention_heads": 0}, ("'num_attention_heads' must be a positive integer",)),
     "0 MLP width": ({"intermediate_size": 0}, ("'intermediate_size'",)),
+    "0 positions": ({"max_position_embeddings": 0}, ("'max_position_embeddings'",)),
     "rotary factor above 1": ({"partial_rotary_factor": 1.5}, ("partial_rotary_factor", "(0, 1]")),
     "rotary factor 0": ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0}}, ("partial_rotary_factor",)),
     "string rope_parameters": ({"rope_parameters": "linear"}, ("'rope_parameters' must be an object",)),
@@ -298,6 +300,16 @@ def test_config_values_are_checked_by_every_loader(case: str, src: Path, tmp_pat
     edit_config(src, **changes)
     out = tmp_path / "report.json"
     refused(capsys, src, out, ["verify", src, src, "--max-rows", "2", "--window", "8", "--report", out], *words)
+
+
+def test_absurd_sizes_are_refused_before_a_model_is_built(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    """A converted GPT-2 (headfold's own GQA module) whose config claims 10^10 tokens: a shape
+    mismatch against the weights, found on the meta device, not a MemoryError."""
+    converted = tmp_path / "gpt2-kv2"
+    assert run(capsys, "convert", tiny_checkpoint("gpt2"), converted, "--kv-heads", "2", "-q")[0] == 0
+    edit_config(converted, vocab_size=10**10)
+    report = tmp_path / "report.json"
+    refused(capsys, converted, report, ["verify", converted, converted, "--report", report], "wte.weight")
 
 
 # ---- 5. one line, always ----------------------------------------------------------------------
