@@ -22,8 +22,9 @@ from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGH
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
 from headfold.converter.methods import LayerContext, Recipe, get_method
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
+from headfold.converter.tokens import read_text
 from headfold.converter.writer import PlannedTensor, ShardedWriter
-from headfold.errors import BadInput
+from headfold.errors import BadInput, read_json_object
 
 MANIFEST = "headfold.json"
 SKIPPED_DIRS = {".git", ".cache", "__pycache__"}
@@ -137,11 +138,7 @@ def calibration_text(calibration: str | Path | None) -> str | None:
         return corpus.calibration_text()
     if str(calibration) == "weights":
         return None
-    path = Path(calibration)
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"cannot read calibration text {path} ({type(e).__name__}); pass a UTF-8 text file") from None
+    return read_text(Path(calibration), "--calibration")
 
 
 def layer_contexts(ckpt: SourceCheckpoint, text: str | None, tokens: int, seed: int, progress: bool) -> list[LayerContext]:
@@ -267,7 +264,7 @@ def build_manifest(
             "kv_heads": collapse([s.kv_heads for s in ckpt.layer_shapes]),
             "head_dim": src.head_dim,
             "config_sha256": hashlib.sha256((ckpt.folder / "config.json").read_bytes()).hexdigest(),
-            "manifest": json.loads(parent.read_text()) if parent.is_file() else None,
+            "manifest": read_json_object(parent, "restore it or remove it from the source") if parent.is_file() else None,
         },
         "conversion": {
             "method": recipe.name,
