@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "load_model", "verify", "run", "__version__"]
+__all__ = ["convert", "distill", "load_model", "verify", "run", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: `import headfold` stays cheap
@@ -16,6 +16,10 @@ def __getattr__(name: str):  # lazy: `import headfold` stays cheap
         from headfold.converter import convert
 
         return convert
+    if name == "distill":
+        from headfold.distillation import distill
+
+        return distill
     if name == "load_model":
         from headfold.graphs.modeling import load_model
 

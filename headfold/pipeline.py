@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import headfold
 from headfold.atomic import atomic_output, check_disjoint, output_lock
@@ -27,6 +27,9 @@ from headfold.verification.artifacts import resolve, sha256_file
 from headfold.verification.budget import Thresholds
 from headfold.verification.inputs import InputSpec, make_inputs, read_text
 from headfold.verification.report import Report
+
+if TYPE_CHECKING:
+    from headfold.distillation.stage import DistillStage
 
 LEDGER = "stages.json"
 REPORT_FILES = {"json": "report.json", "markdown": "report.md", "junit": "junit.xml"}
@@ -143,6 +146,7 @@ def run(
     inputs: InputSpec = InputSpec(),
     thresholds: Thresholds = Thresholds(),
     overwrite: bool = False,
+    distill: DistillStage | None = None,
     log: Log = print,
 ) -> Report:
     """The whole pipeline on the checkpoint folder `src`; outputs under `out_dir`; the verify report.
@@ -162,7 +166,7 @@ def run(
         created = not out.exists()
         ledger = Ledger(out, overwrite=overwrite)
         try:
-            return _run_stages(src, out, ledger, kv_heads, method, opset, dtype, inputs, thresholds, budgets, text, log)
+            return _run_stages(src, out, ledger, kv_heads, method, opset, dtype, inputs, thresholds, budgets, text, log, distill)
         except BaseException:
             if created and not any(entry.get("key") for entry in ledger.stages.values()):
                 shutil.rmtree(out, ignore_errors=True)  # no stage finished: a failed first run leaves nothing
@@ -171,7 +175,7 @@ def run(
 
 def _run_stages(
     src: Path, out: Path, ledger: Ledger, kv_heads: int | Sequence[int], method: str, opset: int, dtype: str,
-    inputs: InputSpec, thresholds: Thresholds, budgets: dict, text: str, log: Log,
+    inputs: InputSpec, thresholds: Thresholds, budgets: dict, text: str, log: Log, distill: DistillStage | None = None,
 ) -> Report:  # fmt: skip
     from headfold.converter import convert
     from headfold.graphs.export import export
@@ -182,6 +186,11 @@ def _run_stages(
         ledger, "convert", conv_inputs, converted, lambda: convert(src, converted, kv_heads, method, overwrite=True, progress=False), log
     )
     stages = {"convert": _status(done)}
+    if distill is not None:  # the distilled checkpoint replaces the converted one downstream
+        student, converted = converted, out / "distill"
+        dist_inputs = {"checkpoint": conv_digest, **distill.key()}
+        conv_digest, done = _stage(ledger, "distill", dist_inputs, converted, lambda: distill(src, student, converted), log)
+        stages["distill"] = _status(done)
     layout = "split" if engine_support() is None else "merged"  # TensorRT builds the split pair; onnxruntime-genai runs merged
     exp_inputs = {"checkpoint": conv_digest, "opset": opset, "dtype": dtype, "graphs": layout}
     exp_digest, done = _stage(

@@ -58,6 +58,13 @@ def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: 
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_until_stops_at_the_first_evaluation_that_meets_the_target(teacher: Path, text_file: Path, tmp_path: Path) -> None:
+    student = convert(teacher, tmp_path / "kv2", 2, progress=False)
+    out = distill(teacher, student, tmp_path / "out", data=text_file, steps=5, until_kl=1e9, **FAST)
+    assert record(out)["steps"] == 0 and record(out)["target_reached"] is True
+    assert all(torch.equal(a, b) for a, b in zip(weights(student).values(), weights(out).values()))
+
+
 def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
     """The embedded model mean-pooled to 2 kv heads (KL ≈ 4 nats): 12 small steps cut the KL by over half."""
     student = convert(EMBEDDED, tmp_path / "kv2", 2, progress=False)
@@ -168,7 +175,9 @@ def test_two_processes_give_the_single_process_result(teacher: Path, text_file: 
     one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
     moved = max(float((one[k] - weights(student)[k]).abs().max()) for k in one)
     assert moved > 1e-3  # training did something
-    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5
+    # gloo's all-reduce sums in another order than one batch's mean: float rounding, which Adam's
+    # normalised steps carry into the weights (measured 1.9e-5 after 4 steps that moved them 1e-2+)
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4
     assert record(tmp_path / "two")["processes"] == 2 and record(tmp_path / "two")["tokens"] == record(tmp_path / "one")["tokens"]
 
 
@@ -227,3 +236,20 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case: str, expected: str, 
     err = capsys.readouterr().err.strip()
     assert expected in err and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_run_adds_the_distill_stage_and_skips_it_when_unchanged(teacher: Path, text_file: Path, tmp_path: Path) -> None:
+    from headfold.distillation.stage import DistillStage
+    from headfold.pipeline import run
+    from headfold.verification import InputSpec, Thresholds
+
+    stage = DistillStage(text_file, {"steps": 2, "seq_len": 32, "batch_size": 2, "eval_windows": 2})
+    loose = Thresholds(max_ppl_increase=100.0, max_kl=100.0, min_top1=0.0)
+    options = dict(inputs=InputSpec(window=32, max_rows=4), thresholds=loose, distill=stage, log=lambda _: None)
+    report = run(teacher, tmp_path / "run", 2, **options)
+    assert report.stages["distill"] == "ran" and report.passed
+    loss = next(c for c in report.checks if c.name == "conversion-loss")
+    assert loss.candidate["path"] == str((tmp_path / "run" / "distill").resolve())
+    assert record(tmp_path / "run" / "distill")["steps"] == 2
+    again = run(teacher, tmp_path / "run", 2, **options)
+    assert again.stages["distill"] == "skipped" and again.stages["export"] == "skipped"

@@ -75,7 +75,7 @@ def write_log(folder: Path, log: dict[str, list], metric: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     losses = [r["loss"] for r in log["train"]]
     left.plot([r["tokens"] for r in log["train"]], losses, lw=1)
-    left.set(xlabel="training tokens", ylabel="training loss", yscale="log" if min(losses) > 0 else "linear", title="distillation loss")
+    left.set(xlabel="training tokens", ylabel="training loss", yscale="log" if losses and min(losses) > 0 else "linear", title="distillation loss")
     right.plot([r["tokens"] for r in log["eval"]], [r[metric] for r in log["eval"]], marker="o")
     right.set(xlabel="training tokens", ylabel=f"held-out {metric}", title=f"held-out {metric}")
     for ax in (left, right):

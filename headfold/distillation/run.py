@@ -87,15 +87,18 @@ def distill(
 
     from accelerate import Accelerator
 
-    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    gpu = torch.cuda.is_available()  # cpu=True: Accelerate's only way to data-parallel CPU processes (gloo)
+    accelerator = Accelerator(cpu=not gpu, mixed_precision="bf16" if gpu else "no")
     steps = total_steps(opts, accelerator.num_processes)
     identity = run_identity(teacher, student, plan, opts, accelerator.num_processes)
     folder = state.state_folder(out)
     checkpoint = state.open_run(folder, identity, resume)
+    accelerator.wait_for_everyone()  # every process has read the state before the main one starts a new one
     trainer = Trainer(accelerator, teacher, student_ckpt, plan, opts, steps, Objective(encoder_model, opts.loss, opts.temperature))
     if checkpoint is not None:
         trainer.restore(checkpoint)
-        log(f"distill: resumed from {checkpoint} (step {trainer.progress.step} of {steps})")
+        if accelerator.is_main_process:
+            log(f"distill: resumed from {checkpoint} (step {trainer.progress.step} of {steps})")
     elif accelerator.is_main_process:
         state.begin(folder, identity)
     start = time.perf_counter()

@@ -1,0 +1,30 @@
+"""The distill stage of `headfold run` / `headfold demo`, between convert and export."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from headfold import corpus
+from headfold.distillation.data import builtin_source, file_source
+from headfold.distillation.run import DistillOptions, distill
+
+
+@dataclass(frozen=True)
+class DistillStage:
+    """What to distill on: `data` (None: the embedded model's own training split) and DistillOptions fields."""
+
+    data: Path | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        DistillOptions(**self.options)  # unknown option names fail before any stage runs
+
+    def key(self) -> dict[str, Any]:
+        """The stage's ledger inputs: the data's content hash and every option."""
+        source = builtin_source(corpus.train_text(), "built-in") if self.data is None else file_source(Path(self.data))
+        return {"data_sha256": source.sha256, "options": self.options}
+
+    def __call__(self, teacher: Path, student: Path, out: Path) -> Path:
+        return distill(teacher, student, out, data=self.data, overwrite=True, progress=False, log=lambda _: None, **self.options)
