@@ -51,11 +51,11 @@ def _transformers_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer:
     check_links(folder)
     try:
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    except (ValueError, OSError, KeyError, TypeError, AttributeError, ImportError) as err:
+    except Exception as err:  # the tokenizers library raises bare Exception for a malformed tokenizer.json
         first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
         raise BadInput(
-            f"cannot load the tokenizer in {folder} ({first_line}); headfold loads only transformers' own tokenizer "
-            "classes and never runs a checkpoint's code"
+            f"cannot load the tokenizer in {folder} ({first_line}); restore its tokenizer files from the original "
+            "checkpoint (headfold loads transformers' own tokenizer classes only and never runs a checkpoint's code)"
         ) from None
 
     def encode(text: str) -> list[int]:

@@ -459,6 +459,8 @@ def test_corrupt_manifests(src: Path, tmp_path: Path, capsys) -> None:
     refused(capsys, converted, report, ["verify", src, converted, "--report", report], "headfold.json is corrupt", "re-run headfold convert")
     out = tmp_path / "again"
     refused(capsys, converted, out, ["convert", converted, out, "--kv-heads", "1", "-q"], "headfold.json is corrupt")
+    (src / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": [], "model": {"type": "BPE", "vocab": 5, "merges": []}}')
+    refused(capsys, src, report, ["verify", src, src, "--report", report], "cannot load the tokenizer", "restore its tokenizer files")
     export = tmp_path / "export"
     export.mkdir()
     (export / "export.json").write_text("[1, 2")
