@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from headfold.converter.layout import HeadShape, expected_shapes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
-from headfold.converter.spec import ArchitectureSpec, ConfigKeys, all_specs, spec_for
+from headfold.converter.spec import ArchitectureSpec, ConfigKeys, spec_for, supported_model_types
 from headfold.errors import BadInput
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -140,8 +140,8 @@ def read_config(folder: Path) -> dict[str, Any]:
 def check_config(config: dict[str, Any], spec: ArchitectureSpec | None) -> None:
     """Refuse config values that make no sense before anything is sized by them (`spec` None: a
     family headfold does not convert, checked under the common key names)."""
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?") if isinstance(config["quantization_config"], dict) else "?"
+    if quantization := config.get("quantization_config"):
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         raise BadInput(f"config.json has a quantization_config (quant_method {method!r}): {DEQUANTIZE}")
     keys = spec.config if spec else ConfigKeys("num_attention_heads", "hidden_size", "num_hidden_layers")
     for key in (keys.heads, keys.hidden, keys.layers, keys.kv_heads, keys.head_dim, "vocab_size", "intermediate_size", "max_position_embeddings", "n_positions"):
@@ -156,8 +156,8 @@ def validated_config(folder: Path) -> dict[str, Any]:
     """config.json of a checkpoint folder that links nowhere outside itself, its values checked."""
     check_links(folder)
     config = read_config(folder)
-    known = any(config.get("model_type") in spec.model_types for spec in all_specs())
-    check_config(config, spec_for(config.get("model_type")) if known else None)
+    model_type = config.get("model_type")
+    check_config(config, spec_for(model_type) if model_type in supported_model_types() else None)
     return config
 
 
