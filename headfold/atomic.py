@@ -98,6 +98,7 @@ class Terminated(SystemExit):
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
     sys.stderr.write("headfold: terminated (SIGTERM); removing partial outputs\n")
     raise Terminated(128 + signum)
 
@@ -150,6 +151,7 @@ def output_lock(out: Path) -> Iterator[None]:
     """Hold the exclusive lock `.OUT.lock` beside `out` (BadInput naming the holder's pid when
     another process has it); remove what dead writers left beside `out`."""
     lock = out.with_name(f".{out.name}.lock")
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # deepest first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd = _lock_fd(lock, out)
@@ -161,6 +163,14 @@ def output_lock(out: Path) -> Iterator[None]:
         with cleanup_on_sigterm():
             _remove_leftovers(out)
             yield
+    except BaseException:
+        lock.unlink(missing_ok=True)
+        for folder in made:
+            try:
+                folder.rmdir()  # empty ones only: a failed write leaves no parent it made either
+            except OSError:
+                break
+        raise
     finally:
         lock.unlink(missing_ok=True)  # before releasing: a waiter then retries on a fresh file
         os.close(fd)

@@ -259,6 +259,13 @@ def test_final_rename_never_replaces_without_overwrite(tmp_path: Path) -> None:
     assert (out / "theirs").read_text() == "first" and beside(tmp_path) == ["out"]
 
 
+def test_a_failed_write_leaves_no_parent_it_made(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), atomic_output(tmp_path / "a" / "b" / "out") as tmp:
+        (tmp / "x").write_text("x")
+        raise RuntimeError
+    assert beside(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_concurrent_writers_exactly_one_wins(wide, tmp_path: Path) -> None:
     src, before = wide
