@@ -466,7 +466,7 @@ def _usage_line(err: click.UsageError) -> str:
 def _fail(message: str, code: int) -> int:
     if _debug:
         traceback.print_exc()
-    click.secho(f"headfold: error: {message}", fg="red", err=True)
+    click.secho(f"headfold: error: {' '.join(message.splitlines())}", fg="red", err=True)  # one line, whatever the message
     return code
 
 
@@ -487,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e.format_message(), e.exit_code)
     except OSError as e:
         return _fail(os_error_line(e), 2)
+    except MemoryError:
+        return _fail("out of memory; use a machine with more memory, or fewer --calibration-tokens / a smaller --batch-size", 2)
     except Exception as e:  # anything else is a bug in headfold
         first_line = next(iter(str(e).strip().splitlines()), "")
         return _fail(f"internal error ({type(e).__name__}: {first_line}); this is a bug: rerun with --debug for the traceback", 3)

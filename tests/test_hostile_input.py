@@ -27,6 +27,7 @@ from tiny_models import make_checkpoint
 import headfold.converter.conversion as conversion
 from headfold.cli import main
 from headfold.engines import env
+from headfold.errors import BadInput
 
 LAYER0 = "model.layers.0.self_attn."
 HEADFOLD = Path(sys.executable).with_name("headfold")
@@ -340,6 +341,23 @@ def test_internal_error_is_one_line_exit_3_and_debug_shows_the_traceback(src: Pa
     assert_nothing_written(out)
     code, err = run(capsys, "--debug", "convert", src, out, "--kv-heads", "2", "-q")
     assert code == 3 and "Traceback" in err and "ZeroDivisionError: a bug" in err
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize(
+    "error, code, words",
+    [(MemoryError(), 2, "out of memory"), (BadInput("first\nsecond"), 2, "first second"), (OSError(28, "No space left on device"), 2, "no space left on the device")],
+)
+def test_other_failures_are_one_line(error: Exception, code: int, words: str, src: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Out of memory is the environment (2); a multi-line message still prints as one line; an OS
+    error without a file name names the command's output."""
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(conversion, "write_config", fail)
+    out = tmp_path / "out"
+    assert_one_line(*run(capsys, "convert", src, out, "--kv-heads", "2", "-q"), code, words)
     assert_nothing_written(out)
 
 
