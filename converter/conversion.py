@@ -58,7 +58,8 @@ def convert(
         check_settings()  # a bad $HEADFOLD_DEVICE or $HEADFOLD_CALIBRATION_RAM fails before the slow calibration
     with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
         targets = target_shapes(ckpt, kv_heads)
-        out = check_output(Path(output), overwrite=overwrite, sources=(source,))
+        text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
+        out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
         shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else default_shard_bytes(ckpt)
         text = calibration_text(calibration) if recipe.data_aware else None
         contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)

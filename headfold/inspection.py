@@ -283,13 +283,13 @@ class Inspection:
 # -- running it ------------------------------------------------------------------------------
 
 
-def _check_outputs(source: Path, outputs: list[Path], overwrite: bool) -> None:
+def _check_outputs(sources: tuple[Path, ...], outputs: list[Path], overwrite: bool) -> None:
     if len({p.resolve() for p in outputs}) < len(outputs):
         raise BadInput("--heatmap and --json name the same file; give them different paths")
     for path in outputs:
         if path.is_dir():
             raise BadInput(f"{path} is a folder; give --heatmap / --json a file path")
-        check_output(path, overwrite=overwrite, sources=(source,))
+        check_output(path, overwrite=overwrite, sources=sources)
 
 
 def _write_file(path: Path, write: Callable[[Path], object], overwrite: bool) -> None:
@@ -324,7 +324,8 @@ def inspect_checkpoint(
         budget = None if kv_budget is None else budget_total(kv_budget, ckpt.shape.kv_heads * ckpt.layers)
         if budget is not None:  # infeasible budgets fail before the slow part
             best_plan([dict.fromkeys([*cands, ckpt.shape.kv_heads], 0.0)] * ckpt.layers, budget)
-        _check_outputs(source, outputs, overwrite)
+        text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
+        _check_outputs((source, *text_file), outputs, overwrite)  # never over an input
         report = _measure(ckpt, recipe, cands, calibration, calibration_tokens, seed, budget, progress)
     png = heatmap_png(report) if heatmap is not None else None  # rendered first: a failure writes nothing
     if heatmap is not None:

@@ -164,6 +164,17 @@ def test_overwrite_never_deletes_a_symlinked_input(src: Path, tmp_path: Path, ca
     assert digest(other) == theirs and digest(src) == before and beside(tmp_path) == ["other", "src"]
 
 
+def test_overwrite_never_deletes_the_calibration_text(src: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "text.txt").write_text("calibration text " * 100)
+    before = digest(out)
+    code, err = cli(["convert", src, out, "--kv-heads", "2", "--method", "aligned", "--calibration", out / "text.txt", "--overwrite", "-q"], capsys)
+    assert code == 2 and f"contains the source {out / 'text.txt'}" in err
+    one_line(err)
+    assert digest(out) == before and beside(tmp_path) == ["out", "src"]
+
+
 def test_run_refuses_a_folder_it_did_not_make(tmp_path: Path, capsys) -> None:
     out = tmp_path / "mine"
     (out / "convert").mkdir(parents=True)
