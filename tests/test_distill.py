@@ -206,6 +206,8 @@ def students(teacher: Path, tiny_checkpoint, tmp_path_factory) -> dict[str, Path
         ("missing-data", "does not exist"),
         ("empty-data", "is empty"),
         ("short-data", "shorter than one window of 32 tokens"),
+        ("binary-data", "cannot be read as text"),
+        ("no-text-field", "has no 'text' field (it has body)"),
         ("few-tokens", "--tokens 10 is below one batch"),
         ("no-data", "--data is required"),
         ("exists", "already exists; pass --overwrite"),
@@ -226,6 +228,12 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case: str, expected: str, 
     elif case == "short-data":
         data = tmp_path / "short.txt"
         data.write_text("too short")
+    elif case == "binary-data":
+        data = tmp_path / "binary.txt"
+        data.write_bytes(b"\xff\xfe\x00 not text")
+    elif case == "no-text-field":
+        data = tmp_path / "rows.jsonl"
+        data.write_text('{"body": "a row without text"}\n')
     elif case == "few-tokens":
         extra = ["--tokens", "10"]
     elif case == "exists":

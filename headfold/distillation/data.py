@@ -22,7 +22,7 @@ import torch
 from headfold import corpus
 from headfold.converter.checkpoint import check_links
 from headfold.converter.tokens import TOKENIZER_FILES
-from headfold.errors import BadInput
+from headfold.errors import BadInput, HeadfoldError
 
 TEXT_FIELD = "text"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else is read as text
@@ -78,7 +78,13 @@ def file_source(path: Path, option: str = "--data") -> TextSource:
         import datasets
 
         stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
-        return _texts(stream, path, option)
+        try:
+            yield from _texts(stream, path, option)
+        except HeadfoldError:
+            raise
+        except Exception as err:  # datasets / pyarrow / codecs each raise their own types for a bad file
+            first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
+            raise BadInput(f"{option} {path} cannot be read as {builder} ({first_line}); pass UTF-8 text, JSON lines or parquet with a '{TEXT_FIELD}' field") from None
 
     return TextSource(str(path), _digest([path]), docs)
 
