@@ -58,7 +58,10 @@ class Ledger:
         self.path = out / LEDGER
         self.stages: dict[str, Any] = self._load() if self.path.is_file() else {}
         if not self.path.is_file() and out.is_dir() and any(out.iterdir()) and not overwrite:
-            raise BadInput(f"{out} exists and is not a headfold run folder (no {LEDGER}); pass --overwrite to add the run's stage folders to it (your files stay) or choose another OUT_DIR")
+            raise BadInput(
+                f"{out} exists and is not a headfold run folder (no {LEDGER}); "
+                "pass --overwrite to add the run's stage folders to it (your files stay) or choose another OUT_DIR"
+            )
         if out.exists() and not out.is_dir():
             raise BadInput(f"{out} exists and is not a folder; choose another OUT_DIR")
 
