@@ -562,6 +562,23 @@ def test_gpt2_tokenizer_files_in_calibration_and_verify_and_quiet(tiny_checkpoin
     assert json.loads(report.read_text())["inputs"]["tokenizer"] == "AutoTokenizer(GPT2Tokenizer)"
 
 
+def test_quiet_silences_the_exporters_warnings() -> None:
+    """What `export -q` does before exporting: the logger of torch.onnx's "torchvision is not
+    installed" lines (and transformers') no longer passes warnings."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from headfold.cli import _quiet_libraries
+
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    try:
+        _quiet_libraries()
+        assert not registration.isEnabledFor(logging.WARNING) and hf_logging.get_verbosity() == hf_logging.ERROR
+    finally:
+        logging.getLogger("torch.onnx").setLevel(logging.NOTSET)
+
+
 def test_make_checkpoint_still_converts(tmp_path: Path, capsys) -> None:
     """The refusals above are not false alarms: every family's tiny checkpoint converts (exit 0)."""
     for family in ("gpt2", "gpt_neox", "phi3", "opt", "bert"):
