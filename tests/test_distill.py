@@ -81,7 +81,9 @@ def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
     assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())  # state folder removed after success
     model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # plain transformers
     assert model.config.num_key_value_heads == 2
-    report = headfold.verify(EMBEDDED, out)  # a conversion of the teacher: the loss check
+    from headfold.verification import InputSpec
+
+    report = headfold.verify(EMBEDDED, out, inputs=InputSpec(max_rows=8))  # a conversion of the teacher: the loss check
     assert report.checks[0].name == "conversion-loss"
 
 
@@ -94,6 +96,15 @@ def test_only_the_chosen_parameters_train(mode: str, trains: tuple[str, ...], te
     expected = {k for k in before if any(f".{t}.weight" in k for t in trains)}
     assert changed == expected
     assert record(out)["final_eval"]["kl"] < record(out)["initial_eval"]["kl"]
+
+
+def test_gradient_checkpointing_saves_memory_not_results(teacher: Path, text_file: Path, tmp_path: Path) -> None:
+    student = convert(teacher, tmp_path / "kv2", 2, progress=False)
+    plain = distill(teacher, student, tmp_path / "plain", data=text_file, steps=2, loss="kl+ce", **FAST)
+    checkpointed = distill(teacher, student, tmp_path / "ckpt", data=text_file, steps=2, loss="kl+ce", gradient_checkpointing=True, **FAST)
+    a, b = weights(plain), weights(checkpointed)
+    assert any(not torch.equal(a[k], weights(student)[k]) for k in a)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
 def test_per_layer_kv_heads_survive_and_export(teacher: Path, text_file: Path, tmp_path: Path) -> None:

@@ -126,9 +126,17 @@ def encoder_for(folder: Path, vocab_size: int, encoder_model: bool) -> Encoder:
     tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     separator = [tok.eos_token_id] if tok.eos_token_id is not None and not encoder_model else tok.encode("\n\n", add_special_tokens=False)
     # encoders see every window framed as in training ([CLS] … [SEP]); decoders a plain slice of the stream
-    wrap = tok.build_inputs_with_special_tokens if encoder_model else list
-    overhead = tok.num_special_tokens_to_add() if encoder_model else 0
-    return Encoder(lambda text: tok.encode(text, add_special_tokens=False, verbose=False), separator, wrap, overhead, type(tok).__name__)
+    prefix, suffix = _special_frame(tok) if encoder_model else ([], [])
+    return Encoder(
+        lambda text: tok.encode(text, add_special_tokens=False, verbose=False), separator, lambda ids: prefix + ids + suffix, len(prefix) + len(suffix), type(tok).__name__
+    )
+
+
+def _special_frame(tok) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text, read off one encoded word."""
+    inner, full = tok.encode("a", add_special_tokens=False), tok.encode("a", add_special_tokens=True)
+    start = next(i for i in range(len(full)) if full[i : i + len(inner)] == inner)
+    return full[:start], full[start + len(inner) :]
 
 
 def windows(source: TextSource, encoder: Encoder, seq_len: int) -> Iterator[list[int]]:
