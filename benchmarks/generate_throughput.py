@@ -1,0 +1,147 @@
+"""onnxruntime-genai generation throughput: headfold's merged export vs og's own model builder, MHA vs GQA h/4.
+
+A random-weights Llama layout (hidden size ≠ vocabulary: the builder takes any Linear with
+out_features == vocab_size for the LM head) is converted to kv = heads / 4 (mean pooling), and
+both checkpoints are turned into og model folders three ways: `headfold export` (fp32, standard
+Attention, separate past/present buffers), `headfold export --attention ort-gqa --optimize ort`
+("headfold gqa": GroupQueryAttention, shared buffers, fused norms) and `python -m
+onnxruntime_genai.models.builder -p fp32 -e cpu` (GroupQueryAttention with rotary inside, shared
+buffers). Each folder then
+generates --new-tokens greedy tokens after a --context-token random prompt at each --batch;
+tokens/s counts the generated tokens of every row over the generation steps only (the prompt
+step is timed apart). Prints a table and writes JSON to benchmarks/results/.
+
+    python benchmarks/generate_throughput.py [--context 2048] [--new-tokens 128] [--batch 1 8] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime_genai as og
+import torch
+import transformers
+
+from headfold.converter import convert
+from headfold.graphs.export import export
+
+RESULTS = Path(__file__).parent / "results" / "generate_throughput.json"
+
+
+def random_llama(folder: Path, layers: int, heads: int, head_dim: int, vocab: int, positions: int) -> Path:
+    """A Llama of random weights N(0, 0.02), MLP 2.6875 × hidden, saved with a minimal generation config."""
+    hidden = heads * head_dim
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875), num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim, max_position_embeddings=positions,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    assert hidden != vocab, "the model builder would mistake a hidden × hidden Linear for the LM head"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02) if param.ndim > 1 else param.fill_(1.0)
+    model.save_pretrained(folder)
+    _word_tokenizer(folder, vocab)
+    return folder
+
+
+def _word_tokenizer(folder: Path, vocab: int) -> None:
+    """A WordLevel tokenizer of `vocab` placeholder words: the builder copies a tokenizer into its folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w3"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "w3"}) + "\n")
+
+
+def build_with_og(checkpoint: Path, out: Path) -> Path:
+    """og's own builder; the config's search block is left as the builder writes it."""
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(out), "-p", "fp32", "-e", "cpu"]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    return out
+
+
+def _set_threads(folder: Path, threads: int) -> None:
+    """The same intra-op thread count for every folder (genai_config's session options)."""
+    path = folder / "genai_config.json"
+    config = json.loads(path.read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    path.write_text(json.dumps(config, indent=2))
+
+
+def tokens_per_second(folder: Path, batch: int, context: int, new_tokens: int, vocab: int, threads: int) -> dict:
+    _set_threads(folder, threads)
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=context + new_tokens, min_length=context + new_tokens, do_sample=False, batch_size=batch)
+    generator = og.Generator(model, params)
+    prompt = np.random.default_rng(0).integers(3, vocab, (batch, context)).astype(np.int32)
+    start = time.perf_counter()
+    generator.append_tokens(prompt)
+    generator.generate_next_token()  # the prompt step: logits of the whole context
+    prompted = time.perf_counter()
+    steps = 1
+    while not generator.is_done():
+        generator.generate_next_token()
+        steps += 1
+    done = time.perf_counter()
+    return {"prompt_s": round(prompted - start, 3), "steps": steps, "tokens_per_s": round(batch * (steps - 1) / (done - prompted), 1)}
+
+
+def nodes_and_files(folder: Path) -> dict:
+    import onnx
+
+    graph = onnx.load(folder / "model.onnx", load_external_data=False)
+    return {"nodes": len(graph.graph.node), "files": sorted(p.name for p in folder.iterdir() if ".onnx" in p.name)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        positions = 2 * (args.context + args.new_tokens)
+        mha = random_llama(root / "mha", args.layers, args.heads, args.head_dim, args.vocab, positions)
+        checkpoints = {"MHA": mha, "GQA h/4": convert(mha, root / "gqa", args.heads // 4, progress=False)}
+        for variant, checkpoint in checkpoints.items():
+            name = variant.replace("/", "").replace(" ", "-")
+            folders = {"og builder": build_with_og(checkpoint, root / f"{name}-builder"), "headfold": root / f"{name}-headfold", "headfold gqa": root / f"{name}-gqa"}
+            export(checkpoint, folders["headfold"], progress=False)
+            export(checkpoint, folders["headfold gqa"], progress=False, attention="ort-gqa", optimize="ort")
+            for exporter, folder in folders.items():
+                for batch in args.batch:
+                    result = tokens_per_second(folder, batch, args.context, args.new_tokens, args.vocab, args.threads)
+                    rows.append({"variant": variant, "exporter": exporter, "batch": batch, **result, **nodes_and_files(folder)})
+                    print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'variant':8} {'exporter':12} {'batch':>5} {'tokens/s':>9} {'prompt s':>8} {'nodes':>5}")
+    for r in rows:
+        print(f"{r['variant']:8} {r['exporter']:12} {r['batch']:>5} {r['tokens_per_s']:>9} {r['prompt_s']:>8} {r['nodes']:>5}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
