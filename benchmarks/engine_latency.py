@@ -45,7 +45,7 @@ def build_variant(kv: int, folder: Path, args: argparse.Namespace) -> Path:
     source = default_model_path()
     heads = json.loads((source / "config.json").read_text())["num_attention_heads"]
     checkpoint = source if kv == heads else convert(source, folder / "checkpoint", kv, "mean", progress=False)
-    export(checkpoint, folder / "onnx", dtype=args.precision, progress=False)
+    export(checkpoint, folder / "onnx", dtype=args.precision, progress=False, graphs="split")  # TensorRT builds the split pair
     batch, past = f"1:{max(args.batch)}:{max(args.batch)}", f"0:{max(args.past)}:{max(args.past)}"
     plan = make_plan(folder / "onnx", folder / "engines", Target.installed(), batch=batch, seq=f"1:{args.seq}:{args.seq}", past=past)
     build(plan, log=lambda line: None)

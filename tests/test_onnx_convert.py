@@ -36,7 +36,7 @@ def mha_onnx(tiny_checkpoint, tmp_path_factory):
     def get(family: str) -> tuple[Path, Path]:
         if family not in cache:
             folder = tmp_path_factory.mktemp(f"{family}-mha") / "onnx"
-            export(tiny_checkpoint(family), folder, progress=False)
+            export(tiny_checkpoint(family), folder, progress=False, graphs="split")
             cache[family] = tiny_checkpoint(family), folder
         return cache[family]
 
