@@ -3,13 +3,15 @@
 Batch 1 and batch 4 with prompts of different lengths (right-padded, as og.Tokenizer pads), for the
 embedded model at kv 4 (standard Attention and ORT GroupQueryAttention with shared K/V buffers), a
 per-layer plan (4,2,1,1), and tiny Qwen2 and GPT-2 conversions fed token ids directly; a
-multi-turn conversation (tokens appended after a past) equals torch on the concatenated turns.
+multi-turn conversation (tokens appended after a past) equals torch on the concatenated turns;
+og's own shape log shows the ort-gqa graph writing into one shared max-length K/V buffer.
 The embedded model's tokenizer files encode every text to its UTF-8 bytes in transformers and og.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -183,3 +185,25 @@ def test_multi_turn_append_equals_torch(folders) -> None:
             answer.append(int(generator.get_next_tokens()[0]))
         answers.append(answer)
     assert answers == [first, second]
+
+
+@pytest.mark.slow
+def test_ort_gqa_writes_into_one_shared_buffer(folders, capfd) -> None:
+    """og's own log of output shapes: with past_present_share_buffer every present.{i} is the
+    max_length buffer from the prompt on, i.e. GroupQueryAttention wrote in place (no Concat copy)."""
+    _, folder = folders("default-kv4", "ort-gqa")
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=40, do_sample=False)
+    generator = og.Generator(model, params)
+    og.set_log_options(enabled=True, model_output_shapes=True)
+    try:
+        generator.append_tokens(np.array([list(b"def f(x):")], dtype=np.int32))
+        generator.generate_next_token()
+        generator.generate_next_token()
+    finally:
+        og.set_log_options(enabled=False, model_output_shapes=False)
+    captured = capfd.readouterr()
+    log = re.sub(r"\x1b\[[0-9;]*m", "", captured.out + captured.err)
+    shapes = re.findall(r"present\.0\.key ShapeDims\[ 4\]Shape\[ ([\d ]+) \]", log)
+    assert len(shapes) == 2 and all(shape.split() == ["1", "4", "40", "32"] for shape in shapes)
