@@ -14,6 +14,7 @@ $HEADFOLD_CALIBRATION_RAM (default 2GiB), past it in memory-mapped temporary fil
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import tempfile
@@ -52,6 +53,19 @@ class ActivationStore:
         with tempfile.NamedTemporaryFile(prefix="headfold-calibration-") as f:
             f.truncate(nbytes)
             return torch.from_numpy(np.memmap(f.name, np.float32, "r+", shape=shape))
+
+
+def return_freed_memory() -> None:
+    """Map every allocation above 64 KiB on its own, so freeing it returns it to the OS at once.
+
+    glibc raises its mmap threshold to 32 MB after the first large free and then serves the
+    layer-sized blocks from a heap it rarely shrinks: calibrating the 1.29 GB checkpoint peaked
+    at 1997 MB RSS that way, 1169 MB with this (same numbers, ~9 % more CPU time).
+    """
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: its allocator is left as it is
+        pass
 
 
 def ram_limit() -> int:
@@ -175,6 +189,7 @@ def _moved(obj: Any, device: torch.device) -> Any:
 def attention_inputs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device, progress: bool = True) -> list[torch.Tensor]:
     """Per layer [tokens, hidden]: what the attention projections of the source read on `batch`
     ([windows, T] token ids), computed one layer at a time (see the module doc)."""
+    return_freed_memory()
     store = ActivationStore(ram_limit())
     runner = LayerwiseModel(ckpt, device)
     hidden, calls = runner.embed(batch, store)
