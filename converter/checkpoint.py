@@ -245,7 +245,6 @@ def _safetensors_header(file: Path) -> list[TensorInfo]:
         if dtype is None:
             raise BadInput(f"{file.name}: tensor {name} has unsupported dtype {entry['dtype']}")
         infos.append(TensorInfo(name, dtype, tuple(entry["shape"]), file, 8 + length + entry["data_offsets"][0]))
-        _check_tensor(infos[-1])
     return sorted(infos, key=lambda t: t.offset)  # storage order: sequential reads
 
 
@@ -329,6 +328,8 @@ class SourceCheckpoint:
         tensors: dict[str, TensorInfo] = {}
         for file in self.weight_files:  # pickles only when allowed: _find_weight_files decides the format
             infos = self._pickle_header(file) if file.suffix != ".safetensors" else _safetensors_header(file)
+            for info in infos:  # a source's tensors, whatever their format; the header parse itself stays neutral
+                _check_tensor(info)
             tensors.update((t.name, t) for t in infos)
         if missing := self._index_names - set(tensors):
             raise BadInput(f"the weight index names {len(missing)} tensor(s) absent from the shards (e.g. {min(missing)}); the checkpoint is incomplete")

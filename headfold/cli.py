@@ -115,10 +115,10 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
 @click.option("--attention", type=click.Choice(("onnx", "ort-gqa")), default="onnx", help="Fused node: onnx = standard Attention (ORT, TensorRT); ort-gqa = com.microsoft.GroupQueryAttention for ONNX Runtime CUDA decoding (decoders only; unpadded or right-padded batches; CUDA runs it in fp16/bf16).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (atomically).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--graphs", type=click.Choice(("merged", "split")), default="merged", help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles).")
+@click.option("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split with --trt-version, the pair `headfold build` takes]")
 @click.option("--optimize", type=click.Choice(("ort",)), default=None, help="ort = ONNX Runtime's fusions (onnxscript ort_fusions: simplified/skip layer norm, fused matmuls), counted in export.json; the graph then runs in ONNX Runtime only.")
 @click.option("--trt-version", default=None, metavar="MAJOR.MINOR", help="Target this TensorRT version: decompose the ops its ONNX parser lacks (RMSNormalization, RotaryEmbedding before 10.15) into primitives, then print which exported graphs it takes (a lint on CPU; rule sets 10.13, 10.14, 10.15, 11.0).")
-def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, graphs: str, optimize: str | None, overwrite: bool, quiet: bool, trt_version: str | None) -> None:
+def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, graphs: str | None, optimize: str | None, overwrite: bool, quiet: bool, trt_version: str | None) -> None:
     """Export the checkpoint folder SRC to ONNX with one GQA Attention node per layer.
 
     Decoders get one merged model.onnx (any number of new tokens after a past of any length, KV
@@ -130,6 +130,7 @@ def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str,
 
     if quiet:
         _quiet_libraries()
+    graphs = graphs or ("split" if trt_version else "merged")  # a TensorRT target gets the graphs TensorRT builds
     summary = export(
         src, out_dir, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=not quiet,
         trt_version=trt_version, graphs=graphs, optimize=optimize,

@@ -97,12 +97,12 @@ def test_second_run_skips_stage_by_stage(first_run) -> None:
 
 @pytest.mark.slow
 def test_demo_passes_its_reference_budget(capsys) -> None:
-    """The README's first command, exactly: best training-free method, the shipped reference budget."""
+    """The README's first command, exactly: best training-free method, distilled, the shipped reference budget."""
     code = main(["demo"])
     out = capsys.readouterr().out
-    assert code == 0 and "conversion-loss: torch:default_model vs torch:convert" in out and "all checks passed" in out
-    assert "fidelity-onnx: torch:convert vs onnxruntime:model.onnx" in out
-    assert "PASS fidelity-onnx-decode: torch:convert vs onnxruntime:model.onnx" in out
+    assert code == 0 and "conversion-loss: torch:default_model vs torch:distill" in out and "all checks passed" in out
+    assert "fidelity-onnx: torch:distill vs onnxruntime:model.onnx" in out
+    assert "PASS fidelity-onnx-decode: torch:distill vs onnxruntime:model.onnx" in out
 
 
 @pytest.mark.slow
