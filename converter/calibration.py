@@ -17,7 +17,7 @@ from headfold.converter import layerwise
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.methods import compute_device
 from headfold.converter.tokens import load_tokenizer
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 WINDOW = 256  # tokens per calibration window
 

@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from headfold.converter.layout import HeadShape, expected_shapes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
 from headfold.converter.spec import ArchitectureSpec, ConfigKeys, spec_for, supported_model_types
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from headfold import corpus
-from headfold.atomic import atomic_output, check_output
+from headfold.ground.atomic import atomic_output, check_output
 from headfold.converter.calibration import attention_inputs, check_settings
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, rotary_dims
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
@@ -24,7 +24,7 @@ from headfold.converter.methods import LayerContext, Recipe, get_method
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.tokens import read_text
 from headfold.converter.writer import PlannedTensor, ShardedWriter
-from headfold.errors import BadInput, read_json_object
+from headfold.ground.errors import BadInput, read_json_object
 
 MANIFEST = "headfold.json"
 SKIPPED_DIRS = {".git", ".cache", "__pycache__"}

@@ -28,7 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 RAM_VARIABLE = "HEADFOLD_CALIBRATION_RAM"
 DEFAULT_RAM = "2GiB"

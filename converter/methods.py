@@ -28,7 +28,7 @@ import torch
 
 from headfold.converter import alignment
 from headfold.converter.layout import AttentionWeights
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 DEVICE_VARIABLE = "HEADFOLD_DEVICE"  # cpu, cuda or cuda:N; default: the first GPU when there is one
 POOLS = ("mean", "first")

@@ -46,7 +46,7 @@ from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
 from headfold.converter.checkpoint import inside, validated_config
 from headfold.converter.spec import spec_for
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 __all__ = ["load_model", "empty_model", "parameter_names", "GQA_ATTENTION"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 __all__ = ["KV_HEADS_PER_LAYER", "KvHeads", "collapse", "config_kv_heads", "expand", "parse_kv_heads"]
 

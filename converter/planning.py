@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 LayerOptions = dict[int, float]  # kv-head count -> predicted loss of converting this layer to it
 

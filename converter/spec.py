@@ -15,7 +15,7 @@ from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 Role = Literal["q", "k", "v", "o"]
 FusedLayout = Literal["blocks", "grouped"]

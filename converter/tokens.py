@@ -15,7 +15,7 @@ from pathlib import Path
 
 from headfold import corpus
 from headfold.converter.checkpoint import check_links
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 BYTE_VOCAB = corpus.VOCAB_SIZE

@@ -29,9 +29,9 @@ from torch.export import Dim
 from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
-from headfold.atomic import atomic_output, check_output
+from headfold.ground.atomic import atomic_output, check_output
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.genai import write_model_folder
 from headfold.graphs.modeling import load_model
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize

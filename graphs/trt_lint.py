@@ -18,7 +18,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from headfold.errors import BadInput, read_json_object
+from headfold.ground.errors import BadInput, read_json_object
 from headfold.graphs.trt_ops import MIN_OPSET, RELEASES, TYPED_INPUT
 
 __all__ = ["Finding", "LintReport", "RuleSet", "rule_set", "lint", "lint_export", "format_table", "export_table"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from headfold.errors import HeadfoldError
+from headfold.ground.errors import HeadfoldError
 
 EXIT_CODES = "Exit codes: 0 ok, 1 a check or gate failed, 2 bad input or environment (one line, nothing written), 3 internal error (a bug; --debug shows the traceback)."
 _debug = False  # set by the group's --debug, read by main() once the command has failed

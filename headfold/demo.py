@@ -6,7 +6,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from headfold.atomic import scratch_dir
+from headfold.ground.atomic import scratch_dir
 from headfold.distillation.stage import DistillStage
 from headfold.pipeline import Log, run
 from headfold.verification.inputs import InputSpec

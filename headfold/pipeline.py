@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import headfold
-from headfold.atomic import atomic_output, check_disjoint, output_lock
+from headfold.ground.atomic import atomic_output, check_disjoint, output_lock
 from headfold.engines.env import engine_support
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.verification.artifacts import resolve, sha256_file
 from headfold.verification.budget import Thresholds
 from headfold.verification.inputs import InputSpec, make_inputs, read_text

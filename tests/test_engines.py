@@ -30,7 +30,7 @@ from headfold.engines.plan import (
 )
 from headfold.engines.runner import pick_profile
 from headfold.engines.sidecar import KEYS, make_sidecar, read_sidecar, source_onnx
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.export import export
 from headfold.graphs.trt_lint import lint_export
 from headfold.verification.artifacts import check_kind, resolve

@@ -15,7 +15,7 @@ from ort_decoding import session
 from tiny_models import HEADS
 
 from headfold.converter import convert
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, position_ids
 from headfold.graphs.modeling import load_model
 

@@ -27,7 +27,7 @@ from tiny_models import make_checkpoint
 import headfold.converter.conversion as conversion
 from headfold.cli import main
 from headfold.engines import env
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 LAYER0 = "model.layers.0.self_attn."
 HEADFOLD = Path(sys.executable).with_name("headfold")

@@ -16,7 +16,7 @@ from tiny_models import HEADS
 from headfold.cli import main
 from headfold.converter.planning import best_plan, best_uniform, budget_total
 from headfold.demo import default_model_path
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.inspection import Reference, choose_windows, inspect_checkpoint
 
 FAST = {"calibration_tokens": 512, "progress": False}  # 2 fit + 2 eval windows of 256 tokens

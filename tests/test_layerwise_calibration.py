@@ -16,7 +16,7 @@ from tiny_models import FAMILIES, VOCAB
 from headfold.converter import calibration, convert, layerwise
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.modeling import load_model
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 
 def whole_model_inputs(folder: Path, batch: torch.Tensor) -> list[torch.Tensor]:

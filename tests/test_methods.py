@@ -15,7 +15,7 @@ from tiny_models import HEADS
 from headfold.converter import alignment, convert
 from headfold.converter.layout import AttentionWeights
 from headfold.converter.methods import LayerContext, align, get_method, head_activations, permute
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 # RoPE (full and partial rotary), RoPE with q/k norms, no RoPE with fused QKV, encoder with biases
 FAMILIES = ("llama", "gpt_neox", "qwen3", "gpt2", "bert")

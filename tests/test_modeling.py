@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.modeling import load_model
 
 NON_NATIVE = ("gpt2", "gpt_neox", "opt", "bert", "roberta")

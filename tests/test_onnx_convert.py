@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from tiny_models import HEADS, sample_batch
 
 from headfold.converter import convert
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, position_ids
 from headfold.graphs.modeling import load_model
 from headfold.graphs.onnx_convert import convert_onnx

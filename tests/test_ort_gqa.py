@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from headfold.converter import convert
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, save
 from headfold.graphs.rewrite import optimize, ort_gqa
 

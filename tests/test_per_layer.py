@@ -22,7 +22,7 @@ from headfold.cli import main
 from headfold.converter import convert
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.per_layer import parse_kv_heads
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, position_ids
 from headfold.graphs.modeling import load_model
 from headfold.graphs.onnx_convert import convert_onnx

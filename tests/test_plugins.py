@@ -16,7 +16,7 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnxscript.rewriter import pattern
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.export import export
 from headfold.graphs.trt_lint import lint
 from headfold.plugins import emit, plan_plugins, reference_ops, register_tensorrt

@@ -16,7 +16,7 @@ from onnxscript.rewriter import RewriteRule
 from onnxscript.rewriter.testing import assert_numerically_equal
 from torch import nn
 
-from headfold.errors import CheckFailed
+from headfold.ground.errors import CheckFailed
 from headfold.graphs.export import decoder_graphs, torch_export
 from headfold.graphs.modeling import load_model
 from headfold.graphs.rewrite import attention_nodes, decomposed, optimize, repeat_kv

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from headfold.converter import convert
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.export import export
 from headfold.graphs.trt_lint import format_table, lint, lint_export, rule_set
 

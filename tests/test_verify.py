@@ -12,7 +12,7 @@ import torch
 
 from headfold.cli import main
 from headfold.converter import convert
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.export import export
 from headfold.verification import InputSpec, verify
 from headfold.verification.artifacts import check_kind, resolve

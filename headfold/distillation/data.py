@@ -22,7 +22,7 @@ import torch
 from headfold import corpus
 from headfold.converter.checkpoint import check_links
 from headfold.converter.tokens import TOKENIZER_FILES
-from headfold.errors import BadInput, HeadfoldError
+from headfold.ground.errors import BadInput, HeadfoldError
 
 TEXT_FIELD = "text"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else is read as text

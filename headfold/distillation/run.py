@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from headfold import corpus
-from headfold.atomic import atomic_output, check_output
+from headfold.ground.atomic import atomic_output, check_output
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import MANIFEST
 from headfold.distillation import output, state
@@ -30,7 +30,7 @@ from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, 
 from headfold.distillation.objective import Objective
 from headfold.distillation.trainer import Trainer
 from headfold.distillation.trainable import TRAIN_MODES, merged, select, trainable_state
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 DEFAULT_STEPS = 40
 LOSSES = ("kl", "kl+ce")

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from headfold.atomic import atomic_output
-from headfold.errors import BadInput
+from headfold.ground.atomic import atomic_output
+from headfold.ground.errors import BadInput
 
 RUN_FILE = "run.json"
 CHECKPOINT = re.compile(r"step-(\d+)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 TRAIN_MODES = ("kv", "attention", "all", "lora")
 LORA_RANK = 16

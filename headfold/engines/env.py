@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.graphs.trt_lint import RULE_SETS, rule_set
 
 ASSUMED = "dry run: features assumed for this release"

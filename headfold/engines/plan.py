@@ -24,7 +24,7 @@ from typing import Any
 import onnx_ir as ir
 
 from headfold.engines.env import Target
-from headfold.errors import BadInput, read_json_object
+from headfold.ground.errors import BadInput, read_json_object
 from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
 from headfold.graphs.trt_lint import Finding, LintReport, lint
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.verification.runners import BaseRunner
 
 Shape = tuple[int, ...]

@@ -14,7 +14,7 @@ from typing import Any
 
 import headfold
 from headfold.engines.plan import BuildPlan, GraphPlan, sidecar_path
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 FORMAT = "headfold.engine/1"
 KEYS = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from headfold.errors import BadInput, read_json_object
+from headfold.ground.errors import BadInput, read_json_object
 from headfold.verification.artifacts import Artifact, check_kind, loosest, resolve
 from headfold.verification.budget import FidelityBudget, LossBudget, Thresholds
 from headfold.verification.checks import CheckResult, CheckSpec, run_checks

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headfold.errors import BadInput, read_json_object
+from headfold.ground.errors import BadInput, read_json_object
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 
 EXPORT_SUMMARY = "export.json"

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 from headfold.verification.budget import FidelityBudget, LossBudget
 from headfold.verification.inputs import Inputs
 from headfold.verification.metrics import EmbeddingMeter, FidelityMeter, LossMeter

@@ -23,7 +23,7 @@ import numpy as np
 from headfold import corpus
 from headfold.converter.tokens import TOKENIZER_FILES, find_tokenizer
 from headfold.converter.tokens import read_text as read_text_file
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 BUILTIN_TEXT = "builtin:heldout"  # headfold.corpus.heldout_text(): never seen in the embedded model's training
 RANDOM_IDS = "random token ids"

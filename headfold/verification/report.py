@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from headfold.errors import CheckFailed
+from headfold.ground.errors import CheckFailed
 from headfold.verification.checks import CheckResult
 
 _PACKAGES = ("headfold", "torch", "transformers", "onnx", "onnxruntime", "numpy", "tensorrt")

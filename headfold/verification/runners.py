@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 # Preferred ONNX Runtime providers, best first; those the installed build lacks are skipped.
 ORT_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from headfold.errors import BadInput
+from headfold.ground.errors import BadInput
 
 log = logging.getLogger("headfold")
 
