@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import re
 import shutil
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,11 @@ from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.tokens import read_text
 from headfold.converter.writer import PlannedTensor, ShardedWriter
 from headfold.ground.errors import BadInput, read_json_object
+from headfold.ground.hashing import sha256_file, versions
 
 MANIFEST = "headfold.json"
 SKIPPED_DIRS = {".git", ".cache", "__pycache__"}
+PACKAGES = ("headfold", "torch", "transformers", "safetensors", "numpy")  # versions the manifest records
 
 
 def convert(
@@ -264,7 +264,7 @@ def build_manifest(
             "heads": src.heads,
             "kv_heads": collapse([s.kv_heads for s in ckpt.layer_shapes]),
             "head_dim": src.head_dim,
-            "config_sha256": hashlib.sha256((ckpt.folder / "config.json").read_bytes()).hexdigest(),
+            "config_sha256": sha256_file(ckpt.folder / "config.json"),
             "manifest": read_json_object(parent, "restore it or remove it from the source") if parent.is_file() else None,
         },
         "conversion": {
@@ -279,17 +279,7 @@ def build_manifest(
         },
         # per-layer kv heads are headfold's own config key: transformers would refuse them
         "loader": "transformers" if ckpt.spec.native_gqa and isinstance(kv_heads, int) else "headfold.load_model",
-        "versions": _versions(),
+        "versions": versions(PACKAGES),
         "files": files,
         "skipped_weight_files": skipped,
     }
-
-
-def _versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for package in ("headfold", "torch", "transformers", "safetensors", "numpy"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = "not installed"
-    return versions

@@ -23,7 +23,8 @@ import headfold
 from headfold.ground.atomic import atomic_output, check_disjoint, output_lock
 from headfold.engines.env import engine_support
 from headfold.ground.errors import BadInput
-from headfold.verification.artifacts import resolve, sha256_file
+from headfold.ground.hashing import sha256_file
+from headfold.verification.artifacts import resolve
 from headfold.verification.budget import Thresholds
 from headfold.verification.inputs import InputSpec, make_inputs, read_text
 from headfold.verification.report import Report

@@ -9,11 +9,8 @@ entry that holds the student's own manifest, data hashes, options and the final 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import platform
 import shutil
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +19,7 @@ import torch
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import MANIFEST, copy_other_files, default_shard_bytes
 from headfold.converter.writer import PlannedTensor, ShardedWriter
+from headfold.ground.hashing import sha256_file, versions
 
 LOG_FILE, PLOT_FILE = "distill-log.json", "distill-curve.png"
 PACKAGES = ("headfold", "torch", "transformers", "safetensors", "accelerate", "datasets", "peft")
@@ -40,28 +38,18 @@ def write_checkpoint(student: SourceCheckpoint, state: dict[str, torch.Tensor], 
                 writer.write(t.name, student.get(t.name))
         files = writer.finish()
     shutil.copyfile(student.folder / "config.json", folder / "config.json")
-    files["config.json"] = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+    files["config.json"] = sha256_file(folder / "config.json")
     copied, _ = copy_other_files(student, folder)
     return files | {k: v for k, v in copied.items() if k not in (LOG_FILE, PLOT_FILE)}
 
 
 def write_manifest(folder: Path, student_manifest: dict[str, Any], distillation: dict[str, Any], files: dict[str, str]) -> None:
-    manifest = {**student_manifest, "distillation": distillation, "versions": versions()}
+    manifest = {**student_manifest, "distillation": distillation, "versions": versions(PACKAGES)}
     for name in (LOG_FILE, PLOT_FILE):
         if (folder / name).is_file():
-            files[name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+            files[name] = sha256_file(folder / name)
     manifest["files"] = dict(sorted(files.items()))
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-def versions() -> dict[str, str]:
-    found = {"python": platform.python_version()}
-    for package in PACKAGES:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = "not installed"
-    return found
 
 
 def write_log(folder: Path, log: dict[str, list], metric: str) -> None:

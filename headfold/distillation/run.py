@@ -10,7 +10,6 @@ resumed run repeats an uninterrupted one exactly on CPU.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -31,6 +30,7 @@ from headfold.distillation.objective import Objective
 from headfold.distillation.trainer import Trainer
 from headfold.distillation.trainable import TRAIN_MODES, merged, select, trainable_state
 from headfold.ground.errors import BadInput
+from headfold.ground.hashing import sha256_file
 
 DEFAULT_STEPS = 40
 LOSSES = ("kl", "kl+ce")
@@ -135,7 +135,7 @@ def check_pair(teacher: Path, student: Path) -> tuple[SourceCheckpoint, SourceCh
         raise BadInput(f"student {student} has no {MANIFEST}, so it is not a headfold conversion; make one with headfold convert {teacher} STUDENT --kv-heads N")
     manifest = json.loads(manifest_file.read_text())
     source = manifest.get("source", {})
-    if source.get("config_sha256") != _sha256(teacher / "config.json"):
+    if source.get("config_sha256") != sha256_file(teacher / "config.json"):
         raise BadInput(f"student {student} was converted from {source.get('path')}, not from teacher {teacher} (config.json differs); pass the student's own original")
     return t, s, manifest
 
@@ -174,7 +174,7 @@ def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts:
 def is_embedded(teacher: Path) -> bool:
     embedded = Path(str(resources.files("headfold") / "data" / "default_model"))
     weights = teacher / "model.safetensors"
-    return teacher.resolve() == embedded.resolve() or (weights.is_file() and _sha256(weights) == _sha256(embedded / "model.safetensors"))
+    return teacher.resolve() == embedded.resolve() or (weights.is_file() and sha256_file(weights) == sha256_file(embedded / "model.safetensors"))
 
 
 def total_steps(opts: DistillOptions, processes: int) -> int:
@@ -192,20 +192,12 @@ def total_steps(opts: DistillOptions, processes: int) -> int:
 def run_identity(teacher: Path, student: Path, plan: WindowPlan, opts: DistillOptions, processes: int) -> dict[str, Any]:
     """What a resumed run must share with the one that wrote the state (as JSON reads it back)."""
     identity = {
-        "teacher_config_sha256": _sha256(teacher / "config.json"),
-        "student_manifest_sha256": _sha256(student / MANIFEST),
+        "teacher_config_sha256": sha256_file(teacher / "config.json"),
+        "student_manifest_sha256": sha256_file(student / MANIFEST),
         "data_sha256": plan.train.sha256,
         "eval_data_sha256": plan.heldout.sha256 if plan.heldout else None,
         "options": asdict(opts),
         "processes": processes,
     }
     return json.loads(json.dumps(identity))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 

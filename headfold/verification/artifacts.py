@@ -13,12 +13,12 @@ Same model on both sides → fidelity; a candidate whose model is a headfold con
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from headfold.ground.errors import BadInput, read_json_object
+from headfold.ground.hashing import sha256_file
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 
 EXPORT_SUMMARY = "export.json"
@@ -31,14 +31,6 @@ ENGINE_SUFFIXES = (".engine", ".plan")
 ENGINES = ("prefill.engine", "model.engine")  # in a `headfold build` folder, like GRAPHS
 _TORCH_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _LOOSENESS = ("fp32", "fp16", "bf16")  # bf16 keeps the fewest mantissa bits
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -4,31 +4,20 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import click
 
 from headfold.ground.errors import CheckFailed
+from headfold.ground.hashing import versions
 from headfold.verification.checks import CheckResult
 
 _PACKAGES = ("headfold", "torch", "transformers", "onnx", "onnxruntime", "numpy", "tensorrt")
 _PERCENT = ("top1", "ppl_increase", "mismatched_fraction", "max_ppl_increase", "min_top1")
-
-
-def versions() -> dict[str, str]:
-    found = {"python": platform.python_version()}
-    for package in _PACKAGES:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = "not installed"
-    return found
 
 
 def _finite(value: Any) -> Any:
@@ -54,7 +43,7 @@ def fmt(metric: str, value: Any) -> str:
 class Report:
     checks: list[CheckResult]
     inputs: dict[str, Any]
-    versions: dict[str, str] = field(default_factory=versions)
+    versions: dict[str, str] = field(default_factory=lambda: versions(_PACKAGES))
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     stages: dict[str, Any] = field(default_factory=dict)  # `headfold run`: what each stage did
 
