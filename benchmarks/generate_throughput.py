@@ -32,6 +32,7 @@ import transformers
 
 from headfold.converter import convert
 from headfold.graphs.export import export
+from headfold.ground.artifacts import GENAI_CONFIG
 
 RESULTS = Path(__file__).parent / "results" / "generate_throughput.json"
 
@@ -74,7 +75,7 @@ def build_with_og(checkpoint: Path, out: Path) -> Path:
 
 def _set_threads(folder: Path, threads: int) -> None:
     """The same intra-op thread count for every folder (genai_config's session options)."""
-    path = folder / "genai_config.json"
+    path = folder / GENAI_CONFIG
     config = json.loads(path.read_text())
     config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
     path.write_text(json.dumps(config, indent=2))

@@ -22,10 +22,10 @@ from headfold.converter.methods import LayerContext, Recipe, get_method
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.tokens import read_text
 from headfold.converter.writer import PlannedTensor, ShardedWriter
+from headfold.ground.artifacts import MANIFEST
 from headfold.ground.errors import BadInput, read_json_object
 from headfold.ground.hashing import sha256_file, versions
 
-MANIFEST = "headfold.json"
 SKIPPED_DIRS = {".git", ".cache", "__pycache__"}
 PACKAGES = ("headfold", "torch", "transformers", "safetensors", "numpy")  # versions the manifest records
 

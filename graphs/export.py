@@ -31,6 +31,7 @@ from transformers.cache_utils import DynamicCache
 
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse
+from headfold.ground.artifacts import EXPORT_SUMMARY
 from headfold.ground.errors import BadInput
 from headfold.graphs.genai import write_model_folder
 from headfold.graphs.modeling import load_model
@@ -57,7 +58,6 @@ __all__ = [
 # next to an Attention node) for ≥ 26, see shared/notes/runtime-facts.md.
 OPSETS = (23, 24, 25)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-SUMMARY_FILE = "export.json"
 
 # Example sizes for tracing; all are dynamic in the graph. Avoid 0/1, which torch.export specialises.
 _BATCH, _SEQUENCE, _PAST = 2, 7, 5
@@ -400,5 +400,5 @@ def export(
             )  # fmt: skip
         if summary["layout"] == "merged":
             summary["genai"] = write_model_folder(src, tmp, model.config, MERGED_GRAPH, attention=attention)
-        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        (tmp / EXPORT_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     return summary

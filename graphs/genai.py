@@ -18,10 +18,10 @@ from typing import Any
 import transformers
 
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER
+from headfold.ground.artifacts import GENAI_CONFIG
 
-__all__ = ["CONFIG_FILE", "TOKENIZER_FILES", "genai_config", "write_model_folder"]
+__all__ = ["TOKENIZER_FILES", "genai_config", "write_model_folder"]
 
-CONFIG_FILE = "genai_config.json"
 # What Hugging Face tokenizers read, and what og.Tokenizer reads (tokenizer.json + tokenizer_config.json).
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -98,8 +98,8 @@ def genai_config(src: Path, config: transformers.PretrainedConfig, graph: str, *
 
 def write_model_folder(src: Path, folder: Path, config: transformers.PretrainedConfig, graph: str, *, attention: str) -> dict[str, Any]:
     """genai_config.json and the checkpoint's tokenizer files into `folder`; what was written."""
-    (folder / CONFIG_FILE).write_text(json.dumps(genai_config(src, config, graph, attention=attention), indent=2) + "\n")
+    (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(src, config, graph, attention=attention), indent=2) + "\n")
     copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
     for name in copied:
         shutil.copyfile(src / name, folder / name)
-    return {"config": CONFIG_FILE, "tokenizer_files": copied}
+    return {"config": GENAI_CONFIG, "tokenizer_files": copied}

@@ -18,7 +18,8 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from headfold.ground.errors import BadInput, read_json_object
+from headfold.ground.artifacts import EXPORT_SUMMARY, read_export_summary
+from headfold.ground.errors import BadInput
 from headfold.graphs.trt_ops import MIN_OPSET, RELEASES, TYPED_INPUT
 
 __all__ = ["Finding", "LintReport", "RuleSet", "rule_set", "lint", "lint_export", "format_table", "export_table"]
@@ -259,8 +260,8 @@ def lint(model: str | os.PathLike | ir.Model, trt_version: str, *, plugins: Iter
 def lint_export(out_dir: str | os.PathLike, trt_version: str, *, plugins: Iterable[str] = ()) -> dict[str, LintReport]:
     """Lint every graph of a `headfold export` folder (those listed in export.json, else *.onnx)."""
     folder = Path(out_dir)
-    summary = folder / "export.json"
-    names = list(read_json_object(summary, f"re-run headfold export into {folder}").get("graphs", {})) if summary.is_file() else sorted(p.name for p in folder.glob("*.onnx"))
+    summary = folder / EXPORT_SUMMARY
+    names = list(read_export_summary(folder).get("graphs", {})) if summary.is_file() else sorted(p.name for p in folder.glob("*.onnx"))
     if not names:
         raise BadInput(f"no ONNX graphs in {folder}")
     return {name: lint(folder / name, trt_version, plugins=plugins) for name in names}

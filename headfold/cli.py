@@ -365,10 +365,11 @@ def distill_cmd(teacher: Path, student: Path, out: Path, quiet: bool, **options)
     import json
 
     from headfold.distillation import distill
+    from headfold.ground.artifacts import MANIFEST
 
     _quiet_libraries()
     result = distill(teacher, student, out, progress=not quiet, log=click.echo, **options)
-    final = json.loads((result / "headfold.json").read_text())["distillation"]
+    final = json.loads((result / MANIFEST).read_text())["distillation"]
     scores = ", ".join(f"{k} {v:.4g}" for k, v in final["final_eval"].items())
     click.echo(f"wrote {result} ({final['steps']} steps, {final['tokens']} tokens; held-out {scores})")
     if final["target_reached"] is False:

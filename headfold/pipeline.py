@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import headfold
 from headfold.ground.atomic import atomic_output, check_disjoint, output_lock
 from headfold.engines.env import engine_support
+from headfold.ground.artifacts import LEDGER
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.verification.artifacts import resolve
@@ -32,7 +33,6 @@ from headfold.verification.report import Report
 if TYPE_CHECKING:
     from headfold.distillation.stage import DistillStage
 
-LEDGER = "stages.json"
 REPORT_FILES = {"json": "report.json", "markdown": "report.md", "junit": "junit.xml"}
 Log = Callable[[str], None]
 

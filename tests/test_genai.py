@@ -22,7 +22,7 @@ import torch
 from headfold import corpus
 from headfold.converter import convert
 from headfold.graphs.export import export
-from headfold.graphs.genai import CONFIG_FILE
+from headfold.ground.artifacts import GENAI_CONFIG as CONFIG_FILE
 from headfold.graphs.modeling import load_model
 
 og = pytest.importorskip("onnxruntime_genai")

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.converter.conversion import MANIFEST, copy_other_files, default_shard_bytes
+from headfold.converter.conversion import copy_other_files, default_shard_bytes
 from headfold.converter.writer import PlannedTensor, ShardedWriter
+from headfold.ground.artifacts import MANIFEST
 from headfold.ground.hashing import sha256_file, versions
 
 LOG_FILE, PLOT_FILE = "distill-log.json", "distill-curve.png"

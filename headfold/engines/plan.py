@@ -24,7 +24,8 @@ from typing import Any
 import onnx_ir as ir
 
 from headfold.engines.env import Target
-from headfold.ground.errors import BadInput, read_json_object
+from headfold.ground.artifacts import EXPORT_SUMMARY, read_export_summary
+from headfold.ground.errors import BadInput
 from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
 from headfold.graphs.trt_lint import Finding, LintReport, lint
 
@@ -32,7 +33,6 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 ENGINE_SUFFIX = ".engine"
 ENGINE_SUFFIXES = (".engine", ".plan")
 SIDECAR_SUFFIX = ".json"  # model.engine -> model.engine.json
-EXPORT_SUMMARY = "export.json"
 _IR_PRECISION = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}
 
 # Option name -> the dimension names exporters give it (headfold's torch.export Dims first).
@@ -307,7 +307,7 @@ def source_graphs(src: Path) -> tuple[list[Path], str]:
     if src.is_file() and src.suffix == ".onnx":
         return [src.resolve()], "file"
     if src.is_dir() and (src / EXPORT_SUMMARY).is_file():
-        summary = read_json_object(src / EXPORT_SUMMARY, f"re-run headfold export into {src}")
+        summary = read_export_summary(src)
         if summary.get("layout") == "merged":  # its total length P + S is no profile dimension
             raise BadInput(f"{src} holds the merged decoder graph (ONNX Runtime, onnxruntime-genai); TensorRT builds the split pair: headfold export SRC OUT --graphs split")
         names = list(summary.get("graphs", {}))

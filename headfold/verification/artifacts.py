@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headfold.ground.artifacts import EXPORT_SUMMARY, MANIFEST, export_source, read_export_summary
 from headfold.ground.errors import BadInput, read_json_object
 from headfold.ground.hashing import sha256_file
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 
-EXPORT_SUMMARY = "export.json"
-CONVERSION_MANIFEST = "headfold.json"
 GRAPHS = ("prefill.onnx", "model.onnx")  # the full-sequence graph of a decoder / an encoder
 PREFILL_GRAPH, DECODE_GRAPH = "prefill.onnx", "decode.onnx"  # a split decoder export's KV-cache pair
 MERGED_GRAPH = "model.onnx"  # a merged decoder export: prompt and cache steps in one graph
@@ -52,7 +51,7 @@ class Artifact:
 
     @property
     def is_conversion(self) -> bool:
-        return self.model is not None and (self.model / CONVERSION_MANIFEST).is_file()
+        return self.model is not None and (self.model / MANIFEST).is_file()
 
     def describe(self) -> dict[str, Any]:
         """Path, kind, precision, head counts and the sha256 of the file that identifies it."""
@@ -110,24 +109,13 @@ def _checkpoint_precision(folder: Path) -> str:
     return _TORCH_PRECISION.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), "fp32")
 
 
-def _read_summary(summary_file: Path) -> dict[str, Any]:
-    return read_json_object(summary_file, f"re-run headfold export into {summary_file.parent}")
-
-
 def conversion_manifest(model: Path) -> dict[str, Any]:
     """headfold.json of a converted checkpoint, with the sections verify reads."""
-    path, fix = model / CONVERSION_MANIFEST, f"re-run headfold convert into {model}"
+    path, fix = model / MANIFEST, f"re-run headfold convert into {model}"
     manifest = read_json_object(path, fix)
     if not all(isinstance(manifest.get(key), dict) for key in ("source", "conversion")):
         raise BadInput(f"{path} is corrupt (no 'source' and 'conversion' sections); {fix}")
     return manifest
-
-
-def _export_source(summary: dict[str, Any], folder: Path) -> Path | None:
-    """The source checkpoint an export.json names, if it still exists."""
-    source = Path(summary.get("source", ""))
-    candidates = [source] if source.is_absolute() else [Path.cwd() / source, folder.parent / source]
-    return next((p.resolve() for p in candidates if (p / "config.json").is_file()), None)
 
 
 def _decode_graph(graph: Path, summary: dict[str, Any]) -> Path | None:
@@ -144,8 +132,8 @@ def _onnx_artifact(graph: Path) -> Artifact:
     summary_file = graph.parent / EXPORT_SUMMARY
     if not summary_file.is_file():
         return Artifact(graph, "onnx", None, "fp32")
-    summary = _read_summary(summary_file)
-    model = _export_source(summary, graph.parent)
+    summary = read_export_summary(graph.parent)
+    model = export_source(summary, graph.parent)
     return Artifact(graph, "onnx", model, summary.get("dtype", "fp32"), _decode_graph(graph, summary))
 
 
