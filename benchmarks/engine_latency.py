@@ -53,7 +53,7 @@ def build_variant(kv: int, folder: Path, args: argparse.Namespace) -> Path:
 
 
 def _median_ms(engine: Path, feed: dict[str, np.ndarray], runs: int) -> float:
-    from headfold.engines.runner import TensorRTRunner
+    from headfold.verification.tensorrt_runner import TensorRTRunner
 
     with TensorRTRunner(engine, timed_runs=runs) as runner:
         runner.infer(feed)

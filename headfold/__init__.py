@@ -6,7 +6,7 @@ The rooms are importable as ``headfold.converter``, ``headfold.graphs`` and
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from headfold.ground import VERSION as __version__
 
 __all__ = ["convert", "distill", "load_model", "verify", "run", "__version__"]
 

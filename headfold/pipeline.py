@@ -19,9 +19,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import headfold
 from headfold.ground.atomic import atomic_output, check_disjoint, output_lock
 from headfold.engines.env import engine_support
+from headfold.ground import VERSION
 from headfold.ground.artifacts import LEDGER
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
@@ -46,7 +46,7 @@ def tree_digest(folder: Path) -> str:
 
 
 def stage_key(stage: str, inputs: dict[str, Any]) -> str:
-    blob = json.dumps({"stage": stage, "headfold": headfold.__version__, **inputs}, sort_keys=True, default=str)
+    blob = json.dumps({"stage": stage, "headfold": VERSION, **inputs}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -28,7 +28,7 @@ from headfold.engines.plan import (
     parse_range,
     sidecar_path,
 )
-from headfold.engines.runner import pick_profile
+from headfold.verification.tensorrt_runner import pick_profile
 from headfold.engines.sidecar import KEYS, make_sidecar, read_sidecar, source_onnx
 from headfold.ground.errors import BadInput
 from headfold.graphs.export import export

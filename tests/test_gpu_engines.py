@@ -66,7 +66,7 @@ def _torch_logits(default_model: Path, feeds: list[dict[str, np.ndarray]]) -> li
 
 
 def _engine_logits(engine: Path, feeds: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
-    from headfold.engines.runner import TensorRTRunner
+    from headfold.verification.tensorrt_runner import TensorRTRunner
 
     with TensorRTRunner(engine, timed_runs=3) as runner:
         logits = [runner.infer(feed)["logits"].astype(np.float32) for feed in feeds]
@@ -99,7 +99,7 @@ def test_prefill_fp16_matches_torch(engines, default_model, feeds) -> None:
 
 def _decode_step(folder: Path, ids: np.ndarray, decode_engine: Path | None = None) -> np.ndarray:
     """Prefill ids[:, :-1] in the prefill engine, then the last token through the decode engine: its logits."""
-    from headfold.engines.runner import TensorRTRunner
+    from headfold.verification.tensorrt_runner import TensorRTRunner
 
     batch, length = ids.shape
     prompt = {"input_ids": ids[:, :-1], "attention_mask": np.ones((batch, length - 1), np.int64)}

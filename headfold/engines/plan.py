@@ -24,8 +24,10 @@ from typing import Any
 import onnx_ir as ir
 
 from headfold.engines.env import Target
-from headfold.ground.artifacts import EXPORT_SUMMARY, read_export_summary
+from headfold.converter.config import position_limit, read_config
+from headfold.ground.artifacts import EXPORT_SUMMARY, graph_source, read_export_summary
 from headfold.ground.errors import BadInput
+from headfold.ground.hashing import sha256_file
 from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
 from headfold.graphs.trt_lint import Finding, LintReport, lint
 
@@ -324,10 +326,7 @@ def source_graphs(src: Path) -> tuple[list[Path], str]:
 
 def position_limit_for(graph: Path) -> int | None:
     """The model's position limit from the checkpoint its export.json names (None if unknown)."""
-    from headfold.verification.artifacts import resolve
-    from headfold.verification.inputs import position_limit, read_config
-
-    model = resolve(graph).model
+    model = graph_source(graph)
     return position_limit(read_config(model)) if model is not None else None
 
 
@@ -340,8 +339,6 @@ def _out_engine(out: Path, layout: str, graph: Path) -> Path:
 
 
 def _graph_plan(path: Path, model: ir.Model, engine: Path, ranges: dict[str, Range], target: Target) -> tuple[GraphPlan, LintReport]:
-    from headfold.verification.artifacts import sha256_file
-
     report, plugins = lint_graph(model, path, target)
     data = path.with_name(path.name + ".data")
     plan = GraphPlan(

@@ -12,8 +12,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import headfold
 from headfold.engines.plan import BuildPlan, GraphPlan, sidecar_path
+from headfold.ground import VERSION
 from headfold.ground.errors import BadInput
 
 FORMAT = "headfold.engine/1"
@@ -27,7 +27,7 @@ def make_sidecar(plan: BuildPlan, graph: GraphPlan, *, gpu: dict[str, str], atte
     """The sidecar of `graph`'s engine (written next to it as .engine.json)."""
     return {
         "format": FORMAT,
-        "headfold": headfold.__version__,
+        "headfold": VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "tensorrt": plan.target.version,
         "gpu": gpu,

@@ -78,7 +78,7 @@ class Artifact:
 
 def _runner(kind: str, path: Path) -> BaseRunner:
     if kind == "engine":
-        from headfold.engines.runner import TensorRTRunner
+        from headfold.verification.tensorrt_runner import TensorRTRunner
 
         return TensorRTRunner(path)
     return TorchRunner(path) if kind == "checkpoint" else OnnxRuntimeRunner(path)

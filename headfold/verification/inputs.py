@@ -13,7 +13,6 @@ enough for fidelity (one model, two backends), meaningless for conversion loss.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,13 @@ from typing import Any
 import numpy as np
 
 from headfold import corpus
+from headfold.converter.config import position_limit, read_config
 from headfold.converter.tokens import TOKENIZER_FILES, find_tokenizer
 from headfold.converter.tokens import read_text as read_text_file
 from headfold.ground.errors import BadInput
 
 BUILTIN_TEXT = "builtin:heldout"  # headfold.corpus.heldout_text(): never seen in the embedded model's training
 RANDOM_IDS = "random token ids"
-# Leave room for position offsets such as RoBERTa's padding_idx + 1.
-_SPARE_POSITIONS = 2
 DEFAULT_DECODE_STEPS = 16  # KV-cache steps per row through a decoder export's decode graph
 
 
@@ -57,13 +55,6 @@ def read_text(path: Path | None) -> tuple[str, str]:
     if path is None:
         return corpus.heldout_text(), BUILTIN_TEXT
     return read_text_file(path, "--text"), str(path)
-
-
-def read_config(folder: Path) -> dict[str, Any]:
-    try:
-        return json.loads((folder / "config.json").read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BadInput(f"cannot read {folder / 'config.json'}: {str(err).splitlines()[0]}") from None
 
 
 def read_token_ids(path: Path, vocab_size: int) -> list[np.ndarray]:
@@ -112,11 +103,6 @@ def choose_rows(checkpoint: Path, config: dict[str, Any], spec: InputSpec, windo
         return rows, {"text": f"{RANDOM_IDS} (seed {spec.seed}; {checkpoint} has no tokenizer)", "tokenizer": "none"}
     rows = cut_rows(tokenizer.encode(text), window, spec.max_rows, spec.seed)
     return rows, {"text": label, "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "tokenizer": tokenizer.name}
-
-
-def position_limit(config: dict[str, Any]) -> int | None:
-    limit = config.get("max_position_embeddings") or config.get("n_positions")
-    return limit - _SPARE_POSITIONS if limit else None
 
 
 def cut_rows(ids: list[int], window: int, max_rows: int | None, seed: int) -> list[np.ndarray]:
