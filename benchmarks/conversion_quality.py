@@ -22,7 +22,7 @@ import transformers
 from headfold import corpus
 from headfold.converter import convert
 from headfold.demo import default_model_path
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 from headfold.verification.metrics import compare, log_probs, windows
 
 METHODS = ("first", "mean", "aligned", "grouped", "aligned+grouped", "refit", "aligned+refit", "aligned+grouped+refit")

@@ -29,7 +29,7 @@ import transformers
 from headfold.converter import convert
 from headfold.demo import default_model_path
 from headfold.graphs.export import attention_shape, decoder_graphs, export_graph
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 
 
 def synthetic_checkpoint(folder: Path, layers: int, heads: int, head_dim: int, vocab: int) -> Path:

@@ -22,7 +22,7 @@ from conversion_quality import embeddings  # same folder: run as a script
 from headfold import corpus
 from headfold.converter import convert
 from headfold.demo import default_model_path
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 from headfold.inspection import inspect_checkpoint
 from headfold.verification.metrics import compare, log_probs, windows
 

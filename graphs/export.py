@@ -34,7 +34,7 @@ from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse
 from headfold.ground.artifacts import EXPORT_SUMMARY
 from headfold.ground.errors import BadInput
 from headfold.graphs.genai import write_model_folder
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort

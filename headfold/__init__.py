@@ -21,7 +21,7 @@ def __getattr__(name: str):  # lazy: `import headfold` stays cheap
 
         return distill
     if name == "load_model":
-        from headfold.graphs.modeling import load_model
+        from headfold.converter.modeling import load_model
 
         return load_model
     if name == "verify":

@@ -103,7 +103,7 @@ class LiveAttention:
     """Writes converted attention tensors into the loaded model's parameters, then puts the originals back."""
 
     def __init__(self, model: torch.nn.Module, ckpt: SourceCheckpoint) -> None:
-        from headfold.graphs.modeling import parameter_names
+        from headfold.converter.modeling import parameter_names
 
         names, state = parameter_names(model, ckpt.folder), model.state_dict()  # state shares the parameters' storage
         unmapped = [n for layer in ckpt.attention.layers for n in layer.values() if n not in names]
@@ -339,7 +339,7 @@ def inspect_checkpoint(
 def _measure(
     ckpt: SourceCheckpoint, recipe: Recipe, candidates: list[int], calibration: str | Path | None, tokens: int, seed: int, budget: int | None, progress: bool
 ) -> Inspection:
-    from headfold.graphs.modeling import load_model
+    from headfold.converter.modeling import load_model
 
     model = load_model(ckpt.folder, dtype=torch.float32)
     fit_text = calibration_text(calibration)  # None under --calibration weights: methods see weights only

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
 from headfold.converter import convert
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 
 NATIVE_GQA = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 

@@ -17,7 +17,7 @@ from headfold.converter import convert
 from headfold.ground.errors import BadInput, CheckFailed
 from headfold.graphs import rewrite
 from headfold.graphs.export import export, position_ids
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 
 ATOL = 1e-4
 NEW_TOKENS = 16

@@ -17,7 +17,7 @@ from tiny_models import HEADS
 from headfold.converter import convert
 from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, position_ids
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 
 ATOL = 1e-4
 LAYERS = 2

@@ -22,7 +22,7 @@ from headfold.converter import convert
 from headfold.corpus import encode, heldout_text
 from headfold.demo import default_model_path
 from headfold.graphs.export import export, position_ids
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 
 pytestmark = pytest.mark.slow
 

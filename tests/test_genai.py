@@ -23,7 +23,7 @@ from headfold import corpus
 from headfold.converter import convert
 from headfold.graphs.export import export
 from headfold.ground.artifacts import GENAI_CONFIG as CONFIG_FILE
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 
 og = pytest.importorskip("onnxruntime_genai")
 

@@ -95,7 +95,7 @@ def test_prediction_equals_a_real_conversion(tmp_path: Path) -> None:
     from headfold import corpus
     from headfold.converter import convert
     from headfold.converter.calibration import token_ids
-    from headfold.graphs.modeling import load_model
+    from headfold.converter.modeling import load_model
 
     src = default_model_path()
     report = inspect_checkpoint(src, candidates="4", kv_budget=16, calibration_tokens=1024, progress=False)

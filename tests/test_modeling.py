@@ -1,4 +1,4 @@
-"""headfold.graphs.modeling.load_model: parity with transformers, exact GQA for identical heads, errors."""
+"""headfold.converter.modeling.load_model: parity with transformers, exact GQA for identical heads, errors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
 from headfold.ground.errors import BadInput
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 
 NON_NATIVE = ("gpt2", "gpt_neox", "opt", "bert", "roberta")
 NATIVE = ("llama", "mistral", "qwen2", "qwen3")  # phi3 (fused qkv_proj) is covered by the parity test only

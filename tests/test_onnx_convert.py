@@ -15,7 +15,7 @@ from tiny_models import HEADS, sample_batch
 from headfold.converter import convert
 from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, position_ids
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 from headfold.graphs.onnx_convert import convert_onnx
 
 ATOL = 1e-4

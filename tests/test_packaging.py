@@ -30,7 +30,7 @@ def test_wheel_installs_namespaced_packages(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("headfold-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "headfold/converter/specs/llama.json" in names
-    assert "headfold/graphs/modeling.py" in names and "headfold/plugins/__init__.py" in names
+    assert "headfold/graphs/export.py" in names and "headfold/plugins/__init__.py" in names
     assert not any(n.split("/")[0] in ("converter", "graphs", "plugins", "tests") for n in names)
     assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
 

@@ -24,7 +24,7 @@ from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.per_layer import parse_kv_heads
 from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, position_ids
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 from headfold.graphs.onnx_convert import convert_onnx
 from headfold.verification.artifacts import attention_info
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from headfold.ground.errors import CheckFailed
 from headfold.graphs.export import decoder_graphs, torch_export
-from headfold.graphs.modeling import load_model
+from headfold.converter.modeling import load_model
 from headfold.graphs.rewrite import attention_nodes, decomposed, optimize, repeat_kv
 from headfold.graphs.rewrite.cleanup import cleanup, upgrade_opset
 

@@ -19,7 +19,7 @@ from onnxscript.rewriter import MatchResult, RewriteRuleSet, pattern
 from onnxscript.rewriter.ort_fusions import fused_matmul_rule_sets
 from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
-from headfold.graphs.rewrite._values import float_attr, int_attr
+from headfold.graphs.rewrite.values import float_attr, int_attr
 
 __all__ = ["fuse_for_ort"]
 

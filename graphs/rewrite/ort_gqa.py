@@ -25,7 +25,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
-from headfold.graphs.rewrite._values import dims, float_attr, gqa_problem, int_attr, same_dim
+from headfold.graphs.rewrite.values import dims, float_attr, gqa_problem, int_attr, same_dim
 
 DOMAIN = "com.microsoft"
 OP_TYPE = "GroupQueryAttention"

@@ -14,7 +14,7 @@ from typing import Literal
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
-from headfold.graphs.rewrite._values import dims, int_list, same_dims
+from headfold.graphs.rewrite.values import dims, int_list, same_dims
 
 RepeatOp = Literal["Expand", "Tile"]
 

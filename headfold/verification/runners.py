@@ -87,7 +87,7 @@ class TorchRunner(BaseRunner):
         self.model = None
 
     def activate_impl(self) -> None:
-        from headfold.graphs.modeling import load_model
+        from headfold.converter.modeling import load_model
 
         self.model = load_model(self.checkpoint)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule, pattern
 
-from headfold.graphs.rewrite._values import dims, float_attr, gqa_problem, int_attr
+from headfold.graphs.rewrite.values import dims, float_attr, gqa_problem, int_attr
 from headfold.graphs.trt_lint import RuleSet
 from headfold.plugins.gqa_decode_attention.reference import DOMAIN, OP_TYPE
 
