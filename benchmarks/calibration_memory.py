@@ -28,7 +28,8 @@ CHILD = """
 import json, re, sys, time
 from pathlib import Path
 import torch
-from headfold.converter import calibration, conversion, convert
+from headfold import convert
+from headfold.converter import calibration, conversion
 
 src, out, tokens, whole = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "whole"
 spent = {}

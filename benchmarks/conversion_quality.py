@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from headfold import corpus
-from headfold.converter import convert
+from headfold import convert
 from headfold.demo import default_model_path
 from headfold.converter.modeling import load_model
 from headfold.verification.metrics import compare, log_probs, windows

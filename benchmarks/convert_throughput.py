@@ -102,7 +102,7 @@ def _save(shards: list[dict[str, torch.Tensor]], folder: Path, last: bool = Fals
 CHILD = """
 import json, re, sys, time
 from pathlib import Path
-from headfold.converter import convert
+from headfold import convert
 start = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], int(sys.argv[3]), progress=False)
 seconds = time.perf_counter() - start

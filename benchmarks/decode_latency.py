@@ -26,7 +26,7 @@ import onnxruntime as ort
 import torch
 import transformers
 
-from headfold.converter import convert
+from headfold import convert
 from headfold.demo import default_model_path
 from headfold.graphs.export import attention_shape, decoder_graphs, export_graph
 from headfold.converter.modeling import load_model

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from headfold import corpus
-from headfold.converter import convert
+from headfold import convert
 from headfold.demo import default_model_path
 from headfold.distillation import distill
 

@@ -35,7 +35,7 @@ def parse_args() -> argparse.Namespace:
 
 def build_variant(kv: int, folder: Path, args: argparse.Namespace) -> Path:
     """Convert (unless kv is the model's own head count), export, build; the engine folder."""
-    from headfold.converter import convert
+    from headfold import convert
     from headfold.demo import default_model_path
     from headfold.engines.build import build
     from headfold.engines.env import Target

@@ -30,7 +30,7 @@ import onnxruntime_genai as og
 import torch
 import transformers
 
-from headfold.converter import convert
+from headfold import convert
 from headfold.graphs.export import export
 from headfold.ground.artifacts import GENAI_CONFIG
 

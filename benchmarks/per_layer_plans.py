@@ -20,7 +20,7 @@ from pathlib import Path
 from conversion_quality import embeddings  # same folder: run as a script
 
 from headfold import corpus
-from headfold.converter import convert
+from headfold import convert
 from headfold.demo import default_model_path
 from headfold.converter.modeling import load_model
 from headfold.inspection import inspect_checkpoint

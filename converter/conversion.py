@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from headfold import corpus
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.converter.calibration import attention_inputs, check_settings
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, rotary_dims
@@ -43,13 +42,15 @@ def convert(
     calibration_tokens: int = 4096,
     seed: int = 0,
     progress: bool = True,
+    builtin_text: str | None = None,
 ) -> Path:
     """Convert the checkpoint folder `source` to `kv_heads` K/V heads; return the output path.
 
     `kv_heads` is one count for every layer or one per layer; equal counts are the single count.
 
     Data-aware methods (grouped, aligned, refit) read activations on `calibration`: a text
-    file, None for the built-in offline text, or "weights" to work on the weights alone.
+    file, None for `builtin_text` (the caller's default text: `headfold.convert` and the CLI pass
+    the embedded corpus), or "weights" to work on the weights alone.
     Raises BadInput (nothing written) for anything wrong with the request or the source.
     """
     source = Path(source)
@@ -61,7 +62,7 @@ def convert(
         text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
         out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
         shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else default_shard_bytes(ckpt)
-        text = calibration_text(calibration) if recipe.data_aware else None
+        text = calibration_text(calibration, builtin_text) if recipe.data_aware else None
         contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)
         with atomic_output(out, overwrite=overwrite) as tmp:
             files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress)
@@ -133,10 +134,12 @@ def plan_outputs(ckpt: SourceCheckpoint, targets: list[HeadShape]) -> list[Plann
     return planned
 
 
-def calibration_text(calibration: str | Path | None) -> str | None:
-    """None → the built-in offline text; "weights" → no activations (weight-space methods)."""
+def calibration_text(calibration: str | Path | None, builtin: str | None) -> str | None:
+    """None → `builtin`, the caller's default text; "weights" → no activations (weight-space methods)."""
     if calibration is None:
-        return corpus.calibration_text()
+        if builtin is None:
+            raise BadInput("this method calibrates on text: pass calibration=TEXT_FILE, or \"weights\" for the weights alone")
+        return builtin
     if str(calibration) == "weights":
         return None
     return read_text(Path(calibration), "--calibration")

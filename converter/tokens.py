@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from headfold import corpus
 from headfold.converter.checkpoint import check_links
 from headfold.ground.errors import BadInput
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
-BYTE_VOCAB = corpus.VOCAB_SIZE
+BYTE_VOCAB = 256  # a byte-level model: token = UTF-8 byte
 MAX_TEXT_BYTES = 64 << 20  # far more text than any check or calibration uses; /dev/zero is not text
 
 
@@ -28,12 +27,17 @@ class Tokenizer:
     name: str  # for reports: "bytes" or "AutoTokenizer(GPT2Tokenizer)"
 
 
+def encode_bytes(text: str) -> list[int]:
+    """Byte-level tokenization: one token per UTF-8 byte."""
+    return list(text.encode("utf-8"))
+
+
 def find_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer | None:
     """The checkpoint's own tokenizer, bytes for a byte-level model, None when it has neither."""
     if any((folder / name).is_file() for name in TOKENIZER_FILES):
         return _transformers_tokenizer(folder, vocab_size)
     if vocab_size == BYTE_VOCAB:
-        return Tokenizer(corpus.encode, "bytes")
+        return Tokenizer(encode_bytes, "bytes")
     return None
 
 

@@ -11,11 +11,17 @@ from headfold.ground import VERSION as __version__
 __all__ = ["convert", "distill", "load_model", "verify", "run", "__version__"]
 
 
-def __getattr__(name: str):  # lazy: `import headfold` stays cheap
-    if name == "convert":
-        from headfold.converter import convert
+def convert(source, output, kv_heads, method: str = "mean", **options):
+    """`headfold.converter.convert`, with the embedded corpus as the calibration text when
+    `calibration` is None (as `headfold convert` does); the options are the same."""
+    from headfold import corpus
+    from headfold.converter import convert as convert_checkpoint
 
-        return convert
+    options.setdefault("builtin_text", corpus.calibration_text())
+    return convert_checkpoint(source, output, kv_heads, method, **options)
+
+
+def __getattr__(name: str):  # lazy: `import headfold` stays cheap
     if name == "distill":
         from headfold.distillation import distill
 

@@ -101,9 +101,10 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
         summary = convert_onnx(src, out, kv_heads, method, overwrite=options["overwrite"])
         click.echo(f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})")
         return
+    from headfold import corpus
     from headfold.converter import convert as run_convert
 
-    result = run_convert(src, out, kv_heads, method, max_shard_size=shard_size, progress=not quiet, **options)
+    result = run_convert(src, out, kv_heads, method, max_shard_size=shard_size, progress=not quiet, builtin_text=corpus.calibration_text(), **options)
     click.echo(f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})")
 
 

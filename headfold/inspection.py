@@ -342,7 +342,7 @@ def _measure(
     from headfold.converter.modeling import load_model
 
     model = load_model(ckpt.folder, dtype=torch.float32)
-    fit_text = calibration_text(calibration)  # None under --calibration weights: methods see weights only
+    fit_text = calibration_text(calibration, corpus.calibration_text())  # None under --calibration weights: methods see weights only
     ids = token_ids(ckpt.folder, fit_text if fit_text is not None else corpus.calibration_text(), model.config.vocab_size)
     windows = choose_windows(ids, tokens, seed, fit=fit_text is not None)
     contexts = layer_contexts(ckpt, None, 0, seed, False)  # RoPE dims and K rules, no inputs yet

@@ -181,13 +181,14 @@ def _run_stages(
     src: Path, out: Path, ledger: Ledger, kv_heads: int | Sequence[int], method: str, opset: int, dtype: str,
     inputs: InputSpec, thresholds: Thresholds, budgets: dict, text: str, log: Log, distill: DistillStage | None = None,
 ) -> Report:  # fmt: skip
+    from headfold import corpus
     from headfold.converter import convert
     from headfold.graphs.export import export
 
     converted, onnx_dir, engines, verified = (out / s for s in ("convert", "export", "build", "verify"))
     conv_inputs = {"source": tree_digest(src), "kv_heads": kv_heads, "method": method}
     conv_digest, done = _stage(
-        ledger, "convert", conv_inputs, converted, lambda: convert(src, converted, kv_heads, method, overwrite=True, progress=False), log
+        ledger, "convert", conv_inputs, converted, lambda: convert(src, converted, kv_heads, method, overwrite=True, progress=False, builtin_text=corpus.calibration_text()), log
     )
     stages = {"convert": _status(done)}
     if distill is not None:  # the distilled checkpoint replaces the converted one downstream

@@ -14,7 +14,7 @@ from checkpoint_edits import edit_attention, identical_heads
 from safetensors import safe_open
 from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
-from headfold.converter import convert
+from headfold import convert
 from headfold.converter.modeling import load_model
 
 NATIVE_GQA = ("llama", "mistral", "qwen2", "qwen3", "phi3")

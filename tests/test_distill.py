@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import headfold
 from headfold import corpus
 from headfold.cli import main
-from headfold.converter import convert
+from headfold import convert
 from headfold.demo import default_model_path
 from headfold.distillation import distill
 from headfold.distillation.data import builtin_source, encoder_for, file_source, windows

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from headfold.cli import main
-from headfold.converter import convert
+from headfold import convert
 from headfold.engines import env
 from headfold.engines.build import attention_verdict, config_arguments
 from headfold.engines.env import Target, engine_support, target_for

@@ -13,7 +13,7 @@ import transformers
 from ort_decoding import ort_greedy, session
 from tiny_models import ENCODERS, HEADS, sample_batch
 
-from headfold.converter import convert
+from headfold import convert
 from headfold.ground.errors import BadInput, CheckFailed
 from headfold.graphs import rewrite
 from headfold.graphs.export import export, position_ids

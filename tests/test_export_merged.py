@@ -14,7 +14,7 @@ import torch
 from ort_decoding import session
 from tiny_models import HEADS
 
-from headfold.converter import convert
+from headfold import convert
 from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, position_ids
 from headfold.converter.modeling import load_model

@@ -18,7 +18,7 @@ import torch
 import transformers
 from ort_decoding import ort_greedy, session
 
-from headfold.converter import convert
+from headfold import convert
 from headfold.corpus import encode, heldout_text
 from headfold.demo import default_model_path
 from headfold.graphs.export import export, position_ids

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from headfold import corpus
-from headfold.converter import convert
+from headfold import convert
 from headfold.graphs.export import export
 from headfold.ground.artifacts import GENAI_CONFIG as CONFIG_FILE
 from headfold.converter.modeling import load_model

@@ -93,7 +93,7 @@ def test_identical_heads_predict_no_loss(method: str, tiny_checkpoint, tmp_path:
 def test_prediction_equals_a_real_conversion(tmp_path: Path) -> None:
     """The plan measured with every layer swapped in equals `convert` then loading the GQA model."""
     from headfold import corpus
-    from headfold.converter import convert
+    from headfold import convert
     from headfold.converter.calibration import token_ids
     from headfold.converter.modeling import load_model
 
@@ -207,7 +207,7 @@ def test_overwrite_replaces_outputs(tiny_checkpoint, tmp_path: Path) -> None:
 
 
 def test_per_layer_source_is_refused(tiny_checkpoint, tmp_path: Path, capsys) -> None:
-    from headfold.converter import convert
+    from headfold import convert
 
     mixed = convert(byte_level(tiny_checkpoint, "llama"), tmp_path / "mixed", (4, 2), progress=False)
     code, err = run_inspect(mixed, capsys=capsys)

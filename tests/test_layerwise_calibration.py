@@ -13,7 +13,8 @@ import torch
 from test_convert import read_tensors
 from tiny_models import FAMILIES, VOCAB
 
-from headfold.converter import calibration, convert, layerwise
+from headfold import convert
+from headfold.converter import calibration, layerwise
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.modeling import load_model
 from headfold.ground.errors import BadInput

@@ -12,7 +12,8 @@ from checkpoint_edits import edit_attention
 from test_convert import outputs
 from tiny_models import HEADS
 
-from headfold.converter import alignment, convert
+from headfold import convert
+from headfold.converter import alignment
 from headfold.converter.layout import AttentionWeights
 from headfold.converter.methods import LayerContext, align, get_method, head_activations, permute
 from headfold.ground.errors import BadInput

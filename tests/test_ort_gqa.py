@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from headfold.converter import convert
+from headfold import convert
 from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, save
 from headfold.graphs.rewrite import optimize, ort_gqa

@@ -19,7 +19,7 @@ from ort_decoding import ort_greedy, session
 from tiny_models import ENCODERS, HEADS, sample_batch
 
 from headfold.cli import main
-from headfold.converter import convert
+from headfold import convert
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.per_layer import parse_kv_heads
 from headfold.ground.errors import BadInput

@@ -15,7 +15,7 @@ import transformers
 
 from headfold import corpus
 from headfold.cli import main
-from headfold.converter import convert
+from headfold import convert
 from headfold.demo import default_model_path
 from headfold.pipeline import run
 from headfold.verification import InputSpec, Thresholds, verify

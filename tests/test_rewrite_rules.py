@@ -172,7 +172,7 @@ def test_decomposed_attention_needs_a_constant_scale() -> None:
 @pytest.fixture(scope="module")
 def eager_llama_gqa(tiny_checkpoint, tmp_path_factory):
     """A kv-2 tiny llama prefill exported with eager attention: decomposed, with repeat_kv."""
-    from headfold.converter import convert
+    from headfold import convert
 
     folder = convert(tiny_checkpoint("llama"), tmp_path_factory.mktemp("llama") / "kv2", KV, progress=False)
     model = load_model(folder)

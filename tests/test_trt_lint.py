@@ -10,7 +10,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from headfold.converter import convert
+from headfold import convert
 from headfold.ground.errors import BadInput
 from headfold.graphs.export import export
 from headfold.graphs.trt_lint import format_table, lint, lint_export, rule_set

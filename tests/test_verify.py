@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from headfold.cli import main
-from headfold.converter import convert
+from headfold import convert
 from headfold.ground.errors import BadInput
 from headfold.graphs.export import export
 from headfold.verification import InputSpec, verify

@@ -17,7 +17,7 @@ import onnx_ir as ir
 import pytest
 
 from headfold.cli import main
-from headfold.converter import convert
+from headfold import convert
 from headfold.graphs.export import export
 from headfold.verification import InputSpec, verify
 from headfold.verification.budget import fidelity_budget
