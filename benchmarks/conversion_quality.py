@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from headfold import corpus
-from headfold import convert
-from headfold.demo import default_model_path
+from headfold import convert, corpus
 from headfold.converter.modeling import load_model
+from headfold.demo import default_model_path
 from headfold.verification.metrics import compare, log_probs, windows
 
 METHODS = ("first", "mean", "aligned", "grouped", "aligned+grouped", "refit", "aligned+refit", "aligned+grouped+refit")

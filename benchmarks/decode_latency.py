@@ -27,9 +27,9 @@ import torch
 import transformers
 
 from headfold import convert
+from headfold.converter.modeling import load_model
 from headfold.demo import default_model_path
 from headfold.graphs.export import attention_shape, decoder_graphs, export_graph
-from headfold.converter.modeling import load_model
 
 
 def synthetic_checkpoint(folder: Path, layers: int, heads: int, head_dim: int, vocab: int) -> Path:

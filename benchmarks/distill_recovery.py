@@ -18,8 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from headfold import corpus
-from headfold import convert
+from headfold import convert, corpus
 from headfold.demo import default_model_path
 from headfold.distillation import distill
 

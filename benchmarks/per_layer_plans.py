@@ -19,10 +19,9 @@ from pathlib import Path
 
 from conversion_quality import embeddings  # same folder: run as a script
 
-from headfold import corpus
-from headfold import convert
-from headfold.demo import default_model_path
+from headfold import convert, corpus
 from headfold.converter.modeling import load_model
+from headfold.demo import default_model_path
 from headfold.inspection import inspect_checkpoint
 from headfold.verification.metrics import compare, log_probs, windows
 

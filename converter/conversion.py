@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from headfold.ground.atomic import atomic_output, check_output
 from headfold.converter.calibration import attention_inputs, check_settings
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, rotary_dims
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
@@ -22,6 +21,7 @@ from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.tokens import read_text
 from headfold.converter.writer import PlannedTensor, ShardedWriter
 from headfold.ground.artifacts import MANIFEST
+from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput, read_json_object
 from headfold.ground.hashing import sha256_file, versions
 

@@ -42,9 +42,9 @@ from transformers.models.opt.modeling_opt import eager_attention_forward as opt_
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 from transformers.pytorch_utils import Conv1D
 
+from headfold.converter.checkpoint import inside, validated_config
 from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
-from headfold.converter.checkpoint import inside, validated_config
 from headfold.converter.spec import spec_for
 from headfold.ground.errors import BadInput
 

@@ -29,16 +29,16 @@ from torch.export import Dim
 from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
-from headfold.ground.atomic import atomic_output, check_output
-from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse
-from headfold.ground.artifacts import EXPORT_SUMMARY
-from headfold.ground.errors import BadInput
-from headfold.graphs.genai import write_model_folder
 from headfold.converter.modeling import load_model
+from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse
+from headfold.graphs.genai import write_model_folder
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
+from headfold.ground.artifacts import EXPORT_SUMMARY
+from headfold.ground.atomic import atomic_output, check_output
+from headfold.ground.errors import BadInput
 
 __all__ = [
     "export",

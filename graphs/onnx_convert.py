@@ -25,13 +25,13 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 import torch
 
-from headfold.ground.atomic import check_output, staging_folder
 from headfold.converter.conversion import target_shape
 from headfold.converter.layout import AttentionWeights, HeadShape, merge_heads, split_heads
 from headfold.converter.methods import Recipe, get_method
 from headfold.converter.per_layer import collapse, expand
-from headfold.ground.errors import BadInput
 from headfold.graphs.rewrite import attention_nodes, check_attention
+from headfold.ground.atomic import check_output, staging_folder
+from headfold.ground.errors import BadInput
 
 __all__ = ["convert_onnx"]
 

@@ -18,9 +18,9 @@ from typing import Literal
 
 import onnx_ir as ir
 
+from headfold.graphs.trt_ops import MIN_OPSET, RELEASES, TYPED_INPUT
 from headfold.ground.artifacts import EXPORT_SUMMARY, read_export_summary
 from headfold.ground.errors import BadInput
-from headfold.graphs.trt_ops import MIN_OPSET, RELEASES, TYPED_INPUT
 
 __all__ = ["Finding", "LintReport", "RuleSet", "rule_set", "lint", "lint_export", "format_table", "export_table"]
 

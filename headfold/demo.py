@@ -6,8 +6,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from headfold.ground.atomic import scratch_dir
 from headfold.distillation.stage import DistillStage
+from headfold.ground.atomic import scratch_dir
 from headfold.pipeline import Log, run
 from headfold.verification.inputs import InputSpec
 from headfold.verification.report import Report

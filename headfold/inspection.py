@@ -28,13 +28,13 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from headfold import corpus
-from headfold.ground.atomic import atomic_output, check_output
 from headfold.converter.calibration import WINDOW, calibrate, check_settings, sample_windows, token_ids, window_starts
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import calibration_text, layer_contexts
 from headfold.converter.layout import AttentionCodec, AttentionWeights
 from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, get_method, head_activations
 from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
+from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
 from headfold.verification.metrics import log_probs
 

@@ -19,10 +19,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from headfold.ground.atomic import atomic_output, check_disjoint, output_lock
 from headfold.engines.env import engine_support
 from headfold.ground import VERSION
 from headfold.ground.artifacts import LEDGER
+from headfold.ground.atomic import atomic_output, check_disjoint, output_lock
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.verification.artifacts import resolve

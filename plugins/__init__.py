@@ -23,8 +23,8 @@ import onnx_ir as ir
 from onnx.reference.op_run import OpRun
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
 
-from headfold.ground.errors import BadInput
 from headfold.graphs.trt_lint import rule_set
+from headfold.ground.errors import BadInput
 from headfold.plugins import gqa_decode_attention
 from headfold.plugins._spec import PluginOp
 

@@ -16,9 +16,8 @@ import transformers
 from safetensors.torch import load_file
 
 import headfold
-from headfold import corpus
+from headfold import convert, corpus
 from headfold.cli import main
-from headfold import convert
 from headfold.demo import default_model_path
 from headfold.distillation import distill
 from headfold.distillation.data import builtin_source, encoder_for, file_source, windows

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from headfold.cli import main
 from headfold import convert
+from headfold.cli import main
 from headfold.engines import env
 from headfold.engines.build import attention_verdict, config_arguments
 from headfold.engines.env import Target, engine_support, target_for
@@ -28,12 +28,12 @@ from headfold.engines.plan import (
     parse_range,
     sidecar_path,
 )
-from headfold.verification.tensorrt_runner import pick_profile
 from headfold.engines.sidecar import KEYS, make_sidecar, read_sidecar, source_onnx
-from headfold.ground.errors import BadInput
 from headfold.graphs.export import export
 from headfold.graphs.trt_lint import lint_export
+from headfold.ground.errors import BadInput
 from headfold.verification.artifacts import check_kind, resolve
+from headfold.verification.tensorrt_runner import pick_profile
 
 pytestmark = pytest.mark.slow  # exports a tiny model per family
 

@@ -14,10 +14,10 @@ from ort_decoding import ort_greedy, session
 from tiny_models import ENCODERS, HEADS, sample_batch
 
 from headfold import convert
-from headfold.ground.errors import BadInput, CheckFailed
+from headfold.converter.modeling import load_model
 from headfold.graphs import rewrite
 from headfold.graphs.export import export, position_ids
-from headfold.converter.modeling import load_model
+from headfold.ground.errors import BadInput, CheckFailed
 
 ATOL = 1e-4
 NEW_TOKENS = 16

@@ -15,9 +15,9 @@ from ort_decoding import session
 from tiny_models import HEADS
 
 from headfold import convert
-from headfold.ground.errors import BadInput
-from headfold.graphs.export import export, position_ids
 from headfold.converter.modeling import load_model
+from headfold.graphs.export import export, position_ids
+from headfold.ground.errors import BadInput
 
 ATOL = 1e-4
 LAYERS = 2

@@ -19,10 +19,10 @@ import transformers
 from ort_decoding import ort_greedy, session
 
 from headfold import convert
+from headfold.converter.modeling import load_model
 from headfold.corpus import encode, heldout_text
 from headfold.demo import default_model_path
 from headfold.graphs.export import export, position_ids
-from headfold.converter.modeling import load_model
 
 pytestmark = pytest.mark.slow
 

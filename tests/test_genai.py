@@ -19,11 +19,10 @@ import onnx
 import pytest
 import torch
 
-from headfold import corpus
-from headfold import convert
+from headfold import convert, corpus
+from headfold.converter.modeling import load_model
 from headfold.graphs.export import export
 from headfold.ground.artifacts import GENAI_CONFIG as CONFIG_FILE
-from headfold.converter.modeling import load_model
 
 og = pytest.importorskip("onnxruntime_genai")
 

@@ -22,9 +22,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from headfold.ground.atomic import atomic_output, check_output, output_lock, scratch_dir
 from headfold.cli import main
 from headfold.demo import default_model_path
+from headfold.ground.atomic import atomic_output, check_output, output_lock, scratch_dir
 from headfold.ground.errors import BadInput
 
 HEADFOLD = Path(sys.executable).with_name("headfold")

@@ -13,8 +13,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
-from headfold.ground.errors import BadInput
 from headfold.converter.modeling import load_model
+from headfold.ground.errors import BadInput
 
 NON_NATIVE = ("gpt2", "gpt_neox", "opt", "bert", "roberta")
 NATIVE = ("llama", "mistral", "qwen2", "qwen3")  # phi3 (fused qkv_proj) is covered by the parity test only

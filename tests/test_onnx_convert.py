@@ -13,10 +13,10 @@ from onnx import TensorProto, helper
 from tiny_models import HEADS, sample_batch
 
 from headfold import convert
-from headfold.ground.errors import BadInput
-from headfold.graphs.export import export, position_ids
 from headfold.converter.modeling import load_model
+from headfold.graphs.export import export, position_ids
 from headfold.graphs.onnx_convert import convert_onnx
+from headfold.ground.errors import BadInput
 
 ATOL = 1e-4
 STEPS = 6

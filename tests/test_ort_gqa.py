@@ -13,9 +13,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from headfold import convert
-from headfold.ground.errors import BadInput
 from headfold.graphs.export import export, save
 from headfold.graphs.rewrite import optimize, ort_gqa
+from headfold.ground.errors import BadInput
 
 KV, LAYERS, STEPS = 2, 2, 8
 ATOL = 1e-4

@@ -18,14 +18,14 @@ from checkpoint_edits import edit_attention, identical_heads
 from ort_decoding import ort_greedy, session
 from tiny_models import ENCODERS, HEADS, sample_batch
 
-from headfold.cli import main
 from headfold import convert
+from headfold.cli import main
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.converter.per_layer import parse_kv_heads
-from headfold.ground.errors import BadInput
-from headfold.graphs.export import export, position_ids
 from headfold.converter.modeling import load_model
+from headfold.converter.per_layer import parse_kv_heads
+from headfold.graphs.export import export, position_ids
 from headfold.graphs.onnx_convert import convert_onnx
+from headfold.ground.errors import BadInput
 from headfold.verification.artifacts import attention_info
 
 MIXED = (4, 2)

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from headfold import corpus
+from headfold import convert, corpus
 from headfold.cli import main
-from headfold import convert
 from headfold.demo import default_model_path
 from headfold.pipeline import run
 from headfold.verification import InputSpec, Thresholds, verify

@@ -16,9 +16,9 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnxscript.rewriter import pattern
 
-from headfold.ground.errors import BadInput
 from headfold.graphs.export import export
 from headfold.graphs.trt_lint import lint
+from headfold.ground.errors import BadInput
 from headfold.plugins import emit, plan_plugins, reference_ops, register_tensorrt
 from headfold.plugins.gqa_decode_attention import (
     DOMAIN,

@@ -16,11 +16,11 @@ from onnxscript.rewriter import RewriteRule
 from onnxscript.rewriter.testing import assert_numerically_equal
 from torch import nn
 
-from headfold.ground.errors import CheckFailed
-from headfold.graphs.export import decoder_graphs, torch_export
 from headfold.converter.modeling import load_model
+from headfold.graphs.export import decoder_graphs, torch_export
 from headfold.graphs.rewrite import attention_nodes, decomposed, optimize, repeat_kv
 from headfold.graphs.rewrite.cleanup import cleanup, upgrade_opset
+from headfold.ground.errors import CheckFailed
 
 B, H, KV, S, D = 2, 8, 2, 5, 4
 G = H // KV

@@ -11,9 +11,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from headfold import convert
-from headfold.ground.errors import BadInput
 from headfold.graphs.export import export
 from headfold.graphs.trt_lint import format_table, lint, lint_export, rule_set
+from headfold.ground.errors import BadInput
 
 Q_SHAPE, KV_SHAPE = [1, 8, 5, 16], [1, 2, 5, 16]
 

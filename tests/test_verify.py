@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from headfold.cli import main
 from headfold import convert
-from headfold.ground.errors import BadInput
+from headfold.cli import main
 from headfold.graphs.export import export
+from headfold.ground.errors import BadInput
 from headfold.verification import InputSpec, verify
 from headfold.verification.artifacts import check_kind, resolve
 from headfold.verification.budget import fidelity_budget, load_budget_file, loss_budget, parse_fraction

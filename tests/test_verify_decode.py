@@ -16,8 +16,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from headfold.cli import main
 from headfold import convert
+from headfold.cli import main
 from headfold.graphs.export import export
 from headfold.verification import InputSpec, verify
 from headfold.verification.budget import fidelity_budget

@@ -20,9 +20,9 @@ import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
 
 from headfold.converter.per_layer import collapse, expand
-from headfold.ground.errors import BadInput, CheckFailed
 from headfold.graphs.rewrite import decomposed, ort_gqa, repeat_kv
 from headfold.graphs.rewrite.cleanup import cleanup, deduplicate, upgrade_opset
+from headfold.ground.errors import BadInput, CheckFailed
 
 __all__ = [
     "RULES",

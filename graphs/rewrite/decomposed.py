@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from onnxscript.rewriter import MatchResult, pattern
 
-from headfold.graphs.rewrite.values import dims, same_dim, same_dims, scalar
 from headfold.graphs.rewrite.cleanup import ATTENTION_OPSET
+from headfold.graphs.rewrite.values import dims, same_dim, same_dims, scalar
 
 
 class FuseDecomposedAttention(pattern.RewriteRuleClassBase):

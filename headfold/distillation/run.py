@@ -21,14 +21,14 @@ from typing import Any
 import torch
 
 from headfold import corpus
-from headfold.ground.atomic import atomic_output, check_output
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.distillation import output, state
 from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, file_source
 from headfold.distillation.objective import Objective
-from headfold.distillation.trainer import Trainer
 from headfold.distillation.trainable import TRAIN_MODES, merged, select, trainable_state
+from headfold.distillation.trainer import Trainer
 from headfold.ground.artifacts import MANIFEST
+from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 

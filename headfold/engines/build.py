@@ -19,10 +19,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from headfold.ground.atomic import atomic_output, check_output, scratch_dir
 from headfold.engines.env import Target, engine_support
 from headfold.engines.plan import BuildPlan, GraphPlan, make_plan, sidecar_path
 from headfold.engines.sidecar import make_sidecar
+from headfold.ground.atomic import atomic_output, check_output, scratch_dir
 from headfold.ground.errors import BadInput, CheckFailed
 
 Log = Callable[[str], None]

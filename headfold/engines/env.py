@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from headfold.ground.errors import BadInput
 from headfold.graphs.trt_lint import RULE_SETS, rule_set
+from headfold.ground.errors import BadInput
 
 ASSUMED = "dry run: features assumed for this release"
 

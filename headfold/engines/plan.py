@@ -23,13 +23,13 @@ from typing import Any
 
 import onnx_ir as ir
 
-from headfold.engines.env import Target
 from headfold.converter.config import position_limit, read_config
+from headfold.engines.env import Target
+from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
+from headfold.graphs.trt_lint import Finding, LintReport, lint
 from headfold.ground.artifacts import EXPORT_SUMMARY, graph_source, read_export_summary
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
-from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
-from headfold.graphs.trt_lint import Finding, LintReport, lint
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 ENGINE_SUFFIX = ".engine"
