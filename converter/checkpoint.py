@@ -1,8 +1,12 @@
-"""Reading a Hugging Face checkpoint folder lazily, tensor by tensor, after validating it.
+"""A Hugging Face checkpoint folder: its facts read and checked once, its tensors read lazily.
 
-Everything a conversion needs to refuse is checked here, before anything is written:
-links and index entries leading out of the folder, config values, weight files (headers,
-truncation, pickles, quantization), head counts and every attention tensor's shape and dtype.
+`CheckpointFacts` is what every stage (convert, load_model, export, verify, inspect, build) knows
+about a checkpoint: config and family spec, per-layer heads and kv heads, head_dim, rotary, dtype,
+position limit, tokenizer location and the tensor index of the weight files' headers. It is the
+one reader of config.json and of those headers, so a fault has one error message everywhere.
+
+`SourceCheckpoint` adds what converting needs on top: a supported family, every attention
+tensor located and its shape and dtype checked, tensors read one at a time.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 import re
 import struct
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,10 @@ QUANTIZATION_TENSORS = {
     "bitsandbytes": ("SCB", "weight_format", "absmax", "quant_map", "quant_state"),
 }
 DEQUANTIZE = "headfold pools floating-point weights: dequantize first (e.g. load with transformers and save_pretrained in bf16)"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
+# Leave room for position offsets such as RoBERTa's padding_idx + 1.
+SPARE_POSITIONS = 2
+COMMON_KEYS = ConfigKeys("num_attention_heads", "hidden_size", "num_hidden_layers")  # families without a spec
 WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|onnx_data|onnx\.data|ot|gguf)$|.*\.(safetensors|bin)\.index\.json$")
 
 
@@ -143,22 +151,13 @@ def check_config(config: dict[str, Any], spec: ArchitectureSpec | None) -> None:
     if quantization := config.get("quantization_config"):
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         raise BadInput(f"config.json has a quantization_config (quant_method {method!r}): {DEQUANTIZE}")
-    keys = spec.config if spec else ConfigKeys("num_attention_heads", "hidden_size", "num_hidden_layers")
+    keys = spec.config if spec else COMMON_KEYS
     for key in (keys.heads, keys.hidden, keys.layers, keys.kv_heads, keys.head_dim, "vocab_size", "intermediate_size", "max_position_embeddings", "n_positions"):
         if key and config.get(key) is not None:
             _positive_int(config, key)
     if config.get(keys.layers, 0) > MAX_LAYERS:
         raise BadInput(f"config.json: {keys.layers!r} is {config[keys.layers]}, more than {MAX_LAYERS}; fix config.json")
     _check_rope(config)
-
-
-def validated_config(folder: Path) -> dict[str, Any]:
-    """config.json of a checkpoint folder that links nowhere outside itself, its values checked."""
-    check_links(folder)
-    config = read_config(folder)
-    model_type = config.get("model_type")
-    check_config(config, spec_for(model_type) if model_type in supported_model_types() else None)
-    return config
 
 
 def _check_rope(config: dict[str, Any]) -> None:
@@ -195,8 +194,8 @@ def _positive_int(config: dict[str, Any], key: str) -> int:
     return value
 
 
-def head_shape(config: dict[str, Any], spec: ArchitectureSpec) -> HeadShape:
-    keys = spec.config
+def head_shape(config: dict[str, Any], keys: ConfigKeys) -> HeadShape:
+    """Heads, kv heads (the largest layer's) and head_dim under a family's config key names."""
     heads = _positive_int(config, keys.heads)
     kv_heads = _positive_int(config, keys.kv_heads) if config.get(keys.kv_heads) is not None else heads
     hidden = _positive_int(config, keys.hidden)
@@ -207,23 +206,122 @@ def head_shape(config: dict[str, Any], spec: ArchitectureSpec) -> HeadShape:
     else:
         head_dim = hidden // heads
     if heads % kv_heads:
-        raise BadInput(f"config.json: {heads} heads are not divisible by {kv_heads} kv heads")
+        raise BadInput(f"config.json: {keys.kv_heads}={kv_heads} must divide {keys.heads}={heads}; fix config.json")
     return HeadShape(heads, kv_heads, head_dim)
 
 
-def layer_head_shapes(config: dict[str, Any], shape: HeadShape, layers: int) -> tuple[HeadShape, ...]:
-    """Each layer's head shape: a chained conversion's source may hold per-layer kv heads."""
-    per_layer = config_kv_heads(shape.kv_heads, config.get(KV_HEADS_PER_LAYER), shape.heads, layers)
-    return tuple(HeadShape(shape.heads, kv, shape.head_dim) for kv in per_layer)
+@dataclass(frozen=True)
+class Rotary:
+    """RoPE as the config states it (partial rotary under its several names)."""
+
+    dims: int  # leading head dims RoPE rotates; 0 without RoPE
+    fraction: float  # of head_dim; 0.0 without RoPE
+    theta: float | None  # base frequency; None: transformers' default for the family
 
 
-def rotary_dims(config: dict[str, Any], spec: ArchitectureSpec, head_dim: int) -> int:
-    """Leading head dims RoPE rotates (0 without RoPE); partial rotary under its several config names."""
-    if not spec.rope:
-        return 0
+def rotary_of(config: dict[str, Any], spec: ArchitectureSpec | None, head_dim: int) -> Rotary:
+    if spec is None or not spec.rope:
+        return Rotary(0, 0.0, None)
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     fraction = params.get("partial_rotary_factor") or config.get("partial_rotary_factor") or config.get("rotary_pct") or 1.0
-    return int(head_dim * fraction) // 2 * 2
+    theta = params.get("rope_theta") or config.get("rope_theta") or config.get("rotary_emb_base")
+    return Rotary(int(head_dim * fraction) // 2 * 2, float(fraction), theta)
+
+
+def tokenizer_location(folder: Path) -> Path | None:
+    """Where a checkpoint's tokenizer files are: its folder when it holds any, else None."""
+    return folder if any((folder / name).is_file() for name in TOKENIZER_FILES) else None
+
+
+def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    """The dtype config.json declares (transformers writes "dtype", older versions "torch_dtype")."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+@dataclass(frozen=True)
+class TensorIndex:
+    """The weight files' headers: each tensor's dtype, shape, file and byte offset, no data read."""
+
+    files: list[Path]
+    tensors: dict[str, TensorInfo]
+    pickles: dict[Path, dict[str, torch.Tensor]]  # weights-only pickles, loaded (mmap) only when allowed
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What every stage knows about a checkpoint folder, read from config.json and checked once.
+
+    Build it with `CheckpointFacts.read(folder)`; the tensor index is read on first use.
+    """
+
+    folder: Path
+    config: dict[str, Any]
+    spec: ArchitectureSpec | None  # None: a transformers family headfold loads but does not convert
+    layers: int
+    heads: int
+    kv_heads: tuple[int, ...]  # per layer
+    head_dim: int
+    hidden: int
+    rotary: Rotary
+    dtype: torch.dtype | None  # as config.json declares it
+    positions: int | None  # max_position_embeddings / n_positions
+    vocab_size: int | None
+    tokenizer: Path | None  # the folder holding tokenizer files; None without any
+    _indexes: dict[bool, TensorIndex] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike, *, convertible: bool = False) -> CheckpointFacts:
+        """BadInput for a missing, corrupt or linked-out config or impossible values; `convertible`:
+        also for a family headfold does not convert (before its values are checked)."""
+        folder = Path(folder)
+        if not _is_dir(folder):
+            raise BadInput(f"source {folder} is not a folder; pass a Hugging Face checkpoint folder")
+        check_links(folder)
+        config = read_config(folder)
+        model_type = config.get("model_type")
+        spec = spec_for(model_type) if convertible or model_type in supported_model_types() else None
+        check_config(config, spec)
+        keys = spec.config if spec else COMMON_KEYS
+        shape = head_shape(config, keys)
+        layers = _positive_int(config, keys.layers)
+        return cls(
+            folder=folder,
+            config=config,
+            spec=spec,
+            layers=layers,
+            heads=shape.heads,
+            kv_heads=config_kv_heads(shape.kv_heads, config.get(KV_HEADS_PER_LAYER), shape.heads, layers),
+            head_dim=shape.head_dim,
+            hidden=config[keys.hidden],
+            rotary=rotary_of(config, spec, shape.head_dim),
+            dtype=_config_dtype(config),
+            positions=config.get("max_position_embeddings") or config.get("n_positions"),
+            vocab_size=config.get("vocab_size"),
+            tokenizer=tokenizer_location(folder),
+        )
+
+    @property
+    def shape(self) -> HeadShape:
+        """Heads, the largest layer's kv heads, head_dim."""
+        return HeadShape(self.heads, max(self.kv_heads), self.head_dim)
+
+    @property
+    def layer_shapes(self) -> tuple[HeadShape, ...]:
+        """Each layer's head shape: a chained conversion's source may hold per-layer kv heads."""
+        return tuple(HeadShape(self.heads, kv, self.head_dim) for kv in self.kv_heads)
+
+    @property
+    def position_limit(self) -> int | None:
+        """The longest sequence the model takes, less SPARE_POSITIONS (None when the config has no limit)."""
+        return self.positions - SPARE_POSITIONS if self.positions else None
+
+    def tensor_index(self, *, allow_pickle: bool = False) -> TensorIndex:
+        """The weight files and their headers, validated; read once per pickle choice."""
+        if allow_pickle not in self._indexes:
+            self._indexes[allow_pickle] = read_tensor_index(self.folder, allow_pickle)
+        return self._indexes[allow_pickle]
 
 
 def _safetensors_header(file: Path) -> list[TensorInfo]:
@@ -233,7 +331,7 @@ def _safetensors_header(file: Path) -> list[TensorInfo]:
     try:
         safe_open(file, framework="pt")  # checks header, dtypes and that the data is complete
     except (SafetensorError, OSError) as e:
-        raise BadInput(f"{file} is unreadable or truncated ({e}); download it again") from None
+        raise BadInput(f"cannot read {file}: unreadable or truncated ({e}); download it again") from None
     with open(file, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
@@ -271,76 +369,79 @@ def _check_tensor(info: TensorInfo) -> None:
         raise BadInput(f"tensor {info.name} in {info.file.name} has shape {list(info.shape)} with a 0-size dimension; re-save or download the checkpoint again")
 
 
+def read_tensor_index(folder: Path, allow_pickle: bool) -> TensorIndex:
+    """Every tensor's header entry, after checking the weight files (index, shards, truncation, format)."""
+    files, index_names = _find_weight_files(folder, allow_pickle)
+    tensors: dict[str, TensorInfo] = {}
+    pickles: dict[Path, dict[str, torch.Tensor]] = {}
+    for file in files:  # pickles only when allowed: _find_weight_files decides the format
+        if file.suffix == ".safetensors":
+            infos = _safetensors_header(file)
+        else:
+            pickles[file] = _load_pickle(file)
+            infos = [TensorInfo(n, t.dtype, tuple(t.shape), file) for n, t in pickles[file].items()]
+        for info in infos:  # a source's tensors, whatever their format; the header parse itself stays neutral
+            _check_tensor(info)
+        tensors.update((t.name, t) for t in infos)
+    if missing := index_names - set(tensors):
+        raise BadInput(f"the weight index names {len(missing)} tensor(s) absent from the shards (e.g. {min(missing)}); the checkpoint is incomplete")
+    return TensorIndex(files, tensors, pickles)
+
+
+def _find_weight_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], set[str]]:
+    """The weight files, and the tensor names their index promises (none without an index)."""
+    if (folder / SAFETENSORS_INDEX).is_file():
+        files, names = _files_from_index(folder, folder / SAFETENSORS_INDEX)
+        if pickle := next((f for f in files if f.suffix != ".safetensors"), None):  # never torch.load what the index names
+            raise BadInput(f"{SAFETENSORS_INDEX} lists {pickle.name}, which is not a .safetensors file; restore the index from the original checkpoint")
+        return files, names
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"], set()
+    pickles = (folder / PICKLE_INDEX, folder / "pytorch_model.bin")
+    if any(p.is_file() for p in pickles):
+        if not allow_pickle:
+            raise BadInput(
+                f"{folder} holds only pickle weights (pytorch_model.bin), which can run code when "
+                "loaded; convert them to safetensors or pass --allow-pickle (loaded with weights_only=True)"
+            )
+        return _files_from_index(folder, pickles[0]) if pickles[0].is_file() else ([pickles[1]], set())
+    raise BadInput(f"no weights in {folder}: no model.safetensors, nor {SAFETENSORS_INDEX} with its shards")
+
+
+def _files_from_index(folder: Path, index: Path) -> tuple[list[Path], set[str]]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        entries = set(weight_map.values())
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise BadInput(f"{index} is corrupt ({type(e).__name__}: {e}); restore it from the original checkpoint") from None
+    files = sorted({inside(folder, entry, index) for entry in entries})
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise BadInput(f"{index.name} lists missing shard(s) {', '.join(missing)}; download the complete checkpoint")
+    return files, set(weight_map)
+
+
+def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
+    try:  # mmap: tensors are paged in only when read
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many types for a bad pickle
+        raise BadInput(f"{file} is not a loadable weights-only pickle ({type(e).__name__}); download it again") from None
+
+
 class SourceCheckpoint:
-    """A validated checkpoint folder whose tensors are read only when asked for."""
+    """A checkpoint folder headfold converts: its facts, attention tensors located and checked,
+    tensors read only when asked for."""
 
     def __init__(self, folder: Path, *, allow_pickle: bool = False) -> None:
-        if not _is_dir(folder):
-            raise BadInput(f"source {folder} is not a folder; pass a Hugging Face checkpoint folder")
-        self.folder = folder
-        check_links(folder)
-        self.config = read_config(folder)
-        self.spec = spec_for(self.config.get("model_type"))
-        check_config(self.config, self.spec)
-        self.shape = head_shape(self.config, self.spec)  # kv_heads: the largest layer's
-        self.layers = _positive_int(self.config, self.spec.config.layers)
-        self.layer_shapes = layer_head_shapes(self.config, self.shape, self.layers)
-        self._index_names: set[str] = set()
-        self._pickles: dict[Path, dict[str, torch.Tensor]] = {}
-        self.weight_files = self._find_weight_files(allow_pickle)
-        self.tensors = self._read_headers()
+        self.facts = CheckpointFacts.read(folder, convertible=True)
+        self.folder, self.config, self.spec = self.facts.folder, self.facts.config, self.facts.spec
+        assert self.spec is not None  # convertible=True: spec_for raised otherwise
+        self.shape = self.facts.shape  # kv_heads: the largest layer's
+        self.layers = self.facts.layers
+        self.layer_shapes = self.facts.layer_shapes
+        index = self.facts.tensor_index(allow_pickle=allow_pickle)
+        self.weight_files, self.tensors, self._pickles = index.files, index.tensors, index.pickles
         self.attention = self._locate_attention()
-
-    # -- weight files -------------------------------------------------------------------
-    def _find_weight_files(self, allow_pickle: bool) -> list[Path]:
-        folder = self.folder
-        if (folder / SAFETENSORS_INDEX).is_file():
-            files = self._files_from_index(folder / SAFETENSORS_INDEX)
-            if pickle := next((f for f in files if f.suffix != ".safetensors"), None):  # never torch.load what the index names
-                raise BadInput(f"{SAFETENSORS_INDEX} lists {pickle.name}, which is not a .safetensors file; restore the index from the original checkpoint")
-            return files
-        if (folder / "model.safetensors").is_file():
-            return [folder / "model.safetensors"]
-        pickles = (folder / PICKLE_INDEX, folder / "pytorch_model.bin")
-        if any(p.is_file() for p in pickles):
-            if not allow_pickle:
-                raise BadInput(
-                    f"{folder} holds only pickle weights (pytorch_model.bin), which can run code when "
-                    "loaded; convert them to safetensors or pass --allow-pickle (loaded with weights_only=True)"
-                )
-            return self._files_from_index(pickles[0]) if pickles[0].is_file() else [pickles[1]]
-        raise BadInput(f"no weights in {folder}: expected model.safetensors or {SAFETENSORS_INDEX} with its shards")
-
-    def _files_from_index(self, index: Path) -> list[Path]:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            entries = set(weight_map.values())
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise BadInput(f"{index} is corrupt ({type(e).__name__}: {e}); restore it from the original checkpoint") from None
-        files = sorted({inside(self.folder, entry, index) for entry in entries})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise BadInput(f"{index.name} lists missing shard(s) {', '.join(missing)}; download the complete checkpoint")
-        self._index_names = set(weight_map)
-        return files
-
-    def _read_headers(self) -> dict[str, TensorInfo]:
-        tensors: dict[str, TensorInfo] = {}
-        for file in self.weight_files:  # pickles only when allowed: _find_weight_files decides the format
-            infos = self._pickle_header(file) if file.suffix != ".safetensors" else _safetensors_header(file)
-            for info in infos:  # a source's tensors, whatever their format; the header parse itself stays neutral
-                _check_tensor(info)
-            tensors.update((t.name, t) for t in infos)
-        if missing := self._index_names - set(tensors):
-            raise BadInput(f"the weight index names {len(missing)} tensor(s) absent from the shards (e.g. {min(missing)}); the checkpoint is incomplete")
-        return tensors
-
-    def _pickle_header(self, file: Path) -> list[TensorInfo]:
-        try:  # mmap: tensors are paged in only when read
-            self._pickles[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:  # torch raises many types for a bad pickle
-            raise BadInput(f"{file} is not a loadable weights-only pickle ({type(e).__name__}); download it again") from None
-        return [TensorInfo(n, t.dtype, tuple(t.shape), file) for n, t in self._pickles[file].items()]
 
     # -- attention tensors --------------------------------------------------------------
     def _locate_attention(self) -> AttentionLayout:

@@ -103,7 +103,7 @@ class LayerwiseModel:
         from headfold.converter.modeling import empty_model  # transformers: only when calibrating, never for mean/first
 
         self.ckpt, self.device = ckpt, device
-        self.model, self.sources = empty_model(ckpt.folder, {n: t.shape for n, t in ckpt.tensors.items()})
+        self.model, self.sources = empty_model(ckpt.facts, {n: t.shape for n, t in ckpt.tensors.items()})
         self.names = {m: name for name, m in self.model.named_modules()}
         self.layers = self._layer_list()
 

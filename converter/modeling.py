@@ -42,9 +42,9 @@ from transformers.models.opt.modeling_opt import eager_attention_forward as opt_
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 from transformers.pytorch_utils import Conv1D
 
-from headfold.converter.checkpoint import inside, validated_config
+from headfold.converter.checkpoint import FLOAT_DTYPES, CheckpointFacts
 from headfold.converter.layout import HeadShape, head_axis_sizes
-from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
+from headfold.converter.per_layer import KV_HEADS_PER_LAYER
 from headfold.converter.spec import spec_for
 from headfold.ground.errors import BadInput
 
@@ -53,12 +53,9 @@ __all__ = ["load_model", "empty_model", "parameter_names", "GQA_ATTENTION"]
 # The only attention implementation the GQA subclasses are wired for: transformers' SDPA
 # path repeats/groups K/V from `num_key_value_groups`; the families' own eager functions don't.
 _ATTN_IMPLEMENTATION = "sdpa"
-_INDEX_FILE = "model.safetensors.index.json"
-_SINGLE_FILE = "model.safetensors"
 # Buffers that older checkpoints saved but today's modules keep non-persistent.
 _STALE_BUFFERS = (r"embeddings\.position_ids$", r"\.inv_freq$", r"\.masked_bias$", r"\.attn\.bias$")
-_Meta = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, safetensors dtype code)
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_Meta = dict[str, tuple[tuple[int, ...], torch.dtype | None]]  # tensor name -> (shape, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,14 +259,14 @@ def _check_forward_signature(cls: type[_GQA]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_config(folder: Path) -> transformers.PretrainedConfig:
-    validated_config(folder)  # missing, unreadable, links out, quantized, bad sizes or rope: before transformers sizes anything
+def _read_config(facts: CheckpointFacts) -> transformers.PretrainedConfig:
+    """transformers' config for a checkpoint whose facts (sizes, rope, links, quantization) are already checked."""
     try:
-        return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
+        return transformers.AutoConfig.from_pretrained(facts.folder, trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise BadInput(
-            f"cannot read {folder / 'config.json'} ({first_line}); headfold needs a built-in transformers model type"
+            f"cannot read {facts.folder / 'config.json'} ({first_line}); headfold needs a built-in transformers model type"
         ) from None
 
 
@@ -290,18 +287,6 @@ def _model_class(config: transformers.PretrainedConfig) -> type[transformers.Pre
             f"architecture {names[0]} does not match model_type {config.model_type!r} in config.json; fix one of them"
         )
     return cls
-
-
-def _kv_heads(config: transformers.PretrainedConfig) -> tuple[int, tuple[int, ...]]:
-    """(num_attention_heads, each layer's kv heads), validated."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if not (1 <= kv_heads <= heads and heads % kv_heads == 0):
-        raise BadInput(
-            f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}; fix config.json"
-        )
-    per_layer = getattr(config, KV_HEADS_PER_LAYER, None)
-    return heads, config_kv_heads(kv_heads, per_layer, heads, config.num_hidden_layers)
 
 
 def _gqa_class(config: transformers.PretrainedConfig, heads: int, kv_heads: tuple[int, ...]) -> type[_GQA] | None:
@@ -326,39 +311,10 @@ def _open(file: Path) -> safe_open:
         raise BadInput(f"cannot read {file} ({err}); re-save or re-download the checkpoint") from None
 
 
-def _tensor_files(folder: Path) -> dict[str, Path]:
-    """Checkpoint tensor name -> safetensors file, from the shard index or the single file."""
-    index = folder / _INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise BadInput(f"{index} is not a safetensors index (no weight_map); re-save the checkpoint") from None
-        files = {name: inside(folder, file, index) for name, file in weight_map.items()}
-        missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
-        if missing:
-            raise BadInput(f"{index.name} lists missing shard(s) {', '.join(missing)}; copy the whole checkpoint")
-        return files
-    single = folder / _SINGLE_FILE
-    if not single.is_file():
-        raise BadInput(f"no {_SINGLE_FILE} or {_INDEX_FILE} in {folder}: headfold reads safetensors checkpoints")
-    with _open(single) as f:
-        return dict.fromkeys(f.keys(), single)
-
-
-def _tensor_meta(files: dict[str, Path]) -> _Meta:
-    """Name -> (shape, safetensors dtype), read from the file headers only."""
-    meta: _Meta = {}
-    for file in sorted(set(files.values())):
-        with _open(file) as f:
-            for name in f.keys():
-                if files.get(name) == file:
-                    sl = f.get_slice(name)
-                    meta[name] = (tuple(sl.get_shape()), sl.get_dtype())
-    if meta.keys() != files.keys():
-        absent = sorted(files.keys() - meta.keys())[:3]
-        raise BadInput(f"tensors {absent} are in the index but not in their shard; re-save the checkpoint")
-    return meta
+def _tensor_meta(facts: CheckpointFacts) -> tuple[_Meta, dict[str, Path]]:
+    """Name -> (shape, dtype) and name -> file, from the checkpoint's tensor index (headers only)."""
+    tensors = facts.tensor_index().tensors
+    return {n: (t.shape, t.dtype) for n, t in tensors.items()}, {n: t.file for n, t in tensors.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,27 +322,21 @@ def _tensor_meta(files: dict[str, Path]) -> _Meta:
 # ---------------------------------------------------------------------------------------------
 
 
-def _head_dim(config: transformers.PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _swap_attention(
-    model: nn.Module, gqa: type[_GQA], config: transformers.PretrainedConfig, kv_heads: tuple[int, ...]
-) -> None:
+def _swap_attention(model: nn.Module, gqa: type[_GQA], facts: CheckpointFacts) -> None:
     """Each self-attention module (in layer order) becomes `gqa` at its layer's kv heads."""
     found = [m for m in model.modules() if type(m) is gqa.base and not getattr(m, "is_cross_attention", False)]
-    if len(found) != len(kv_heads):  # pragma: no cover - guards against renamed classes in a future transformers
-        raise RuntimeError(f"{len(found)} {gqa.base.__name__} modules in {type(model).__name__}, expected {len(kv_heads)}")
-    for module, kv in zip(found, kv_heads):
-        gqa.adopt(module, config.num_attention_heads, kv, _head_dim(config))
+    if len(found) != facts.layers:  # pragma: no cover - guards against renamed classes in a future transformers
+        raise RuntimeError(f"{len(found)} {gqa.base.__name__} modules in {type(model).__name__}, expected {facts.layers}")
+    for module, kv in zip(found, facts.kv_heads):
+        gqa.adopt(module, facts.heads, kv, facts.head_dim)
 
 
-def _resize_native(model: nn.Module, config: transformers.PretrainedConfig, kv_heads: tuple[int, ...]) -> None:
+def _resize_native(model: nn.Module, facts: CheckpointFacts) -> None:
     """Native-GQA families build every layer at num_key_value_heads (the largest); give each layer
     its own K/V projection size and counts. Their forwards view K/V with -1 heads (llama-likes)
     or slice a fused qkv_proj by num_key_value_heads (phi3); SDPA groups by num_key_value_groups."""
-    spec = spec_for(config.model_type)
-    heads, head_dim = config.num_attention_heads, _head_dim(config)
+    spec = facts.spec or spec_for(facts.config.get("model_type"))
+    heads, head_dim, kv_heads = facts.heads, facts.head_dim, facts.kv_heads
     kv_projections = [spec.fused_qkv] if spec.fused_qkv else [spec.projections["k"], spec.projections["v"]]
     module_layer = spec.tensor_pattern("")  # module name + "." → (prefix, layer index)
     resized = set()
@@ -409,8 +359,8 @@ def _resize_native(model: nn.Module, config: transformers.PretrainedConfig, kv_h
 def _build(
     cls: type[transformers.PreTrainedModel],
     config: transformers.PretrainedConfig,
+    facts: CheckpointFacts,
     gqa: type[_GQA] | None,
-    kv_heads: tuple[int, ...],
     dtype: torch.dtype | None,
     device: str,
 ) -> transformers.PreTrainedModel:
@@ -419,9 +369,9 @@ def _build(
     with torch.device(device), no_init_weights():
         model = cls._from_config(config, dtype=dtype, attn_implementation=_ATTN_IMPLEMENTATION)
         if gqa is not None:
-            _swap_attention(model, gqa, config, kv_heads)
-        elif len(set(kv_heads)) > 1:
-            _resize_native(model, config, kv_heads)
+            _swap_attention(model, gqa, facts)
+        elif len(set(facts.kv_heads)) > 1:
+            _resize_native(model, facts)
     model.tie_weights()  # no_init_weights also skipped tying
     return model
 
@@ -448,7 +398,7 @@ class _Renamer:
         return renamed, pattern is not None
 
 
-def _plan(model: transformers.PreTrainedModel, meta: _Meta, *, converters_ok: bool) -> dict[str, str]:
+def _plan(model: transformers.PreTrainedModel, facts: CheckpointFacts, meta: _Meta, *, converters_ok: bool) -> dict[str, str]:
     """model tensor -> checkpoint tensor; BadInput unless every tensor is accounted for, shapes included.
 
     Tensors that a transformers WeightConverter merges or splits (MoE experts, ...) can only be
@@ -470,7 +420,7 @@ def _plan(model: transformers.PreTrainedModel, meta: _Meta, *, converters_ok: bo
             "which headfold's GQA loader does not do; load an unconverted checkpoint"
         )
     _check_extra(model, plan, expected)
-    _check_shapes(model, plan, expected, meta)
+    _check_shapes(facts, plan, expected, meta)
     _check_missing(model, plan.keys() | converted, expected)
     return {name: ckpt_name for name, ckpt_name in plan.items() if name in expected}
 
@@ -489,15 +439,13 @@ def _check_extra(model: transformers.PreTrainedModel, plan: dict[str, str], expe
         )
 
 
-def _check_shapes(model: transformers.PreTrainedModel, plan: dict[str, str], expected: dict, meta: _Meta) -> None:
-    config = model.config
+def _check_shapes(facts: CheckpointFacts, plan: dict[str, str], expected: dict, meta: _Meta) -> None:
     for name, ckpt_name in plan.items():
         if name in expected and tuple(expected[name].shape) != meta[ckpt_name][0]:
-            per_layer = getattr(config, KV_HEADS_PER_LAYER, None)
+            per_layer = list(facts.kv_heads) if len(set(facts.kv_heads)) > 1 else None
             raise BadInput(
                 f"tensor {ckpt_name} has shape {list(meta[ckpt_name][0])} but config.json "
-                f"(num_attention_heads={config.num_attention_heads}, "
-                f"num_key_value_heads={getattr(config, 'num_key_value_heads', None)}"
+                f"(num_attention_heads={facts.heads}, num_key_value_heads={max(facts.kv_heads)}"
                 f"{f', {KV_HEADS_PER_LAYER}={per_layer}' if per_layer else ''}) implies "
                 f"{list(expected[name].shape)}; fix num_key_value_heads or re-run headfold convert"
             )
@@ -528,19 +476,10 @@ def _load_weights(model: nn.Module, plan: dict[str, str], files: dict[str, Path]
                     targets[name].copy_(f.get_tensor(plan[name]))
 
 
-def _resolve_dtype(
-    dtype: torch.dtype | None, config: transformers.PretrainedConfig, meta: _Meta
-) -> torch.dtype:
+def _resolve_dtype(dtype: torch.dtype | None, facts: CheckpointFacts, meta: _Meta) -> torch.dtype:
     """Like from_pretrained's dtype="auto": explicit, else config.json's dtype, else the weights' own."""
-    if dtype is not None:
-        return dtype
-    configured = getattr(config, "dtype", None)
-    if isinstance(configured, str):
-        configured = getattr(torch, configured, None)
-    if isinstance(configured, torch.dtype):
-        return configured
-    stored = (_SAFETENSORS_DTYPES.get(code) for _, code in meta.values())
-    return next((d for d in stored if d is not None), torch.float32)
+    stored = (d for _, d in meta.values() if d in FLOAT_DTYPES)
+    return next(d for d in (dtype, facts.dtype, *stored, torch.float32) if d is not None)
 
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> transformers.PreTrainedModel:
@@ -550,16 +489,15 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
     whose names or shapes don't match config.json (e.g. K/V sized for another num_key_value_heads).
     """
     folder = Path(path)
-    config = _read_config(folder)
+    facts = CheckpointFacts.read(folder)  # missing, unreadable, links out, quantized, bad sizes or rope: before transformers sizes anything
+    config = _read_config(facts)
     cls = _model_class(config)
-    heads, kv_heads = _kv_heads(config)
-    gqa = _gqa_class(config, heads, kv_heads)
-    files = _tensor_files(folder)
-    meta = _tensor_meta(files)
+    gqa = _gqa_class(config, facts.heads, facts.kv_heads)
+    meta, files = _tensor_meta(facts)
 
-    if gqa is None and len(set(kv_heads)) == 1:
+    if gqa is None and len(set(facts.kv_heads)) == 1:
         # Check names and shapes on a weightless skeleton first, so mismatches are one-line BadInput.
-        _plan(_build(cls, config, None, kv_heads, dtype, device="meta"), meta, converters_ok=True)
+        _plan(_build(cls, config, facts, None, dtype, device="meta"), facts, meta, converters_ok=True)
         model = cls.from_pretrained(
             folder,
             dtype=dtype if dtype is not None else "auto",
@@ -567,25 +505,24 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
             local_files_only=True,
         )
     else:
-        model_dtype = _resolve_dtype(dtype, config, meta)
-        _plan(_build(cls, config, gqa, kv_heads, model_dtype, device="meta"), meta, converters_ok=False)  # before allocating
-        model = _build(cls, config, gqa, kv_heads, model_dtype, device="cpu")
-        _load_weights(model, _plan(model, meta, converters_ok=False), files)
+        model_dtype = _resolve_dtype(dtype, facts, meta)
+        _plan(_build(cls, config, facts, gqa, model_dtype, device="meta"), facts, meta, converters_ok=False)  # before allocating
+        model = _build(cls, config, facts, gqa, model_dtype, device="cpu")
+        _load_weights(model, _plan(model, facts, meta, converters_ok=False), files)
         _finish_like_from_pretrained(model, folder)
     return model.eval()
 
 
-def empty_model(folder: Path, shapes: dict[str, tuple[int, ...]]) -> tuple[transformers.PreTrainedModel, dict[str, str]]:
+def empty_model(facts: CheckpointFacts, shapes: dict[str, tuple[int, ...]]) -> tuple[transformers.PreTrainedModel, dict[str, str]]:
     """The fp32 model for the checkpoint folder on the meta device (it holds no memory), GQA attention
     swapped in as `load_model` does, and model tensor -> checkpoint tensor for every tensor it loads.
 
     `shapes` are the checkpoint's tensor shapes by name (from its headers); BadInput as for load_model.
     """
-    config = _read_config(folder)
+    config = _read_config(facts)
     cls = _model_class(config)
-    heads, kv_heads = _kv_heads(config)
-    model = _build(cls, config, _gqa_class(config, heads, kv_heads), kv_heads, torch.float32, device="meta")
-    plan = _plan(model, {name: (shape, "") for name, shape in shapes.items()}, converters_ok=False)
+    model = _build(cls, config, facts, _gqa_class(config, facts.heads, facts.kv_heads), torch.float32, device="meta")
+    plan = _plan(model, facts, {name: (shape, None) for name, shape in shapes.items()}, converters_ok=False)
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     for name, partner in [*tied.items(), *((b, a) for a, b in tied.items())]:  # the checkpoint stores either name
         if partner in plan and name not in plan:
@@ -604,5 +541,6 @@ def parameter_names(model: transformers.PreTrainedModel, path: str | os.PathLike
     """Checkpoint tensor name -> name in `model`'s state dict (prefixes and load-time renames
     resolved), for `model` loaded from the folder at `path`. Tensors that a transformers
     WeightConverter merges or splits on load have no single counterpart and are left out."""
-    plan = _plan(model, _tensor_meta(_tensor_files(Path(path))), converters_ok=True)
+    facts = CheckpointFacts.read(Path(path))
+    plan = _plan(model, facts, _tensor_meta(facts)[0], converters_ok=True)
     return {ckpt_name: name for name, ckpt_name in plan.items()}

@@ -13,10 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from headfold.converter.checkpoint import check_links
+from headfold.converter.checkpoint import TOKENIZER_FILES, check_links, tokenizer_location
 from headfold.ground.errors import BadInput
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 BYTE_VOCAB = 256  # a byte-level model: token = UTF-8 byte
 MAX_TEXT_BYTES = 64 << 20  # far more text than any check or calibration uses; /dev/zero is not text
 
@@ -34,8 +33,8 @@ def encode_bytes(text: str) -> list[int]:
 
 def find_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer | None:
     """The checkpoint's own tokenizer, bytes for a byte-level model, None when it has neither."""
-    if any((folder / name).is_file() for name in TOKENIZER_FILES):
-        return _transformers_tokenizer(folder, vocab_size)
+    if (location := tokenizer_location(folder)) is not None:
+        return _transformers_tokenizer(location, vocab_size)
     if vocab_size == BYTE_VOCAB:
         return Tokenizer(encode_bytes, "bytes")
     return None

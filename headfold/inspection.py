@@ -343,7 +343,7 @@ def _measure(
 
     model = load_model(ckpt.folder, dtype=torch.float32)
     fit_text = calibration_text(calibration, corpus.calibration_text())  # None under --calibration weights: methods see weights only
-    ids = token_ids(ckpt.folder, fit_text if fit_text is not None else corpus.calibration_text(), model.config.vocab_size)
+    ids = token_ids(ckpt.folder, fit_text if fit_text is not None else corpus.calibration_text(), ckpt.facts.vocab_size)
     windows = choose_windows(ids, tokens, seed, fit=fit_text is not None)
     contexts = layer_contexts(ckpt, None, 0, seed, False)  # RoPE dims and K rules, no inputs yet
     if windows.fit is not None:
