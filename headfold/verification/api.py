@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from headfold.ground.errors import BadInput, read_json_object
+from headfold.converter.checkpoint import CheckpointFacts
+from headfold.ground.errors import BadInput
 from headfold.verification.artifacts import Artifact, check_kind, loosest, resolve
 from headfold.verification.budget import FidelityBudget, LossBudget, Thresholds
 from headfold.verification.checks import CheckResult, CheckSpec, run_checks
@@ -20,8 +21,7 @@ CHECK_NAMES = {"fidelity": "fidelity", "loss": "conversion-loss"}
 def _vocab(artifact: Artifact) -> int | None:
     if artifact.model is None:
         return None
-    config = read_json_object(artifact.model / "config.json", "restore it from the original checkpoint")
-    return config.get("vocab_size")
+    return CheckpointFacts.read(artifact.model).vocab_size
 
 
 def check_vocab(reference: Artifact, candidate: Artifact) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from headfold import corpus
-from headfold.converter.config import position_limit, read_config
+from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.tokens import TOKENIZER_FILES, find_tokenizer
 from headfold.converter.tokens import read_text as read_text_file
 from headfold.ground.errors import BadInput
@@ -81,10 +81,10 @@ def random_rows(vocab_size: int, window: int, rows: int, seed: int) -> list[np.n
     return [rng.integers(0, vocab_size, size=int(n), dtype=np.int64) for n in lengths]
 
 
-def choose_rows(checkpoint: Path, config: dict[str, Any], spec: InputSpec, window: int, need_text: bool) -> tuple[list[np.ndarray], dict[str, Any]]:
+def choose_rows(facts: CheckpointFacts, spec: InputSpec, window: int, need_text: bool) -> tuple[list[np.ndarray], dict[str, Any]]:
     """The rows to feed and where they came from: --token-ids, else text through the model's tokenizer,
     else (no tokenizer, fidelity only) random ids."""
-    vocab_size = config.get("vocab_size")
+    checkpoint, vocab_size = facts.folder, facts.vocab_size
     if spec.token_ids is not None:
         if spec.text is not None:
             raise BadInput("pass either --text or --token-ids, not both")
@@ -150,12 +150,12 @@ def make_inputs(checkpoint: Path, spec: InputSpec, allow_random: bool = False) -
         raise BadInput("--window must be at least 2, --batch-size and --max-rows at least 1")
     if spec.decode_steps < 0:
         raise BadInput("--decode-steps must be 0 (no KV-cache check) or more")
-    config = read_config(checkpoint)
-    limit = position_limit(config)
+    facts = CheckpointFacts.read(checkpoint)
+    limit = facts.position_limit
     window = min(spec.window, limit) if limit else spec.window
-    rows, source = choose_rows(checkpoint, config, spec, window, need_text=not allow_random)
-    pad_id = config.get("pad_token_id") or 0
-    types = wants_token_type_ids(config)
+    rows, source = choose_rows(facts, spec, window, need_text=not allow_random)
+    pad_id = facts.config.get("pad_token_id") or 0
+    types = wants_token_type_ids(facts.config)
     feeds = [pad_batch(rows[i : i + spec.batch_size], pad_id, types) for i in range(0, len(rows), spec.batch_size)]
     ids_hash = hashlib.sha256(b"".join(r.tobytes() for r in rows)).hexdigest()
     info = {
