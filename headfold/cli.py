@@ -1,56 +1,61 @@
-"""The `headfold` command line (contract in DESIGN.md): exit 0 ok, 1 a check failed, 2 bad input, 3 a bug."""
+"""The `headfold` command line (contract in DESIGN.md): exit 0 ok, 1 a check failed, 2 bad input, 3 a bug.
+
+The options are declared once, in groups, in headfold/options.py; each command here says which
+groups it takes and does its work with the objects they build. Heavy libraries are imported
+inside the commands, so `headfold --help` starts without torch.
+"""
 
 from __future__ import annotations
 
 import errno
-import logging
+import json
 import sys
 import traceback
-import warnings
-from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from headfold.ground.errors import HeadfoldError
+from headfold.options import (
+    BEST_METHOD,
+    DTYPE,
+    JSON,
+    OPSET,
+    PATH,
+    SEED,
+    TENSORRT,
+    TRT_VERSION,
+    Calibration,
+    Fraction,
+    Group,
+    Output,
+    OptionGroup,
+    Profile,
+    batch_size_spec,
+    calibration_options,
+    configure_logging,
+    input_options,
+    kv_heads_spec,
+    method_spec,
+    options,
+    output_options,
+    profile_options,
+    quiet_libraries,
+    refuse,
+    report_options,
+    spec,
+    threshold_options,
+)
 
 EXIT_CODES = "Exit codes: 0 ok, 1 a check or gate failed, 2 bad input or environment (one line, nothing written), 3 internal error (a bug; --debug shows the traceback)."
+CONVERSION = "Conversion options"
+EXPORT = "Export options"
 _debug = False  # set by the group's --debug, read by main() once the command has failed
-
-
-class KvHeads(click.ParamType):
-    """One K/V head count for every layer ("4"), or one per layer ("8,4,4,2")."""
-
-    name = "N[,N...]"
-
-    def convert(self, value, param, ctx):
-        from headfold.converter.per_layer import parse_kv_heads
-
-        # BadInput passes through: main() prints it as one line and exits 2, like a bad list length
-        return parse_kv_heads(value) if isinstance(value, str) else value
-
-
-KV_HEADS_HELP = "one value for every layer, or one per layer comma-separated (8,4,4,2); each must divide the attention heads"
 
 
 def _kv_text(kv_heads: int | tuple[int, ...]) -> str:
     return str(kv_heads) if isinstance(kv_heads, int) else ",".join(map(str, kv_heads))
-
-
-class Command(click.Command):
-    """A command whose OS errors without a file name (a full disk during a write) name its output."""
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except OSError as err:
-            if err.filename is None:
-                err.filename = next((str(ctx.params[k]) for k in ("out", "out_dir", "json_path") if ctx.params.get(k)), None)
-            raise
-
-
-class Group(click.Group):
-    command_class = Command
 
 
 def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -61,28 +66,25 @@ def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True}, epilog=EXIT_CODES)
 @click.version_option(package_name="headfold")
 @click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help="Show the traceback of any failure.")
-def cli() -> None:
+@click.option("--verbose", "-v", is_flag=True, help="Also print debug lines.")
+@click.option("--quiet", "-q", is_flag=True, help="Only warnings and errors: no progress bars or progress lines (results still print).")
+def cli(verbose: bool, quiet: bool) -> None:
     """Convert MHA transformers to GQA/MQA, export, build engines, verify."""
+    configure_logging(int(verbose) - int(quiet))
 
 
 @cli.command()
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--kv-heads", type=KvHeads(), required=True, help=f"K/V heads after conversion: {KV_HEADS_HELP} (1 = MQA, all heads = unchanged).")
-@click.option(
-    "--method", default="mean", metavar="METHOD",
-    help="How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
-    "or combine with '+': grouped (pick groups by activation similarity), aligned (rotate heads to a common basis "
-    "first, function-preserving), refit (least-squares fit of W_Q/W_O to the pooled K/V). Best: aligned+grouped+refit.",
+@click.argument("src", type=PATH)
+@click.argument("out", type=PATH)
+@options(
+    kv_heads_spec(), method_spec(),
+    spec("--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file)."),
+    spec("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin pickles (loaded with weights_only=True). Off by default: pickles can run code."),
+    title=CONVERSION,
 )  # fmt: skip
-@click.option("--calibration", default=None, metavar="TEXT_FILE", help="Text for the data-aware methods (default: built-in offline text); 'weights' uses the weights alone.")
-@click.option("--calibration-tokens", type=int, default=4096, help="Tokens of calibration text to run through the source model.")
-@click.option("--seed", type=int, default=0, help="Seed for picking calibration windows.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (atomically, only after the conversion succeeded).")
-@click.option("--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file).")
-@click.option("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin pickles (loaded with weights_only=True). Off by default: pickles can run code.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, quiet: bool, shard_size: str | None, **options) -> None:
+@calibration_options
+@output_options()
+def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, shard_size: str | None, allow_pickle: bool, calibration: Calibration, output: Output) -> None:
     """Convert the Hugging Face checkpoint folder SRC to a GQA/MQA checkpoint in OUT.
 
     Reads config.json and model.safetensors (or sharded safetensors with their index),
@@ -93,47 +95,57 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
     SRC may also be an MHA model.onnx (methods mean/first): its K/V projection
     initializers are pooled and the graph rewritten to GQA Attention nodes, into OUT.onnx.
     """
-    if quiet:
-        _quiet_libraries()
+    if output.quiet:
+        quiet_libraries()
     if src.suffix == ".onnx":
+        refuse(("shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed"), f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)")
         from headfold.graphs.onnx_convert import convert_onnx
 
-        summary = convert_onnx(src, out, kv_heads, method, overwrite=options["overwrite"])
+        summary = convert_onnx(src, out, kv_heads, method, overwrite=output.overwrite)
         click.echo(f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})")
         return
+    from headfold.converter.methods import get_method
+
+    if not get_method(method).data_aware:
+        refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only grouped, aligned and refit calibrate)")
     from headfold import corpus
     from headfold.converter import convert as run_convert
 
-    result = run_convert(src, out, kv_heads, method, max_shard_size=shard_size, progress=not quiet, builtin_text=corpus.calibration_text(), **options)
+    result = run_convert(
+        src, out, kv_heads, method, overwrite=output.overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle,
+        progress=output.progress, builtin_text=corpus.calibration_text(), **calibration.kwargs(),
+    )  # fmt: skip
     click.echo(f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})")
 
 
 @cli.command("export")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25 (Attention exists from 23; torch writes invalid models above 25).")
-@click.option("--dtype", type=click.Choice(("fp32", "fp16", "bf16")), default="fp32", help="Weight dtype; normalisations stay fp32 inside.")
-@click.option("--attention", type=click.Choice(("onnx", "ort-gqa")), default="onnx", help="Fused node: onnx = standard Attention (ORT, TensorRT); ort-gqa = com.microsoft.GroupQueryAttention for ONNX Runtime CUDA decoding (decoders only; unpadded or right-padded batches; CUDA runs it in fp16/bf16).")
-@click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (atomically).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split with --trt-version, the pair `headfold build` takes]")
-@click.option("--optimize", type=click.Choice(("ort",)), default=None, help="ort = ONNX Runtime's fusions (onnxscript ort_fusions: simplified/skip layer norm, fused matmuls), counted in export.json; the graph then runs in ONNX Runtime only.")
-@click.option("--trt-version", default=None, metavar="MAJOR.MINOR", help="Target this TensorRT version: decompose the ops its ONNX parser lacks (RMSNormalization, RotaryEmbedding before 10.15) into primitives, then print which exported graphs it takes (a lint on CPU; rule sets 10.13, 10.14, 10.15, 11.0).")
-def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, graphs: str | None, optimize: str | None, overwrite: bool, quiet: bool, trt_version: str | None) -> None:
+@click.argument("src", type=PATH)
+@click.argument("out_dir", type=PATH)
+@options(
+    OPSET, DTYPE,
+    spec("--attention", type=click.Choice(("onnx", "ort-gqa")), default="onnx", help="Fused node: onnx = standard Attention (ORT, TensorRT); ort-gqa = com.microsoft.GroupQueryAttention for ONNX Runtime CUDA decoding (decoders only; unpadded or right-padded batches; CUDA runs it in fp16/bf16)."),
+    spec("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split with --trt-version, the pair `headfold build` takes]"),
+    spec("--optimize", type=click.Choice(("ort",)), default=None, help="ort = ONNX Runtime's fusions (onnxscript ort_fusions: simplified/skip layer norm, fused matmuls), counted in export.json; the graph then runs in ONNX Runtime only."),
+    title=EXPORT,
+)  # fmt: skip
+@options(TRT_VERSION, title=TENSORRT)
+@output_options()
+def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, graphs: str | None, optimize: str | None, trt_version: str | None, output: Output) -> None:
     """Export the checkpoint folder SRC to ONNX with one GQA Attention node per layer.
 
     Decoders get one merged model.onnx (any number of new tokens after a past of any length, KV
     cache at kv-heads) with genai_config.json and the tokenizer files: an onnxruntime-genai model
     folder; --graphs split gives prefill.onnx + decode.onnx instead. Encoders get model.onnx.
-    Weights go to .onnx.data. Exits 1 when an attention layer did not fuse.
+    Weights go to .onnx.data. Exits 1 when an attention layer did not fuse. With --trt-version,
+    the ops that release's parser lacks are decomposed and the graphs linted against it.
     """
     from headfold.graphs.export import export
 
-    if quiet:
-        _quiet_libraries()
+    if output.quiet:
+        quiet_libraries()
     graphs = graphs or ("split" if trt_version else "merged")  # a TensorRT target gets the graphs TensorRT builds
     summary = export(
-        src, out_dir, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=not quiet,
+        src, out_dir, opset=opset, dtype=dtype, attention=attention, overwrite=output.overwrite, progress=output.progress,
         trt_version=trt_version, graphs=graphs, optimize=optimize,
     )  # fmt: skip
     for name, graph in summary["graphs"].items():
@@ -147,102 +159,54 @@ def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str,
 
 
 @cli.command("build")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--precision", type=click.Choice(("fp32", "fp16", "bf16")), default=None, help="Engine precision. Default: the graph's own. TensorRT 11 takes only that (re-export with --dtype); 10.x builds an fp32 graph in fp16/bf16 with builder flags.")
-@click.option("--batch", default=None, metavar="MIN:OPT:MAX", help="Batch sizes of the optimization profile, e.g. 1:4:8 (one number: fixed). [default: 1:4:8]")
-@click.option("--seq", default=None, metavar="MIN:OPT:MAX", help="Sequence lengths (prefill / encoder graphs). [default: 1:limit/2:limit, limit = the model's max positions]")
-@click.option("--past", default=None, metavar="MIN:OPT:MAX", help="KV-cache lengths (decode graph). [default: 0:limit/2:limit-1]")
-@click.option("--timing-cache", type=click.Path(path_type=Path), default=None, help="Tactic timing cache: loaded when present, updated after the build.")
-@click.option("--workspace", default=None, metavar="SIZE", help="Builder workspace limit, e.g. 4GiB. [default: TensorRT's]")
-@click.option("--trt-version", default=None, metavar="MAJOR.MINOR", help="Plan for this TensorRT release instead of the installed one (with --dry-run).")
-@click.option("--dry-run", is_flag=True, help="Print the build plan (graphs, precision, profiles, plugins, lint) and build nothing; needs no TensorRT.")
-@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
-@click.option("--require-fused-attention", is_flag=True, help="Exit 1 (and write nothing) when an engine's attention is not one fused kernel.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (atomically, after the build succeeded).")
-def build_cmd(src: Path, out: Path, precision, batch, seq, past, timing_cache, workspace, trt_version, dry_run: bool, as_json: bool, require_fused_attention: bool, overwrite: bool) -> None:
+@click.argument("src", type=PATH)
+@click.argument("out", type=PATH)
+@options(
+    spec("--dry-run", is_flag=True, help="Print the build plan (graphs, precision, profiles, plugins, lint) and build nothing; needs no TensorRT."),
+    spec("--require-fused-attention", is_flag=True, help="Exit 1 (and write nothing) when an engine's attention is not one fused kernel."),
+)  # fmt: skip
+@profile_options
+@output_options(JSON, quiet=False)
+def build_cmd(src: Path, out: Path, dry_run: bool, require_fused_attention: bool, profile: Profile, trt_version: str | None, json_path: Path | None, output: Output) -> None:
     """Build TensorRT engines from SRC (a .onnx or an export folder) into OUT.
 
     A .onnx gives one engine: OUT must end with .engine, its sidecar is OUT.json. An export
     folder gives a folder OUT with one engine per graph (prefill.engine + decode.engine, or
     model.engine), each with its .engine.json sidecar (TensorRT, GPU, profiles, precision, source
     sha256, fused-attention verdict). Exit 2 when the TensorRT-compatibility lint says the parser
-    would reject a graph, 1 when --require-fused-attention fails.
+    would reject a graph, 1 when --require-fused-attention fails. --json is the dry run's plan.
     """
     from headfold.engines.env import target_for
     from headfold.engines.plan import make_plan
 
+    if not dry_run:
+        refuse(("json_path",), "without --dry-run (the plan goes to JSON; a build writes .engine.json sidecars)")
     target = target_for(trt_version, dry_run=dry_run)
-    plan = make_plan(src, out, target, precision=precision, batch=batch, seq=seq, past=past, workspace=workspace, timing_cache=timing_cache)
+    plan = make_plan(src, out, target, **profile.kwargs())
     if dry_run:
-        click.echo(plan.to_json() if as_json else plan.describe(), nl=not as_json)
+        _print_or_write(plan.describe(), plan.to_json(), json_path, output.overwrite)
         plan.check()
         return
     from headfold.engines.build import build
 
-    build(plan, overwrite=overwrite, require_fused_attention=require_fused_attention, log=click.echo)
+    build(plan, overwrite=output.overwrite, require_fused_attention=require_fused_attention)
     click.echo(f"wrote {out}: {', '.join(g.engine.name for g in plan.graphs)} with .engine.json sidecars")
 
 
-class Fraction(click.ParamType):
-    """0.05 or 5%."""
+def _print_or_write(table: str, as_json: str, json_path: Path | None, overwrite: bool) -> None:
+    """--json's one meaning: the JSON to a file (then the table still prints) or, as '-', instead of the table."""
+    if json_path is None:
+        click.echo(table)
+        return
+    if str(json_path) == "-":
+        click.echo(as_json, nl=not as_json.endswith("\n"))
+        return
+    from headfold.ground.atomic import atomic_output
 
-    name = "FRACTION"
-
-    def convert(self, value, param, ctx):
-        from headfold.verification.budget import parse_fraction
-
-        try:
-            return parse_fraction(value, f"--{param.name.replace('_', '-')}") if isinstance(value, str) else value
-        except HeadfoldError as err:
-            self.fail(str(err), param, ctx)
-
-
-def _options(*options: Callable) -> Callable:
-    """Apply a group of click options as one decorator (shared by verify, run and demo)."""
-
-    def apply(f: Callable) -> Callable:
-        for option in reversed(options):
-            f = option(f)
-        return f
-
-    return apply
-
-
-input_options = _options(
-    click.option("--text", type=click.Path(path_type=Path), default=None, help="UTF-8 text to feed both sides. Default: the built-in held-out text."),
-    click.option("--window", type=int, default=256, help="Longest row in tokens; rows are cut at seeded lengths between half and this."),
-    click.option("--max-rows", type=int, default=128, help="Use a seeded subset of this many rows when the text has more (0 = all)."),
-    click.option("--batch-size", type=int, default=8, help="Rows per padded batch."),
-    click.option("--seed", type=int, default=0, help="Seed for row lengths and the row subset."),
-    click.option("--decode-steps", type=int, default=16, help="Decoder exports: the last N tokens of each row go one by one through the KV cache (model.onnx fed its own present K/V, or decode.onnx), gated like the prefill (0 = skip)."),
-)
-threshold_options = _options(
-    click.option("--budget", "budget_file", type=click.Path(path_type=Path), default=None, help="TOML/YAML/JSON file with [fidelity] and [loss] budgets (options below override it)."),
-    click.option("--max-ppl-increase", type=Fraction(), default=None, help="Loss: largest relative perplexity increase, e.g. 5% or 0.05. [default: 5%]"),
-    click.option("--max-kl", type=Fraction(), default=None, help="Loss: largest mean per-token KL(original || converted), nats. [default: 0.05]"),
-    click.option("--min-top1", type=Fraction(), default=None, help="Smallest top-1 agreement (loss check; in verify, whichever check runs). [default: loss 90%, fidelity fp32 99.9%]"),
-    click.option("--min-cosine", type=Fraction(), default=None, help="Smallest cosine (loss: encoder embeddings; in verify, whichever check runs). [default: loss 0.99, fidelity fp32 0.99999]"),
-    click.option("--atol", type=Fraction(), default=None, help="Fidelity: an element fails when it exceeds both atol and rtol. [default fp32: 1e-4, fp16: 1e-2]"),
-    click.option("--rtol", type=Fraction(), default=None, help="Fidelity: relative tolerance. [default fp32: 1e-3, fp16: 1e-2]"),
-)
-report_options = _options(
-    click.option("--report", "json_path", type=click.Path(path_type=Path), default=None, help="Write every metric, budget, verdict, version and input hash as JSON."),
-    click.option("--markdown", "markdown_path", type=click.Path(path_type=Path), default=None, help="Write the tables as Markdown (for a PR comment)."),
-    click.option("--junit", "junit_path", type=click.Path(path_type=Path), default=None, help="Write JUnit XML: one testcase per check."),
-)
-
-
-def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, seed: int, decode_steps: int, token_ids: Path | None = None):
-    from headfold.verification.inputs import InputSpec
-
-    return InputSpec(text, window, max_rows or None, batch_size, seed, decode_steps, token_ids)
-
-
-def _thresholds(budget_file: Path | None, **values: float | None):
-    from headfold.verification.budget import Thresholds
-
-    return Thresholds(budget_file, **values)
+    with atomic_output(json_path, is_dir=False, overwrite=overwrite) as tmp:
+        tmp.write_text(as_json if as_json.endswith("\n") else as_json + "\n")
+    click.echo(table)
+    click.echo(f"wrote JSON {json_path}")
 
 
 def _finish(report) -> None:
@@ -252,26 +216,14 @@ def _finish(report) -> None:
     click.secho("all checks passed", fg="green")
 
 
-def _quiet_libraries() -> None:
-    """Only errors from the libraries: no progress bars, no warnings (also the exporter's)."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one "Loading weights" bar per runner otherwise
-    hf_logging.set_verbosity_error()
-    warnings.filterwarnings("ignore")  # torch.onnx's "torchvision is not installed" and friends
-    for name in ("torch.onnx", "onnxscript", "torch._dynamo", "torch.export"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 @cli.command("verify")
-@click.argument("reference", type=click.Path(path_type=Path))
-@click.argument("candidate", type=click.Path(path_type=Path))
-@click.option("--check", type=click.Choice(("auto", "fidelity", "loss")), default="auto", help="auto: same model on both sides → fidelity; CANDIDATE converted from REFERENCE → loss.")
-@click.option("--token-ids", type=click.Path(path_type=Path), default=None, metavar="FILE", help="Feed these token ids instead of a text: one row per line, whitespace-separated ids. Without it, a model with no tokenizer files gets seeded random ids (fidelity only).")
-@input_options
+@click.argument("reference", type=PATH)
+@click.argument("candidate", type=PATH)
+@options(spec("--check", type=click.Choice(("auto", "fidelity", "loss")), default="auto", help="auto: same model on both sides → fidelity; CANDIDATE converted from REFERENCE → loss."))
+@input_options(token_ids=True)
 @threshold_options
 @report_options
-def verify_cmd(reference: Path, candidate: Path, check: str, token_ids, text, window, max_rows, batch_size, seed, decode_steps, budget_file, json_path, markdown_path, junit_path, **thresholds) -> None:
+def verify_cmd(reference: Path, candidate: Path, check: str, inputs, thresholds, json_path: Path | None, markdown_path: Path | None, junit_path: Path | None) -> None:
     """Compare CANDIDATE with REFERENCE on the same text; exit 1 when a budget is exceeded.
 
     Each side is a checkpoint folder (run in torch), an export folder or a .onnx file (run in
@@ -281,39 +233,42 @@ def verify_cmd(reference: Path, candidate: Path, check: str, token_ids, text, wi
     """
     from headfold.verification.api import verify
 
-    _quiet_libraries()
-    report = verify(reference, candidate, inputs=_input_spec(text, window, max_rows, batch_size, seed, decode_steps, token_ids), thresholds=_thresholds(budget_file, **thresholds), check=check)
+    quiet_libraries()
+    report = verify(reference, candidate, inputs=inputs, thresholds=thresholds, check=check)
     report.write(json_path, markdown_path, junit_path)
     _finish(report)
 
 
-distill_stage_options = _options(
-    click.option("--distill-data", type=click.Path(path_type=Path), default=None, help="Add the distill stage between convert and export, trained on this text (formats as for `headfold distill --data`)."),
-    click.option("--distill-tokens", type=int, default=None, help="Tokens the distill stage trains on. [default: 40 steps of 16 × 256] Alone, for the embedded model: its own training split."),
-)
+DISTILL_TOKENS = spec("--distill-tokens", type=int, default=None, help="Tokens the distill stage trains on. [default: run 40 steps of 16 × 256; demo 24 steps of 8 × 256] In run without --distill-data, for the embedded model: its own training split.")
 
 
-def _distill_stage(data: Path | None, tokens: int | None):
+def _distill_stage(distill_data: Path | None, distill_tokens: int | None):
     """The distill stage `run` adds when asked for (None: convert → export directly)."""
-    if data is None and tokens is None:
+    if distill_data is None and distill_tokens is None:
         return None
     from headfold.distillation.stage import DistillStage
 
-    return DistillStage(data, {} if tokens is None else {"tokens": tokens})
+    return DistillStage(distill_data, {} if distill_tokens is None else {"tokens": distill_tokens})
+
+
+distill_stage_options = OptionGroup(
+    "Distill stage",
+    (spec("--distill-data", type=PATH, default=None, help="Add the distill stage between convert and export, trained on this text (formats as for `headfold distill --data`)."), DISTILL_TOKENS),
+    "distill",
+    _distill_stage,
+)  # fmt: skip
 
 
 @cli.command("run")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--kv-heads", type=KvHeads(), required=True, help=f"K/V heads after conversion: {KV_HEADS_HELP} (1 = MQA).")
-@click.option("--method", default="mean", metavar="METHOD", help="How the K/V heads of a group become one, as for `headfold convert --method`.")
-@click.option("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25.")
-@click.option("--dtype", type=click.Choice(("fp32", "fp16", "bf16")), default="fp32", help="Export precision; picks the fidelity defaults.")
-@click.option("--overwrite", is_flag=True, help="Also accept an OUT_DIR holding other files (they stay: run replaces only the stage folders its stages.json records).")
-@input_options
-@threshold_options
+@click.argument("src", type=PATH)
+@click.argument("out_dir", type=PATH)
+@options(kv_heads_spec(), method_spec(), title=CONVERSION)
 @distill_stage_options
-def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, opset: int, dtype: str, overwrite: bool, text, window, max_rows, batch_size, seed, decode_steps, budget_file, **thresholds) -> None:
+@options(OPSET, DTYPE, title=EXPORT)
+@input_options()
+@threshold_options
+@output_options(quiet=False)
+def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, distill, opset: int, dtype: str, inputs, thresholds, output: Output) -> None:
     """Convert → export → build → verify SRC into OUT_DIR/{convert,export,build,verify}.
 
     Stages whose inputs (content hashes and options, in OUT_DIR/stages.json) are unchanged and
@@ -324,37 +279,44 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
     """
     from headfold.pipeline import run
 
-    _quiet_libraries()
-    distill = _distill_stage(thresholds.pop("distill_data"), thresholds.pop("distill_tokens"))
-    report = run(src, out_dir, kv_heads, method=method, opset=opset, dtype=dtype, overwrite=overwrite, distill=distill, inputs=_input_spec(text, window, max_rows, batch_size, seed, decode_steps), thresholds=_thresholds(budget_file, **thresholds), log=click.echo)
+    quiet_libraries()
+    report = run(src, out_dir, kv_heads, method=method, opset=opset, dtype=dtype, overwrite=output.overwrite, distill=distill, inputs=inputs, thresholds=thresholds)
     _finish(report)
 
 
 @cli.command("distill")
-@click.argument("teacher", type=click.Path(path_type=Path))
-@click.argument("student", type=click.Path(path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--data", type=click.Path(path_type=Path), default=None, help="Training text: a text file, .jsonl/.parquet with a 'text' field, or a datasets save_to_disk folder. Default only for the embedded model: its training split.")
-@click.option("--eval-data", type=click.Path(path_type=Path), default=None, help="Held-out text (same formats). Default: the first --eval-windows windows of --data, never trained on.")
-@click.option("--tokens", type=int, default=None, help="Training tokens (over all processes); rounded down to whole steps. [default: 40 steps]")
-@click.option("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens.")
-@click.option("--seq-len", type=int, default=256, help="Tokens per training window.")
-@click.option("--batch-size", type=int, default=16, help="Windows per step and process.")
-@click.option("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0).")
-@click.option("--train", type=click.Choice(("kv", "attention", "all", "lora")), default="all", help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end.")
-@click.option("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine).")
-@click.option("--temperature", type=float, default=1.0, help="Softmax temperature of the KL (loss scaled by T²).")
-@click.option("--eval-every", type=int, default=None, help="Evaluate on the held-out windows every N steps. [default: 8 evaluations per run]")
-@click.option("--eval-windows", type=int, default=32, help="Held-out windows of --seq-len tokens.")
-@click.option("--until-kl", type=float, default=None, help="Stop once the held-out KL is at most this (checked at each evaluation).")
-@click.option("--until-ppl-increase", type=Fraction(), default=None, help="Stop once the held-out perplexity is within this of the teacher's, e.g. 2%.")
-@click.option("--save-every", type=int, default=None, help="Write a resumable checkpoint every N steps into .OUT.distill-state beside OUT.")
-@click.option("--resume", is_flag=True, help="Continue from the last checkpoint in .OUT.distill-state (same inputs and options).")
-@click.option("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, ~30 % slower.")
-@click.option("--seed", type=int, default=0, help="Seed of the window shuffle (and LoRA's initialisation).")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (atomically, after the run succeeded).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def distill_cmd(teacher: Path, student: Path, out: Path, quiet: bool, **options) -> None:
+@click.argument("teacher", type=PATH)
+@click.argument("student", type=PATH)
+@click.argument("out", type=PATH)
+@options(
+    spec("--data", type=PATH, default=None, help="Training text: a text file, .jsonl/.parquet with a 'text' field, or a datasets save_to_disk folder. Default only for the embedded model: its training split."),
+    spec("--eval-data", type=PATH, default=None, help="Held-out text (same formats). Default: the first --eval-windows windows of --data, never trained on."),
+    spec("--tokens", type=int, default=None, help="Training tokens (over all processes); rounded down to whole steps. [default: 40 steps]"),
+    spec("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens."),
+    spec("--seq-len", type=int, default=256, help="Tokens per training window."),
+    batch_size_spec(16),
+    spec("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0)."),
+    spec("--train", type=click.Choice(("kv", "attention", "all", "lora")), default="all", help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end."),
+    spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
+    spec("--temperature", type=float, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
+    spec("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, ~30 % slower."),
+    SEED,
+    title="Training options",
+)  # fmt: skip
+@options(
+    spec("--eval-every", type=int, default=None, help="Evaluate on the held-out windows every N steps. [default: 8 evaluations per run]"),
+    spec("--eval-windows", type=int, default=32, help="Held-out windows of --seq-len tokens."),
+    spec("--until-kl", type=float, default=None, help="Stop once the held-out KL is at most this (checked at each evaluation)."),
+    spec("--until-ppl-increase", type=Fraction(), default=None, help="Stop once the held-out perplexity is within this of the teacher's, e.g. 2%."),
+    title="Evaluation and stopping",
+)  # fmt: skip
+@options(
+    spec("--save-every", type=int, default=None, help="Write a resumable checkpoint every N steps into .OUT.distill-state beside OUT."),
+    spec("--resume", is_flag=True, help="Continue from the last checkpoint in .OUT.distill-state (same inputs and options)."),
+    title="Resumable state",
+)  # fmt: skip
+@output_options()
+def distill_cmd(teacher: Path, student: Path, out: Path, output: Output, **options) -> None:
     """Distill STUDENT (a headfold conversion of TEACHER) from TEACHER into OUT.
 
     The teacher (the MHA original) is frozen; the student learns to match its next-token
@@ -363,14 +325,12 @@ def distill_cmd(teacher: Path, student: Path, out: Path, quiet: bool, **options)
     chained headfold.json, distill-log.json and distill-curve.png. Runs data-parallel under
     `accelerate launch` or `torchrun` (only the main process writes).
     """
-    import json
-
     from headfold.distillation import distill
-    from headfold.ground.artifacts import MANIFEST
+    from headfold.ground import manifest
 
-    _quiet_libraries()
-    result = distill(teacher, student, out, progress=not quiet, log=click.echo, **options)
-    final = json.loads((result / MANIFEST).read_text())["distillation"]
+    quiet_libraries()
+    result = distill(teacher, student, out, overwrite=output.overwrite, progress=output.progress, **options)
+    final = manifest.load(result).distillation
     scores = ", ".join(f"{k} {v:.4g}" for k, v in final["final_eval"].items())
     click.echo(f"wrote {result} ({final['steps']} steps, {final['tokens']} tokens; held-out {scores})")
     if final["target_reached"] is False:
@@ -387,18 +347,16 @@ class KvBudget(Fraction):
 
 
 @cli.command("inspect")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.option("--candidates", default=None, metavar="K,K,...", help="kv-head counts to predict the loss of, e.g. 4,2,1. [default: every divisor of the kv heads below them]")
-@click.option("--method", default="aligned+grouped+refit", metavar="METHOD", help="Conversion method to predict for, as for `headfold convert --method`.")
-@click.option("--calibration", default=None, metavar="TEXT_FILE", help="Text to fit the method on and measure the loss on (other windows of it) (default: built-in offline text); 'weights' fits on the weights alone.")
-@click.option("--calibration-tokens", type=int, default=4096, help="Tokens to fit on; as many other tokens measure the loss.")
-@click.option("--seed", type=int, default=0, help="Seed for picking the fit and evaluation windows.")
-@click.option("--kv-budget", type=KvBudget(), default=None, help="Propose per-layer kv heads for this KV cache: 0.25 (or 25%) of the source's, or a total of kv heads summed over layers.")
-@click.option("--heatmap", type=click.Path(path_type=Path), default=None, metavar="OUT.png", help="Write a PNG: layers × heads similarity, layers × candidates predicted loss.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, metavar="OUT.json", help="Write every number as JSON.")
-@click.option("--overwrite", is_flag=True, help="Replace existing --heatmap / --json files.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def inspect_cmd(src: Path, quiet: bool, **options) -> None:
+@click.argument("src", type=PATH)
+@options(
+    spec("--candidates", default=None, metavar="K,K,...", help="kv-head counts to predict the loss of, e.g. 4,2,1. [default: every divisor of the kv heads below them]"),
+    method_spec(BEST_METHOD),
+    spec("--kv-budget", type=KvBudget(), default=None, help="Propose per-layer kv heads for this KV cache: 0.25 (or 25%) of the source's, or a total of kv heads summed over layers."),
+    title="Inspection options",
+)  # fmt: skip
+@calibration_options
+@output_options(spec("--heatmap", type=PATH, default=None, metavar="OUT.png", help="Write a PNG: layers × heads similarity, layers × candidates predicted loss."), JSON)
+def inspect_cmd(src: Path, candidates: str | None, method: str, kv_budget, calibration: Calibration, heatmap: Path | None, json_path: Path | None, output: Output) -> None:
     """Per layer of SRC: K/V head similarity and the predicted loss of each kv-head count.
 
     The predicted loss of a (layer, kv heads) pair is the calibration loss with only that layer
@@ -410,24 +368,33 @@ def inspect_cmd(src: Path, quiet: bool, **options) -> None:
 
     from headfold.inspection import inspect_checkpoint
 
-    _quiet_libraries()
+    to_stdout = json_path is not None and str(json_path) == "-"
+    if heatmap is None and (json_path is None or to_stdout):
+        refuse(("overwrite",), "without --heatmap or --json FILE (inspect writes no other file)")
+    quiet_libraries()
     start = time.perf_counter()
-    report = inspect_checkpoint(src, progress=not quiet, **options)
-    click.echo(report.table())
-    for option, path in (("heatmap", options["heatmap"]), ("JSON", options["json_path"])):
+    report = inspect_checkpoint(
+        src, candidates=candidates, method=method, kv_budget=kv_budget, heatmap=heatmap, json_path=None if to_stdout else json_path,
+        overwrite=output.overwrite, progress=output.progress, **calibration.kwargs(),
+    )  # fmt: skip
+    click.echo(json.dumps(report.to_json(), indent=1) if to_stdout else report.table())
+    for option, path in (("heatmap", heatmap), ("JSON", None if to_stdout else json_path)):
         if path is not None:
             click.echo(f"wrote {option} {path}")
-    click.echo(f"done in {time.perf_counter() - start:.1f} s")
+    if not to_stdout:
+        click.echo(f"done in {time.perf_counter() - start:.1f} s")
 
 
 @cli.command()
-@click.option("--kv-heads", type=KvHeads(), default="4", help="K/V heads to convert the embedded 8-head, 4-layer model to: one value (1 = MQA) or one per layer (4,2,1,1).")
-@click.option("--method", default="aligned+grouped+refit", metavar="METHOD", help="How the K/V heads of a group become one, as for `headfold convert --method`.")
-@click.option("--distill-tokens", type=int, default=None, help="Tokens to distill on. [default: 24 steps of 8 × 256, the reference budget's recipe]")
-@click.option("--no-distill", is_flag=True, help="Skip distillation: what training-free conversion alone reaches (the reference budget then fails).")
+@options(
+    kv_heads_spec("4"),
+    method_spec(BEST_METHOD),
+    title=CONVERSION,
+)  # fmt: skip
+@options(DISTILL_TOKENS, spec("--no-distill", is_flag=True, help="Skip distillation: what training-free conversion alone reaches (the reference budget then fails)."), title="Distill stage")
 @threshold_options
-def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: int | None, no_distill: bool, budget_file, **thresholds) -> None:
-    """`headfold run` on the embedded trained model (Llama layout, 8 heads) in a temporary folder.
+def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: int | None, no_distill: bool, thresholds) -> None:
+    """`headfold run` on the embedded trained model (Llama layout, 4 layers × 8 heads) in a temporary folder.
 
     Converts, distills on the model's own training split, exports, (builds where TensorRT is
     present) and verifies on Python documentation text the model never saw in training, then
@@ -438,9 +405,11 @@ def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: int | Non
     from headfold.demo import demo as run_demo
     from headfold.distillation.stage import DistillStage
 
-    _quiet_libraries()
+    if no_distill:
+        refuse(("distill_tokens",), "with --no-distill")
+    quiet_libraries()
     distill = None if no_distill else DEMO_DISTILL if distill_tokens is None else DistillStage(None, {**DEMO_DISTILL.options, "steps": None, "tokens": distill_tokens})
-    _finish(run_demo(kv_heads, method, log=click.echo, distill=distill, thresholds=_thresholds(budget_file or demo_budget(), **thresholds)))
+    _finish(run_demo(kv_heads, method, distill=distill, thresholds=thresholds if thresholds.file else replace(thresholds, file=demo_budget())))
 
 
 def os_error_line(err: OSError) -> str:

@@ -1,0 +1,150 @@
+"""The CLI's option groups: one meaning per flag, headed help, options that do not apply refused,
+logging with -v/-q, and a start without torch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from headfold.cli import cli, main
+
+HEAVY = ("torch", "transformers", "onnx", "onnxruntime")
+
+
+def test_each_flag_has_one_meaning_across_commands() -> None:
+    helps: dict[str, set[str]] = defaultdict(set)
+    for command in cli.commands.values():
+        for param in command.params:
+            if isinstance(param, click.Option):
+                helps[param.opts[0]].add(param.help)
+    assert {flag: texts for flag, texts in helps.items() if len(texts) > 1} == {}
+    for shared in ("--method", "--seed", "--overwrite", "--json", "--trt-version", "--dtype", "--opset", "--batch-size"):
+        assert len([c for c in cli.commands.values() if any(shared in p.opts for p in c.params)]) >= 2, shared
+
+
+@pytest.mark.parametrize(
+    "command, headings",
+    [
+        ("verify", ["Options:", "Input options:", "Thresholds:", "Output:"]),
+        ("run", ["Conversion options:", "Distill stage:", "Export options:", "Input options:", "Thresholds:", "Output:"]),
+        ("convert", ["Conversion options:", "Calibration (data-aware methods):", "Output:"]),
+        ("build", ["TensorRT options:", "Output:"]),
+        ("inspect", ["Inspection options:", "Calibration (data-aware methods):", "Output:"]),
+    ],
+)
+def test_help_has_a_heading_per_group(command: str, headings: list[str]) -> None:
+    result = CliRunner().invoke(cli, [command, "-h"])
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert [h for h in lines if h in headings] == headings  # each once, in this order
+
+
+def test_groups_build_the_objects_their_commands_take() -> None:
+    """verify gets one InputSpec and one Thresholds, not their fifteen values."""
+    from headfold.verification.budget import Thresholds
+    from headfold.verification.inputs import InputSpec
+
+    from headfold.options import input_options, threshold_options
+
+    seen = {}
+
+    def spy(**values):
+        seen.update(values)
+
+    decorated = input_options(token_ids=True)(threshold_options(spy))
+    probe = click.Command("probe", callback=decorated, params=list(reversed(decorated.__click_params__)))
+    probe.main(["--window", "64", "--max-rows", "0", "--seed", "3", "--max-kl", "5%"], standalone_mode=False)
+    assert seen["inputs"] == InputSpec(window=64, max_rows=None, seed=3)
+    assert isinstance(seen["thresholds"], Thresholds) and seen["thresholds"].max_kl == 0.05
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--calibration-tokens", "64"], "--calibration-tokens does not apply to an ONNX source"),
+        (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--shard-size", "1GB"], "--shard-size does not apply to an ONNX source"),
+        (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--allow-pickle"], "--allow-pickle does not apply to an ONNX source"),
+        (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--calibration", "{d}/t.txt", "--seed", "1"], "--calibration and --seed do not apply to an ONNX source"),
+        (["convert", "{d}/src", "{d}/out", "--kv-heads", "2", "--calibration", "{d}/t.txt"], "--calibration does not apply to --method mean"),
+        (["convert", "{d}/src", "{d}/out", "--kv-heads", "2", "--method", "first", "--seed", "3"], "--seed does not apply to --method first"),
+        (["build", "{d}/m.onnx", "{d}/m.engine", "--json"], "--json does not apply without --dry-run"),
+        (["inspect", "{d}/src", "--overwrite"], "--overwrite does not apply without --heatmap or --json FILE"),
+        (["demo", "--no-distill", "--distill-tokens", "1000"], "--distill-tokens does not apply with --no-distill"),
+        (["verify", "{d}/src", "{d}/src", "--text", "{d}/t.txt", "--token-ids", "{d}/ids.txt"], "--text and --token-ids both name the inputs"),
+    ],
+)
+def test_an_option_that_does_not_apply_is_an_error(args: list[str], words: str, tmp_path: Path, capsys) -> None:
+    (tmp_path / "t.txt").write_text("some text")
+    (tmp_path / "ids.txt").write_text("1 2 3\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main([a.format(d=tmp_path) for a in args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and words in err, err
+    assert err.startswith("headfold: error:") and "\n" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_data_aware_convert_still_takes_calibration(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    args = ["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "--method", "aligned", "--calibration", "weights", "--calibration-tokens", "256", "--seed", "2", "-q"]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "out" / "headfold.json").read_text())["conversion"]["method"] == "aligned"
+
+
+@pytest.mark.slow
+def test_build_dry_run_json_to_a_file_or_stdout(exported_llama, tmp_path: Path, capsys) -> None:
+    capsys.readouterr()
+    plan = tmp_path / "plan.json"
+    assert main(["build", str(exported_llama), str(tmp_path / "e"), "--dry-run", "--trt-version", "11.0", "--json", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote JSON {plan}" in out and json.loads(plan.read_text())["target"]
+    assert main(["build", str(exported_llama), str(tmp_path / "e"), "--dry-run", "--trt-version", "11.0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(plan.read_text())
+
+
+@pytest.fixture
+def exported_llama(tiny_checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "onnx"
+    assert main(["export", str(tiny_checkpoint("llama")), str(out), "--graphs", "split", "-q"]) == 0
+    return out
+
+
+# -- logging ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, level", [([], logging.INFO), (["-q"], logging.WARNING), (["-v"], logging.DEBUG)])
+def test_group_verbosity_sets_the_headfold_logger(flags: list[str], level: int, tmp_path: Path, capsys) -> None:
+    assert main([*flags, "build", str(tmp_path / "m.onnx"), str(tmp_path / "e"), "--json"]) == 2  # fails before any work
+    assert logging.getLogger("headfold").level == level
+    capsys.readouterr()
+    logging.getLogger("headfold.pipeline").info("convert: done")
+    logging.getLogger("headfold.ground").warning("headfold: removed a leftover")
+    out, err = capsys.readouterr()
+    assert out == ("" if level == logging.WARNING else "convert: done\n")  # progress lines: stdout, as click.echo printed them
+    assert err == "headfold: removed a leftover\n"  # warnings: stderr, whatever the verbosity
+    main(["build", str(tmp_path / "m.onnx"), str(tmp_path / "e"), "--json"])  # back to the default for other tests
+
+
+def test_command_quiet_is_the_group_quiet(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    assert main(["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "-q"]) == 0
+    assert logging.getLogger("headfold").level == logging.WARNING
+    assert "wrote" in capsys.readouterr().out  # the result still prints
+    main(["build", str(tmp_path / "m.onnx"), str(tmp_path / "e"), "--json"])
+
+
+# -- fast start ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["convert", "-h"], ["verify", "-h"]])
+def test_help_starts_without_heavy_libraries(argv: list[str]) -> None:
+    probe = f"import sys; from headfold.cli import main; main({argv!r}); print('LOADED', [m for m in {HEAVY!r} if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "LOADED []"
