@@ -48,7 +48,7 @@ def build_variant(kv: int, folder: Path, args: argparse.Namespace) -> Path:
     export(checkpoint, folder / "onnx", dtype=args.precision, progress=False, graphs="split")  # TensorRT builds the split pair
     batch, past = f"1:{max(args.batch)}:{max(args.batch)}", f"0:{max(args.past)}:{max(args.past)}"
     plan = make_plan(folder / "onnx", folder / "engines", Target.installed(), batch=batch, seq=f"1:{args.seq}:{args.seq}", past=past)
-    build(plan, log=lambda line: None)
+    build(plan)
     return folder / "engines"
 
 

@@ -46,7 +46,7 @@ def engines(default_model: Path, tmp_path_factory) -> dict[str, Path]:
         root = tmp_path_factory.mktemp(f"engines-{precision}")
         export(default_model, root / "onnx", dtype=precision, progress=False, graphs="split")  # TensorRT builds the split pair
         plan = make_plan(root / "onnx", root / "engines", Target.installed(), batch="1:8:8", seq="1:128:256", past="0:128:256")
-        build(plan, log=print)
+        build(plan)
         folders[precision] = root / "engines"
     return folders
 
@@ -142,7 +142,7 @@ def test_plugin_decode_engine_equals_native(engines, feeds, tmp_path: Path) -> N
     ir.save(model, graph, external_data="decode.onnx.data")
     plan = make_plan(graph, tmp_path / "plugin.engine", Target.installed(), batch="1:8:8", past="0:128:256")
     assert plan.plugins == names  # the plugin nodes are in the graph: the build registers them
-    build(plan, log=print)
+    build(plan)
     ids = feeds[0]["input_ids"][:, :64]
     expected = _decode_step(engines["fp32"], ids)
     np.testing.assert_allclose(_decode_step(engines["fp32"], ids, tmp_path / "plugin.engine"), expected, atol=1e-4, rtol=1e-4)

@@ -10,10 +10,11 @@ backend are imported inside the functions. Outputs are atomic: a failed or unfus
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -25,7 +26,7 @@ from headfold.engines.sidecar import make_sidecar
 from headfold.ground.atomic import atomic_output, check_output, scratch_dir
 from headfold.ground.errors import BadInput, CheckFailed
 
-Log = Callable[[str], None]
+log = logging.getLogger(__name__)
 
 # How the engine inspector (DETAILED) shows attention. Fused kernels are named after their tactic
 # (Myelin "kgen" kernels such as _gemm_mha_v2_*, fmha, flash, xqa; NVIDIA/TensorRT#4397) or are
@@ -156,7 +157,7 @@ def engine_layers(engine: Any) -> list[dict[str, Any] | str]:
     return json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON)).get("Layers", [])
 
 
-def build_graph(plan: BuildPlan, graph: GraphPlan, dest: Path, *, require_fused: bool, log: Log) -> dict[str, Any]:
+def build_graph(plan: BuildPlan, graph: GraphPlan, dest: Path, *, require_fused: bool) -> dict[str, Any]:
     """Build, save and inspect one engine at `dest`; its sidecar dict."""
     from polygraphy.backend.trt import SaveEngine
 
@@ -167,7 +168,7 @@ def build_graph(plan: BuildPlan, graph: GraphPlan, dest: Path, *, require_fused:
     seconds = time.perf_counter() - start
     SaveEngine(engine, str(dest))()
     attention = attention_verdict(engine_layers(engine))
-    log(f"built {graph.engine.name} in {seconds:.1f} s: {attention['layers']} layers, attention {attention['verdict']}")
+    log.info(f"built {graph.engine.name} in {seconds:.1f} s: {attention['layers']} layers, attention {attention['verdict']}")
     if require_fused and attention["verdict"] != "fused":
         evidence = ", ".join(attention["softmax_layers"][:3]) or "no attention kernel among the layers"
         raise CheckFailed(f"{graph.engine.name}: attention is {attention['verdict']} ({evidence}); nothing written")
@@ -180,7 +181,7 @@ def _quiet_polygraphy() -> None:
     G_LOGGER.module_severity = G_LOGGER.WARNING  # its INFO lines (TF32 notice, per-step banners) drown the summary
 
 
-def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: bool = False, log: Log = print) -> list[dict[str, Any]]:
+def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: bool = False) -> list[dict[str, Any]]:
     """Build every engine of `plan` (atomically) and write their sidecars; the sidecars.
 
     Raises Unparsable/BadInput (exit 2) before building anything the lint or the options refuse,
@@ -195,7 +196,7 @@ def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: 
     _quiet_polygraphy()
 
     def build_one(graph: GraphPlan, dest: Path) -> dict[str, Any]:
-        return build_graph(plan, graph, dest, require_fused=require_fused_attention, log=log)
+        return build_graph(plan, graph, dest, require_fused=require_fused_attention)
 
     if plan.layout == "file":
         with atomic_output(plan.out, is_dir=False, overwrite=overwrite) as engine:
@@ -215,10 +216,10 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def build_export(onnx_dir: Path, out: Path, log: Log = print) -> list[dict[str, Any]]:
+def build_export(onnx_dir: Path, out: Path) -> list[dict[str, Any]]:
     """`headfold run`'s build stage: every graph of an export folder, default profiles, the graph's precision."""
     why_not = engine_support()
     if why_not:
         raise BadInput(why_not)
     plan = make_plan(onnx_dir, out, Target.installed())
-    return build(plan, overwrite=True, log=log)
+    return build(plan, overwrite=True)
