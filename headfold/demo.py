@@ -8,7 +8,7 @@ from typing import Any
 
 from headfold.distillation.stage import DistillStage
 from headfold.ground.atomic import scratch_dir
-from headfold.pipeline import Log, run
+from headfold.pipeline import run
 from headfold.verification.inputs import InputSpec
 from headfold.verification.report import Report
 
@@ -30,11 +30,11 @@ def demo_budget() -> Path:
 
 
 def demo(
-    kv_heads: int | tuple[int, ...] = 4, method: str = "aligned+grouped+refit", log: Log = print, distill: DistillStage | None = DEMO_DISTILL, **options: Any
+    kv_heads: int | tuple[int, ...] = 4, method: str = "aligned+grouped+refit", distill: DistillStage | None = DEMO_DISTILL, **options: Any
 ) -> Report:
     """`run` on the embedded model in a temporary folder, removed afterwards (also on SIGTERM, and
     by the next demo after a kill -9); the verify report. `distill=None` skips distillation."""
     with scratch_dir("headfold-demo") as tmp:
         options.setdefault("inputs", DEMO_INPUTS)
         options["distill"] = distill
-        return run(default_model_path(), tmp / "run", kv_heads, method=method, log=log, **options)
+        return run(default_model_path(), tmp / "run", kv_heads, method=method, **options)

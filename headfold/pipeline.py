@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from headfold.distillation.stage import DistillStage
 
 REPORT_FILES = {"json": "report.json", "markdown": "report.md", "junit": "junit.xml"}
-Log = Callable[[str], None]
+log = logging.getLogger(__name__)
 
 
 def tree_digest(folder: Path) -> str:
@@ -100,23 +101,23 @@ class Ledger:
             tmp.write_text(json.dumps({"format": 1, "stages": self.stages}, indent=2, default=str) + "\n")
 
 
-def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work: Callable[[], Any], log: Log) -> tuple[str, Any]:
+def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work: Callable[[], Any]) -> tuple[str, Any]:
     """Run `work` unless the key matches and the output is intact; (the output's sha256, the
     result or None when skipped). Downstream stages key on that sha256: content, not history."""
     key = stage_key(name, inputs)
     digest, why = ledger.unchanged(name, key, output)
     if digest is not None:
-        log(f"{name}: unchanged, skipped ({output})")
+        log.info(f"{name}: unchanged, skipped ({output})")
         return digest, None
     if why:
-        log(f"{name}: {why}; running it again")
+        log.info(f"{name}: {why}; running it again")
     ledger.claim(name, output)
     start = time.perf_counter()
     result = work()
     seconds = round(time.perf_counter() - start, 2)
     digest = tree_digest(output)
     ledger.record(name, key=key, inputs=inputs, output=output.name, sha256=digest, seconds=seconds)
-    log(f"{name}: done in {seconds:.1f} s ({output})")
+    log.info(f"{name}: done in {seconds:.1f} s ({output})")
     return digest, result
 
 
@@ -151,7 +152,6 @@ def run(
     thresholds: Thresholds = Thresholds(),
     overwrite: bool = False,
     distill: DistillStage | None = None,
-    log: Log = print,
 ) -> Report:
     """The whole pipeline on the checkpoint folder `src`; outputs under `out_dir`; the verify report.
 
@@ -170,7 +170,7 @@ def run(
         created = not out.exists()
         ledger = Ledger(out, overwrite=overwrite)
         try:
-            return _run_stages(src, out, ledger, kv_heads, method, opset, dtype, inputs, thresholds, budgets, text, log, distill)
+            return _run_stages(src, out, ledger, kv_heads, method, opset, dtype, inputs, thresholds, budgets, text, distill)
         except BaseException:
             if created and not any(entry.get("key") for entry in ledger.stages.values()):
                 shutil.rmtree(out, ignore_errors=True)  # no stage finished: a failed first run leaves nothing
@@ -179,7 +179,7 @@ def run(
 
 def _run_stages(
     src: Path, out: Path, ledger: Ledger, kv_heads: int | Sequence[int], method: str, opset: int, dtype: str,
-    inputs: InputSpec, thresholds: Thresholds, budgets: dict, text: str, log: Log, distill: DistillStage | None = None,
+    inputs: InputSpec, thresholds: Thresholds, budgets: dict, text: str, distill: DistillStage | None = None,
 ) -> Report:  # fmt: skip
     from headfold import corpus
     from headfold.converter import convert
@@ -188,22 +188,22 @@ def _run_stages(
     converted, onnx_dir, engines, verified = (out / s for s in ("convert", "export", "build", "verify"))
     conv_inputs = {"source": tree_digest(src), "kv_heads": kv_heads, "method": method}
     conv_digest, done = _stage(
-        ledger, "convert", conv_inputs, converted, lambda: convert(src, converted, kv_heads, method, overwrite=True, progress=False, builtin_text=corpus.calibration_text()), log
+        ledger, "convert", conv_inputs, converted, lambda: convert(src, converted, kv_heads, method, overwrite=True, progress=False, builtin_text=corpus.calibration_text())
     )
     stages = {"convert": _status(done)}
     if distill is not None:  # the distilled checkpoint replaces the converted one downstream
         student, converted = converted, out / "distill"
         dist_inputs = {"checkpoint": conv_digest, **distill.key()}
-        conv_digest, done = _stage(ledger, "distill", dist_inputs, converted, lambda: distill(src, student, converted), log)
+        conv_digest, done = _stage(ledger, "distill", dist_inputs, converted, lambda: distill(src, student, converted))
         stages["distill"] = _status(done)
     layout = "split" if engine_support() is None else "merged"  # TensorRT builds the split pair; onnxruntime-genai runs merged
     exp_inputs = {"checkpoint": conv_digest, "opset": opset, "dtype": dtype, "graphs": layout}
     exp_digest, done = _stage(
         ledger, "export", exp_inputs, onnx_dir,
-        lambda: export(converted, onnx_dir, opset=opset, dtype=dtype, overwrite=True, progress=False, graphs=layout), log,
+        lambda: export(converted, onnx_dir, opset=opset, dtype=dtype, overwrite=True, progress=False, graphs=layout),
     )  # fmt: skip
     stages["export"] = _status(done)
-    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines, log)
+    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines)
 
     verify_inputs = {
         "export": exp_digest,
@@ -219,14 +219,14 @@ def _run_stages(
         _write_report(report, verified)
         return report
 
-    _, report = _stage(ledger, "verify", verify_inputs, verified, verify_stage, log)
+    _, report = _stage(ledger, "verify", verify_inputs, verified, verify_stage)
     if report is None:  # skipped: the stored report is intact and still current
         report = Report.load(verified / REPORT_FILES["json"])
         report.stages = {**stages, "verify": "skipped"}
     return report
 
 
-def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path, log: Log) -> tuple[str | None, str]:
+def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path) -> tuple[str | None, str]:
     """(engines' sha256, status) when the engines are current, else (None, "skipped: why they were not built")."""
     from headfold.engines.build import build_export
     from headfold.engines.plan import Unparsable
@@ -237,11 +237,11 @@ def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path,
 
         inputs = {"export": exp_digest, "tensorrt": tensorrt.__version__, "gpu": _gpu_name()}
         try:
-            digest, done = _stage(ledger, "build", inputs, engines, lambda: build_export(onnx_dir, engines, log=log), log)
+            digest, done = _stage(ledger, "build", inputs, engines, lambda: build_export(onnx_dir, engines))
             return digest, _status(done)
         except Unparsable as err:  # this TensorRT is too old for the graph: like no TensorRT at all
             why_not = str(err)
-    log(f"build: skipped, {why_not}; no engine in {engines}")
+    log.info(f"build: skipped, {why_not}; no engine in {engines}")
     return None, f"skipped: {why_not}"
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +28,28 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS = InputSpec(max_rows=32)  # ~6k held-out bytes: enough for stable numbers, quick on 2 cores
 
 
+@contextlib.contextmanager
+def stage_lines() -> Iterator[list[str]]:
+    """The lines headfold.pipeline logs (what `headfold run` prints) while the block runs."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("headfold.pipeline")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory) -> tuple[Path, list[str], object]:
     out = tmp_path_factory.mktemp("run") / "out"
-    log: list[str] = []
-    report = run(EMBEDDED, out, 4, inputs=ROWS, log=log.append)
+    with stage_lines() as log:
+        report = run(EMBEDDED, out, 4, inputs=ROWS)
     return out, log, report
 
 
@@ -82,14 +102,14 @@ def test_run_end_to_end(first_run) -> None:
 @pytest.mark.slow
 def test_second_run_skips_stage_by_stage(first_run) -> None:
     out, _, first = first_run
-    log: list[str] = []
-    again = run(EMBEDDED, out, 4, inputs=ROWS, log=log.append)
+    with stage_lines() as log:
+        again = run(EMBEDDED, out, 4, inputs=ROWS)
     assert [line.split(":")[0] for line in log if "unchanged, skipped" in line] == ["convert", "export", "verify"]
     assert again.to_dict()["checks"] == first.to_dict()["checks"]
     assert again.stages["verify"] == "skipped"
 
-    log.clear()
-    looser = run(EMBEDDED, out, 4, inputs=ROWS, thresholds=Thresholds(max_kl=5.0), log=log.append)  # only the budget changed
+    with stage_lines() as log:
+        looser = run(EMBEDDED, out, 4, inputs=ROWS, thresholds=Thresholds(max_kl=5.0))  # only the budget changed
     assert [line.split(":")[0] for line in log if "unchanged, skipped" in line] == ["convert", "export"]
     assert looser.checks[0].budget["max_kl"] == 5.0
 
