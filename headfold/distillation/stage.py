@@ -27,4 +27,4 @@ class DistillStage:
         return {"data_sha256": source.sha256, "options": self.options}
 
     def __call__(self, teacher: Path, student: Path, out: Path) -> Path:
-        return distill(teacher, student, out, data=self.data, overwrite=True, progress=False, log=lambda _: None, **self.options)
+        return distill(teacher, student, out, data=self.data, overwrite=True, progress=False, **self.options)
