@@ -144,7 +144,8 @@ def run_checks(specs: list[CheckSpec], inputs: Inputs) -> list[CheckResult]:
     clock: dict[int, float] = {}
     with ExitStack() as stack:
         for runner in runners:
-            stack.enter_context(runner)
+            if not runner.is_active:  # a KV-cache runner may have activated the prefill runner it shares
+                stack.enter_context(runner)
         for feed in inputs.feeds:
             outputs = {id(r): _timed(r, feed, clock) for r in runners}
             for i, spec in enumerate(specs):

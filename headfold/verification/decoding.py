@@ -14,6 +14,7 @@ other side's full forward (torch, a prefill graph, an engine) or its own KV-cach
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -21,10 +22,11 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+from polygraphy.common import TensorMetadata
 
 from headfold.verification.checks import CheckSpec
 from headfold.verification.inputs import pad_batch
-from headfold.verification.runners import BaseRunner, Runner
+from headfold.verification.runners import BaseRunner, Runner, token_metadata
 
 # graphs.export's cache names: prefill/decode output present.{i}.key, decode input past_key_values.{i}.key
 PRESENT, PAST = "present.", "past_key_values."
@@ -84,24 +86,30 @@ class KvCacheRunner(BaseRunner):
     """Prefill + teacher-forced decode steps through a decoder export's two graphs, as one runner.
 
     `prefill` may be the runner another check already uses for the prefill graph (it is shared,
-    not reloaded); `decode` runs the decode graph. Both speak the export's names.
+    not reloaded: activating activates only the runners not yet active, and releases only those);
+    `decode` runs the decode graph. Both speak the export's names.
     """
 
     def __init__(self, prefill: Runner, decode: Runner, steps: int) -> None:
-        super().__init__(decode.name)
+        super().__init__(name=decode.name)
         self.prefill, self.decode, self.steps = prefill, decode, steps
         self._stack: ExitStack | None = None
 
     def activate_impl(self) -> None:
         self._stack = ExitStack()
-        for runner in (self.prefill, self.decode):
-            self._stack.enter_context(runner)
+        for runner in (self.prefill, self.decode):  # the same runner twice for a merged graph
+            if not runner.is_active:
+                self._stack.enter_context(runner)
 
     def deactivate_impl(self) -> None:
         self._stack.close()
         self._stack = None
 
+    def get_input_metadata_impl(self) -> TensorMetadata:
+        return token_metadata(["input_ids", "attention_mask"])  # it builds the int64 feeds of both graphs itself
+
     def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        start = time.perf_counter()
         plan = DecodePlan.of(feed_dict, self.steps)
         prefill = pad_batch(plan.prefixes, plan.pad_id, token_type_ids=False)
         mask, past = prefill["attention_mask"], past_from_present(self.prefill.infer(prefill))
@@ -115,6 +123,7 @@ class KvCacheRunner(BaseRunner):
                 logits = np.zeros((*feed_dict["input_ids"].shape, out["logits"].shape[-1]), out["logits"].dtype)
             for row in np.flatnonzero(active):
                 logits[row, plan.columns[row][k]] = out["logits"][row, -1]
+        self.inference_time = time.perf_counter() - start
         return {"logits": logits}
 
     def describe(self) -> dict[str, Any]:

@@ -1,89 +1,68 @@
-"""Runners: one model on one backend behind one interface (Polygraphy's shape).
+"""Runners: one model on one backend, each a Polygraphy runner (polygraphy.backend.base.BaseRunner).
 
-A runner is a context manager that loads its model lazily on entry and releases it on exit;
-`infer(feed)` maps input names to numpy arrays and returns output names to numpy arrays, with
-the names of the exported graph (input_ids, attention_mask [, token_type_ids] → logits or
-last_hidden_state). Polygraphy's own runners (TrtRunner for engines, OnnxrtRunner) satisfy the
-same `Runner` protocol, so a TensorRT engine plugs in without changes here.
+A runner is a context manager that loads its model on entry (`activate`) and releases it on exit;
+`infer(feed)` checks the feed against `get_input_metadata()` (names, dtypes, shapes: Polygraphy's
+check) and maps input names to numpy arrays → output names to numpy arrays, with the exported
+graph's names (input_ids, attention_mask [, token_type_ids] → logits or last_hidden_state).
+The torch runner is a BaseRunner subclass, ONNX Runtime is Polygraphy's OnnxrtRunner on a session
+built with headfold's options, TensorRT its TrtRunner (verification.tensorrt_runner), so any
+Polygraphy runner plugs into verify and Polygraphy's Comparator can run headfold's; headfold's
+checks keep their own metrics and budgets. `describe()` adds backend details for reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
+from polygraphy.backend.base import BaseLoader, BaseRunner
+from polygraphy.backend.onnxrt import OnnxrtRunner
+from polygraphy.common import TensorMetadata
+from polygraphy.datatype import DataType
+from polygraphy.exception import PolygraphyException
+from polygraphy.logger import G_LOGGER
 
 from headfold.ground.errors import BadInput
+from headfold.verification.inputs import wants_token_type_ids
 
+Runner = BaseRunner  # what verify runs: headfold's runners below, or any of Polygraphy's own
 # Preferred ONNX Runtime providers, best first; those the installed build lacks are skipped.
 ORT_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 PAST = "past_key_values."  # graphs.export's past K/V inputs: past_key_values.{i}.key / .value
 _ORT_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
 
-@runtime_checkable
-class Runner(Protocol):
-    name: str
+@contextmanager
+def polygraphy_errors(subject: str, fix: str) -> Iterator[None]:
+    """Polygraphy refuses a feed (a missing input, a wrong dtype) by logging it and raising; headfold
+    says it in one line (BadInput), so Polygraphy's log stays silent meanwhile."""
+    with G_LOGGER.verbosity(G_LOGGER.CRITICAL + 1):
+        try:
+            yield
+        except PolygraphyException as err:
+            first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
+            raise BadInput(f"{subject} ({first_line}); {fix}") from None
 
-    def __enter__(self) -> Runner: ...
 
-    def __exit__(self, *exc: object) -> None: ...
-
-    def infer(self, feed_dict: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]: ...
-
-
-class BaseRunner:
-    """activate/deactivate around a lazily loaded model; `with runner:` does both."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.is_active = False
-
-    def __enter__(self) -> BaseRunner:
-        self.activate()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.deactivate()
-
-    def activate(self) -> None:
-        if not self.is_active:
-            self.activate_impl()
-            self.is_active = True
-
-    def deactivate(self) -> None:
-        if self.is_active:
-            self.deactivate_impl()
-            self.is_active = False
-
-    def infer(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if not self.is_active:
-            raise RuntimeError(f"runner {self.name} is not active; use it inside `with runner:`")
-        return self.infer_impl(feed_dict)
-
-    def activate_impl(self) -> None:
-        raise NotImplementedError
-
-    def deactivate_impl(self) -> None:
-        raise NotImplementedError
-
-    def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        raise NotImplementedError
-
-    def describe(self) -> dict[str, str]:
-        """Backend details for reports (filled once active)."""
-        return {"runner": self.name}
+def token_metadata(names: Sequence[str]) -> TensorMetadata:
+    """int64 [batch, sequence] inputs: the token feeds verification.inputs builds."""
+    meta = TensorMetadata()
+    for name in names:
+        meta.add(name, DataType.INT64, ("batch", "sequence"))
+    return meta
 
 
 class TorchRunner(BaseRunner):
     """A checkpoint folder (source or converted) as `headfold.load_model` builds it, on CPU."""
 
     def __init__(self, checkpoint: Path) -> None:
-        super().__init__(f"torch:{Path(checkpoint).name}")
         self.checkpoint = Path(checkpoint)
+        super().__init__(name=f"torch:{self.checkpoint.name}")
         self.model = None
 
     def activate_impl(self) -> None:
@@ -94,10 +73,16 @@ class TorchRunner(BaseRunner):
     def deactivate_impl(self) -> None:
         self.model = None
 
+    def get_input_metadata_impl(self) -> TensorMetadata:
+        segments = wants_token_type_ids(self.model.config.to_dict())
+        return token_metadata(["input_ids", "attention_mask", *(["token_type_ids"] if segments else [])])
+
     def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         inputs = {name: torch.from_numpy(np.asarray(value)) for name, value in feed_dict.items()}
+        start = time.perf_counter()
         with torch.no_grad():
             out = self.model(**inputs)
+        self.inference_time = time.perf_counter() - start
         if self.model.can_generate():
             return {"logits": out.logits.float().numpy()}
         return {"last_hidden_state": out.last_hidden_state.float().numpy()}
@@ -107,35 +92,48 @@ class TorchRunner(BaseRunner):
         return {"runner": self.name, "backend": f"torch {torch.__version__}", "device": "cpu", "dtype": dtype}
 
 
-class OnnxRuntimeRunner(BaseRunner):
-    """An ONNX graph in ONNX Runtime, on the best provider present (CUDA/TensorRT EPs, else CPU)."""
+class SessionFromGraph(BaseLoader):
+    """An ONNX Runtime session, loaded lazily like Polygraphy's SessionFromOnnx but with headfold's
+    choices: the best provider the installed build has (ORT_PROVIDERS; SessionFromOnnx refuses a
+    missing one), ORT's default threads, errors-only session logging (ORT warns about unused
+    initializers), and a graph ORT cannot load reported as bad input."""
 
-    def __init__(self, graph: Path, providers: tuple[str, ...] | None = None) -> None:
-        super().__init__(f"onnxruntime:{Path(graph).name}")
-        self.graph = Path(graph)
-        self.providers = providers
-        self.session = None
+    def __init__(self, graph: Path, providers: Sequence[str] | None = None) -> None:
+        self.graph, self.providers = Path(graph), providers
 
-    def activate_impl(self) -> None:
+    def call_impl(self) -> Any:
         import onnxruntime as ort
 
         available = set(ort.get_available_providers())
         providers = [p for p in (self.providers or ORT_PROVIDERS) if p in available] or ["CPUExecutionProvider"]
         options = ort.SessionOptions()
-        options.log_severity_level = 3  # errors only: ORT warns about unused initializers
+        options.log_severity_level = 3
         try:
-            self.session = ort.InferenceSession(str(self.graph), options, providers=providers)
+            return ort.InferenceSession(str(self.graph), options, providers=providers)
         except Exception as err:  # ORT's errors subclass only Exception; a graph it cannot load is bad input
             first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
             raise BadInput(f"ONNX Runtime cannot load {self.graph} ({first_line}); re-run headfold export (a truncated .onnx.data?)") from None
 
-    def deactivate_impl(self) -> None:
-        self.session = None
 
-    def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        names = [o.name for o in self.session.get_outputs()]
+class OnnxRuntimeRunner(OnnxrtRunner):
+    """An ONNX graph in ONNX Runtime (Polygraphy's OnnxrtRunner), on the best provider present."""
+
+    def __init__(self, graph: Path, providers: tuple[str, ...] | None = None) -> None:
+        self.graph, self.providers = Path(graph), providers
+        super().__init__(SessionFromGraph(self.graph, providers), name=f"onnxruntime:{self.graph.name}")
+
+    @property
+    def session(self) -> Any:
+        """The ONNX Runtime session while active, else None (Polygraphy's `sess`, deleted on exit)."""
+        return getattr(self, "sess", None)
+
+    def infer(self, feed_dict: Mapping[str, np.ndarray], check_inputs: bool = True, *args: Any, **kwargs: Any) -> dict[str, np.ndarray]:
+        """Polygraphy's infer, with a merged decoder graph's past K/V filled in empty when the feed has none."""
+        if not self.is_active:  # Polygraphy refuses it: a bug of the caller, not bad input
+            return super().infer(feed_dict, check_inputs, *args, **kwargs)
         feed = {**self._empty_past(feed_dict), **feed_dict}
-        return dict(zip(names, self.session.run(names, feed)))
+        with polygraphy_errors(f"{self.graph.name} does not take headfold's feed", "verify a graph written by headfold export"):
+            return super().infer(feed, check_inputs, *args, **kwargs)
 
     def _empty_past(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A merged decoder graph fed without past K/V runs a prompt: past of length 0 [B, kvᵢ, 0, d]."""

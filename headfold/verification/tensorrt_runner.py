@@ -1,12 +1,13 @@
-"""Run a TensorRT engine behind headfold's runner interface, with torch CUDA tensors (no pycuda).
+"""A TensorRT engine as Polygraphy's TrtRunner, adding only optimization profile choice and timing.
 
-Per feed: pick the optimization profile whose min/max admit the input shapes, set the input
-shapes and tensor addresses, `execute_async_v3` on the runner's own CUDA stream (the legacy
-default stream makes TensorRT add synchronisations, which the latency would include), copy the
-outputs back. Empty tensors (a decode step with no past yet) are bound to a placeholder buffer:
-TensorRT requires a non-null address for every input, and an empty torch tensor has none.
-With `timed_runs` > 0 the same bindings are executed that many more times between CUDA events,
-and the median goes into `describe()` (and so into the verify report).
+Polygraphy deserializes the engine, binds inputs and outputs (empty tensors included), runs
+`execute_async_v3` on the runner's own CUDA stream and copies the outputs back. This subclass
+adds, per feed: the feed cast to the engine's input dtypes; the first optimization profile whose
+min/max admit the input shapes (Polygraphy keeps whichever is set); with `timed_runs` > 0 that
+many more executions of the same bindings between CUDA events (torch's, on Polygraphy's stream),
+the median going into `describe()` and so into the verify report; outputs as numpy copies
+(Polygraphy reuses its host buffers between calls, and a shared prefill runner is called again
+before its outputs are compared). TensorRT and torch's CUDA are imported on activation only.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from polygraphy.backend.trt import TrtRunner
+from polygraphy.datatype import DataType
 
 from headfold.ground.errors import BadInput
-from headfold.verification.runners import BaseRunner
+from headfold.verification.runners import polygraphy_errors
 
 Shape = tuple[int, ...]
 ProfileShapes = dict[str, tuple[Shape, Shape]]  # input -> (min, max)
@@ -37,25 +40,19 @@ def _fits(shape: Shape, low: Shape, high: Shape) -> bool:
     return len(shape) == len(low) and all(lo <= s <= hi for s, lo, hi in zip(shape, low, high))
 
 
-def _torch_dtypes(trt: Any) -> dict[Any, Any]:
-    import torch
-
-    pairs = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32, "INT64": torch.int64, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
-    return {getattr(trt.DataType, name): dtype for name, dtype in pairs.items() if hasattr(trt.DataType, name)}
-
-
-class TensorRTRunner(BaseRunner):
+class TensorRTRunner(TrtRunner):
     """A serialized engine (`headfold build`) on the current CUDA device."""
 
     def __init__(self, engine: Path, *, timed_runs: int = 10, plugins: list[str] | None = None) -> None:
-        super().__init__(f"tensorrt:{Path(engine).name}")
         self.engine_path = Path(engine)
+        super().__init__(self._load_engine, name=f"tensorrt:{self.engine_path.name}")
         self.timed_runs = timed_runs
         self.plugins = plugins
         self.latencies: list[float] = []  # per feed: median milliseconds of the timed runs
-        self._trt: Any = None
+        self._backend: dict[str, str] = {}
 
-    def activate_impl(self) -> None:
+    def _load_engine(self) -> Any:
+        """Polygraphy's loader, called on activation: TensorRT and a GPU checked first, plugins registered."""
         from headfold.engines.env import engine_support
 
         why_not = engine_support()
@@ -63,21 +60,12 @@ class TensorRTRunner(BaseRunner):
             raise BadInput(f"cannot run the TensorRT engine {self.engine_path}: {why_not}")
         import tensorrt as trt
         import torch
+        from polygraphy.backend.trt import EngineFromPath
 
         self._register_plugins()
-        self._logger = trt.Logger(trt.Logger.WARNING)
-        self._runtime = trt.Runtime(self._logger)
-        self.engine = self._runtime.deserialize_cuda_engine(self.engine_path.read_bytes())
-        if self.engine is None:
-            raise BadInput(f"TensorRT {trt.__version__} cannot load {self.engine_path}; rebuild it here with headfold build")
-        self.context = self.engine.create_execution_context()
-        self._trt, self._profile, self._dtypes = trt, 0, _torch_dtypes(trt)
-        self._stream = torch.cuda.Stream()
-        self._placeholder = torch.empty(256, dtype=torch.uint8, device="cuda")  # the address of empty tensors
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-        self.outputs = [n for n in names if n not in self.inputs]
-        self.profiles = [self._profile_shapes(p) for p in range(self.engine.num_optimization_profiles)]
+        self._backend = {"backend": f"tensorrt {trt.__version__}", "device": torch.cuda.get_device_name()}
+        with polygraphy_errors(f"TensorRT {trt.__version__} cannot load {self.engine_path}", "rebuild it here with headfold build"):
+            return EngineFromPath(str(self.engine_path))()
 
     def _register_plugins(self) -> None:
         if self.plugins is None:
@@ -89,79 +77,56 @@ class TensorRTRunner(BaseRunner):
 
             custom_ops.register_tensorrt(self.plugins)
 
-    def _profile_shapes(self, profile: int) -> ProfileShapes:
-        shapes = {}
-        for name in self.inputs:
-            low, _, high = self.engine.get_tensor_profile_shape(name, profile)
-            shapes[name] = (tuple(low), tuple(high))
-        return shapes
+    def infer(self, feed_dict: Mapping[str, np.ndarray], check_inputs: bool = True, *args: Any, **kwargs: Any) -> dict[str, np.ndarray]:
+        """Polygraphy's infer on the feed cast to the engine's dtypes, in the profile that fits its shapes."""
+        if not self.is_active:  # Polygraphy refuses it: a bug of the caller, not bad input
+            return super().infer(feed_dict, check_inputs, *args, **kwargs)
+        feed = self.engine_feed(feed_dict)
+        self.choose_profile({name: tuple(value.shape) for name, value in feed.items()})
+        with polygraphy_errors(f"{self.engine_path.name} does not take headfold's feed", "rebuild it from a headfold export"):
+            outputs = super().infer(feed, check_inputs, *args, **kwargs)
+        if self.timed_runs > 0:
+            self.latencies.append(self._time())
+        return {name: _to_numpy(value) for name, value in outputs.items()}
 
-    def deactivate_impl(self) -> None:
-        self.context = self.engine = self._runtime = self._stream = self._placeholder = None
-
-    def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def engine_feed(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """The engine's inputs as torch CPU tensors of its dtypes (bf16 too, which numpy lacks); other keys dropped."""
         import torch
 
-        missing = [n for n in self.inputs if n not in feed_dict]
+        meta = self.get_input_metadata(use_numpy_dtypes=False)
+        missing = [name for name in meta if name not in feed_dict]
         if missing:
             raise BadInput(f"{self.engine_path.name} needs inputs {', '.join(missing)}; the feed has {', '.join(feed_dict)}")
-        stream = self._stream
-        with torch.cuda.stream(stream):  # the copies to and from the GPU too
-            self._select_profile({n: tuple(np.shape(feed_dict[n])) for n in self.inputs}, stream)
-            buffers = {name: self._bind_input(name, feed_dict[name]) for name in self.inputs}
-            buffers |= {name: self._bind_output(name) for name in self.outputs}
-            self._execute(stream)
-            if self.timed_runs > 0:
-                self.latencies.append(self._time(stream))
-            outputs = {name: _to_numpy(buffers[name]) for name in self.outputs}
-        stream.synchronize()
-        return outputs
+        return {name: torch.from_numpy(np.ascontiguousarray(feed_dict[name])).to(DataType.to_dtype(meta[name].dtype, "torch")) for name in meta}
 
-    def _select_profile(self, shapes: dict[str, Shape], stream: Any) -> None:
-        profile = pick_profile(shapes, self.profiles)
+    def profiles(self) -> list[ProfileShapes]:
+        """Per optimization profile of the engine: input → (min shape, max shape)."""
+        names = list(self.get_input_metadata(use_numpy_dtypes=False))
+        bounds = [{name: self.engine.get_tensor_profile_shape(name, p) for name in names} for p in range(self.engine.num_optimization_profiles)]
+        return [{name: (tuple(low), tuple(high)) for name, (low, _, high) in profile.items()} for profile in bounds]
+
+    def choose_profile(self, shapes: dict[str, Shape]) -> None:
+        """Switch to the first profile admitting `shapes` (Polygraphy's set_profile) unless it is the active one."""
+        profiles = self.profiles()
+        profile = pick_profile(shapes, profiles)
         if profile is None:
             raise BadInput(
                 f"{self.engine_path.name}: input shapes {shapes} fit none of its optimization profiles "
-                f"{self.profiles}; rebuild with larger --batch/--seq/--past"
+                f"{profiles}; rebuild with larger --batch/--seq/--past"
             )
-        if profile != self._profile:
-            self.context.set_optimization_profile_async(profile, stream.cuda_stream)
-            self._profile = profile
+        if profile != self.context.active_optimization_profile:
+            self.set_profile(profile)
 
-    def _bind_input(self, name: str, value: np.ndarray) -> Any:
-        import torch
-
-        dtype = self._dtypes[self.engine.get_tensor_dtype(name)]
-        tensor = torch.from_numpy(np.ascontiguousarray(value)).to(device="cuda", dtype=dtype).contiguous()
-        self.context.set_input_shape(name, tuple(tensor.shape))
-        self._set_address(name, tensor)
-        return tensor
-
-    def _bind_output(self, name: str) -> Any:
-        import torch
-
-        shape = tuple(self.context.get_tensor_shape(name))
-        if any(d < 0 for d in shape):
-            raise BadInput(f"{self.engine_path.name}: output {name} has a data-dependent shape {shape}; headfold's graphs have none")
-        tensor = torch.empty(shape, dtype=self._dtypes[self.engine.get_tensor_dtype(name)], device="cuda")
-        self._set_address(name, tensor)
-        return tensor
-
-    def _set_address(self, name: str, tensor: Any) -> None:
-        self.context.set_tensor_address(name, tensor.data_ptr() if tensor.numel() else self._placeholder.data_ptr())
-
-    def _execute(self, stream: Any) -> None:
-        if not self.context.execute_async_v3(stream.cuda_stream):
-            raise RuntimeError(f"TensorRT execute_async_v3 failed for {self.engine_path.name}")
-
-    def _time(self, stream: Any) -> float:
+    def _time(self) -> float:
         """Median milliseconds of `timed_runs` executions of the current bindings (CUDA events)."""
         import torch
 
+        stream = torch.cuda.ExternalStream(self.stream.ptr)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.timed_runs)]
         for start, end in events:
             start.record(stream)
-            self._execute(stream)
+            if not self.context.execute_async_v3(self.stream.ptr):
+                raise RuntimeError(f"TensorRT execute_async_v3 failed for {self.engine_path.name}")
             end.record(stream)
         stream.synchronize()
         return statistics.median(start.elapsed_time(end) for start, end in events)
@@ -173,17 +138,13 @@ class TensorRTRunner(BaseRunner):
         return {"latency_ms": round(statistics.median(self.latencies), 4), "latency_runs": self.timed_runs, "latency_feeds": len(self.latencies)}
 
     def describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"runner": self.name}
-        if self._trt is not None:
-            import torch
-
-            info |= {"backend": f"tensorrt {self._trt.__version__}", "device": torch.cuda.get_device_name()}
-        return info | self.latency()
+        return {"runner": self.name, **self._backend, **self.latency()}
 
 
 def _to_numpy(tensor: Any) -> np.ndarray:
+    """A numpy copy of an output tensor (bf16 as fp32: numpy has no bfloat16)."""
     import torch
 
-    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16
+    if tensor.dtype == torch.bfloat16:
         tensor = tensor.float()
-    return tensor.cpu().numpy()
+    return tensor.numpy().copy()
