@@ -19,25 +19,32 @@ from typing import Literal
 import onnx_ir as ir
 
 from headfold.graphs.trt_ops import MIN_OPSET, RELEASES, TYPED_INPUT
-from headfold.ground.artifacts import EXPORT_SUMMARY, read_export_summary
+from headfold.ground import export_summary
+from headfold.ground.artifacts import Record, optional
 from headfold.ground.errors import BadInput
 
 __all__ = ["Finding", "LintReport", "RuleSet", "rule_set", "lint", "lint_export", "format_table", "export_table"]
 
+FORMAT = 1  # of a saved LintReport
 Severity = Literal["error", "warning"]
 STANDARD_DOMAINS = ("", "ai.onnx")
 
 
 @dataclass(frozen=True)
-class Finding:
+class Finding(Record):
     node: str  # node name, or "<model>" for model-level findings
     rule: str
     message: str
     severity: Severity
+    op: str | None = optional()  # the node's op type ("domain.op" outside the standard domain); None for the model
+    since: str | None = optional()  # the first TensorRT release whose parser takes it; None when none does
 
 
-@dataclass
-class LintReport:
+@dataclass(kw_only=True)
+class LintReport(Record):
+    """One graph against one rule set; saved (e.g. in a build plan) as the rule set, the verdict and the findings."""
+
+    format: int = FORMAT
     trt_version: str  # as asked
     rules: str  # the rule set applied, e.g. "10.15"
     findings: list[Finding] = field(default_factory=list)
@@ -111,15 +118,21 @@ def rule_set(trt_version: str) -> RuleSet:
 Check = Callable[[ir.Node, str, RuleSet], Iterator[Finding]]
 
 
-def _since(rules: RuleSet, op: str) -> str:
+def _since(rules: RuleSet, op: str) -> str | None:
+    """The first release after `rules` whose parser takes `op` ("10.15"), None if there is none."""
     first = FIRST_RELEASE.get(op)
-    return f" (parsed from TensorRT {first[0]}.{first[1]} on)" if first and first > rules.version else ""
+    return f"{first[0]}.{first[1]}" if first and first > rules.version else None
+
+
+def _hint(since: str | None) -> str:
+    return f" (parsed from TensorRT {since} on)" if since else ""
 
 
 def check_op_supported(node: ir.Node, name: str, rules: RuleSet) -> Iterator[Finding]:
     """Standard ops without an importer fall back to a plugin lookup, which fails: an error."""
     if node.domain in STANDARD_DOMAINS and node.op_type not in rules.ops:
-        yield Finding(name, "op-unsupported", f"{node.op_type} has no importer in TensorRT {rules.name}{_since(rules, node.op_type)}", "error")
+        since = _since(rules, node.op_type)
+        yield Finding(name, "op-unsupported", f"{node.op_type} has no importer in TensorRT {rules.name}{_hint(since)}", "error", since=since)
 
 
 def check_custom_domain(node: ir.Node, name: str, rules: RuleSet) -> Iterator[Finding]:
@@ -128,12 +141,9 @@ def check_custom_domain(node: ir.Node, name: str, rules: RuleSet) -> Iterator[Fi
     if node.domain in STANDARD_DOMAINS or node.op_type in rules.custom_ops:
         return
     if f"{node.domain}::{node.op_type}" not in rules.plugins:
-        yield Finding(
-            name,
-            "custom-domain",
-            f"{node.domain}.{node.op_type} needs a TensorRT plugin registered as {node.domain}::{node.op_type}{_since(rules, node.op_type)}",
-            "error",
-        )
+        since = _since(rules, node.op_type)
+        plugin = f"{node.domain}::{node.op_type}"
+        yield Finding(name, "custom-domain", f"{node.domain}.{node.op_type} needs a TensorRT plugin registered as {plugin}{_hint(since)}", "error", since=since)
 
 
 def check_dtype(node: ir.Node, name: str, rules: RuleSet) -> Iterator[Finding]:
@@ -250,18 +260,18 @@ def lint(model: str | os.PathLike | ir.Model, trt_version: str, *, plugins: Iter
     """
     rules = replace(rule_set(trt_version), plugins=frozenset(plugins))
     ir_model = _load(model)
-    report = LintReport(str(trt_version), rules.name, list(_opset_findings(ir_model, rules)))
+    report = LintReport(trt_version=str(trt_version), rules=rules.name, findings=list(_opset_findings(ir_model, rules)))
     for node, name in _nodes(ir_model):
+        op = node.op_type if node.domain in STANDARD_DOMAINS else f"{node.domain}.{node.op_type}"
         for check in NODE_CHECKS:
-            report.findings.extend(check(node, name, rules))
+            report.findings.extend(replace(f, op=op) for f in check(node, name, rules))
     return report
 
 
 def lint_export(out_dir: str | os.PathLike, trt_version: str, *, plugins: Iterable[str] = ()) -> dict[str, LintReport]:
     """Lint every graph of a `headfold export` folder (those listed in export.json, else *.onnx)."""
     folder = Path(out_dir)
-    summary = folder / EXPORT_SUMMARY
-    names = list(read_export_summary(folder).get("graphs", {})) if summary.is_file() else sorted(p.name for p in folder.glob("*.onnx"))
+    names = list(export_summary.load(folder).graphs) if export_summary.exists(folder) else sorted(p.name for p in folder.glob("*.onnx"))
     if not names:
         raise BadInput(f"no ONNX graphs in {folder}")
     return {name: lint(folder / name, trt_version, plugins=plugins) for name in names}

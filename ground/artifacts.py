@@ -1,37 +1,143 @@
-"""The names of the files headfold writes and reads back, spelled once.
+"""The files headfold writes and reads back: their names, spelled once, and `Record`, the base of
+their typed contracts.
 
-A stage finds another stage's output through these names only; what is inside each file is
-the writing stage's business.
+A stage finds another stage's output through these names only. What is inside each file is one
+dataclass with load/save in one module: the manifest (ground/manifest.py), export.json
+(ground/export_summary.py), the run ledger (ground/ledger.py), the engine sidecar
+(headfold/engines/sidecar.py) and lint findings (graphs/trt_lint.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from headfold.ground.errors import read_json_object
+from headfold.ground.errors import BadInput, read_json_object
 
 MANIFEST = "headfold.json"  # headfold convert / distill: how a checkpoint was made
 EXPORT_SUMMARY = "export.json"  # headfold export: graphs, layout, dtype and the source checkpoint
 GENAI_CONFIG = "genai_config.json"  # headfold export: onnxruntime-genai's model folder config
 LEDGER = "stages.json"  # headfold run: per stage its key, output digest and timing
 
-
-def read_export_summary(folder: Path) -> dict[str, Any]:
-    """The export.json in `folder`; BadInput when it is corrupt."""
-    return read_json_object(folder / EXPORT_SUMMARY, f"re-run headfold export into {folder}")
+EXTRA = "extra"  # the field that keeps keys a record does not know (a newer writer's), written back
+R = TypeVar("R", bound="Record")
 
 
-def export_source(summary: dict[str, Any], folder: Path) -> Path | None:
-    """The source checkpoint an export.json (in `folder`) names, if it still exists."""
-    source = Path(summary.get("source", ""))
-    candidates = [source] if source.is_absolute() else [Path.cwd() / source, folder.parent / source]
-    return next((p.resolve() for p in candidates if (p / "config.json").is_file()), None)
+class Malformed(ValueError):
+    """JSON that does not fit its record; each loader turns it into its own one-line BadInput."""
 
 
-def graph_source(graph: Path) -> Path | None:
-    """The checkpoint a graph was exported from, through the export.json next to it (None if unknown)."""
-    folder = graph.resolve().parent
-    if not (folder / EXPORT_SUMMARY).is_file():
-        return None
-    return export_source(read_export_summary(folder), folder)
+def optional(default: Any = None) -> Any:
+    """A field that may be absent from the file (older writers) and is left out when None."""
+    return dataclasses.field(default=default, metadata={"omit_if_none": True})
+
+
+def keep_unknown() -> Any:
+    """The `extra` field: keys this headfold does not know, kept and written back."""
+    return dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+
+class Record:
+    """Base of a dataclass that is one JSON object: its fields are the keys, in order. Nested
+    records, and lists and dicts of them, are built from the annotations; a value of the wrong
+    type is Malformed. (A plain class, so frozen and mutable dataclasses can both derive from it.)"""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != EXTRA and not (value is None and f.metadata.get("omit_if_none")):
+                data[f.name] = plain(value)
+        return data | getattr(self, EXTRA, {})
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: Path) -> None:
+        """Write to `path` whole or not at all (a sibling temporary file renamed over it)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+    @classmethod
+    def from_dict(cls: type[R], data: Any) -> R:
+        if not isinstance(data, dict):
+            raise Malformed("not a JSON object")
+        hints = typing.get_type_hints(cls)
+        known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        values = {name: typed(data[name], hints[name], name) for name in known if name in data and name != EXTRA}
+        missing = [name for name, f in known.items() if name not in values and name != EXTRA and _required(f)]
+        if missing:
+            raise Malformed(f"no {' and '.join(map(repr, missing))}")
+        if EXTRA in known:
+            values[EXTRA] = {k: v for k, v in data.items() if k not in known}
+        return cls(**values)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def plain(value: Any) -> Any:
+    """`value` as JSON holds it: records as objects, paths as strings, tuples as lists."""
+    if isinstance(value, Record):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
+
+
+def typed(value: Any, hint: Any, name: str) -> Any:
+    """`value` read as `hint` says (records built, in lists and dicts too); Malformed when it does not fit."""
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    for option in typing.get_args(hint) if union else (hint,):
+        origin = typing.get_origin(option) or option
+        if isinstance(origin, type) and issubclass(origin, Record) and isinstance(value, dict):
+            return origin.from_dict(value)
+        if origin is typing.Literal and value in typing.get_args(option):
+            return value
+        if _fits(value, origin):
+            return _items(value, typing.get_args(option), name)
+    raise Malformed(f"{name!r} is {_json_type(value)}")
+
+
+def _fits(value: Any, origin: Any) -> bool:
+    if origin is Any:
+        return True
+    if origin is None or origin is type(None):
+        return value is None
+    if not isinstance(origin, type) or issubclass(origin, Record) or isinstance(value, bool) and origin is not bool:
+        return False
+    return isinstance(value, origin) or origin is float and isinstance(value, int)
+
+
+def _items(value: Any, args: tuple, name: str) -> Any:
+    """The records inside a list[R] or a dict[str, R]; other containers as they are."""
+    item = args[-1] if args else None
+    if not (isinstance(item, type) and issubclass(item, Record)):
+        return value
+    if isinstance(value, dict):
+        return {k: typed(v, item, f"{name}.{k}") for k, v in value.items()}
+    return [typed(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def load_record(cls: type[R], path: Path, fix: str) -> R:
+    """The record in the JSON file `path`; BadInput "PATH is corrupt (why); FIX" when it does not fit."""
+    try:
+        return cls.from_dict(read_json_object(path, fix))
+    except Malformed as err:
+        raise BadInput(f"{path} is corrupt ({err}); {fix}") from None

@@ -28,7 +28,7 @@ from headfold.engines.plan import (
     parse_range,
     sidecar_path,
 )
-from headfold.engines.sidecar import KEYS, make_sidecar, read_sidecar, source_onnx
+from headfold.engines.sidecar import KEYS, load_sidecar, make_sidecar, save_sidecar, source_onnx
 from headfold.graphs.export import export
 from headfold.graphs.trt_lint import lint_export
 from headfold.ground.errors import BadInput
@@ -84,7 +84,7 @@ def test_plan_per_family(exported, tmp_path: Path, family: str) -> None:
         assert decode["attention_mask"] == [[1, 1], [4, 32], [8, LIMIT]]  # "past_sequence + 1"
     # the plan's verdict is the export lint's, graph by graph
     lints = lint_export(onnx_dir, "11.0")
-    assert [g.lint["parsable"] for g in plan.graphs] == [r.parsable for r in lints.values()]
+    assert [g.lint.parsable for g in plan.graphs] == [r.parsable for r in lints.values()]
     assert bool(plan.refusals) == (not all(r.parsable for r in lints.values()))
     assert json.loads(plan.to_json())["graphs"][0]["profile"] == first.profile
 
@@ -204,7 +204,8 @@ def test_trt_10_13_is_refused_with_the_release_that_parses_it(exported, tmp_path
     _, onnx_dir = exported("llama")
     plan = _plan(onnx_dir, tmp_path / "e", "10.13")
     prefill = plan.graphs[0].lint
-    assert not prefill["parsable"] and {"Attention", "RMSNormalization"} <= {e["message"].split()[0] for e in prefill["errors"]}
+    assert not prefill.parsable and {"Attention", "RMSNormalization"} <= {e.op for e in prefill.errors}
+    assert {e.since for e in prefill.errors if e.op == "RMSNormalization"} == {"10.15"}
     assert plan.refusals[0].startswith("TensorRT 10.13 cannot parse prefill.onnx: RMSNormalization has no importer")
     assert "use TensorRT 10.15 or newer" in plan.refusals[0] and "at node node_RMSNormalization" in plan.refusals[0]
     with pytest.raises(Unparsable) as err:
@@ -260,12 +261,14 @@ def test_sidecar_schema_and_verify_resolution(exported, tmp_path: Path) -> None:
     plan = _plan(onnx_dir, tmp_path / "engines", "10.15")
     graph = plan.graphs[0]
     sidecar = make_sidecar(plan, graph, gpu={"name": "test", "compute_capability": "9.0"}, attention=attention_verdict([]), seconds=1.234)
-    assert tuple(sidecar) == KEYS and sidecar["source"]["sha256"] == graph.sha256 and sidecar["build_seconds"] == 1.23
-    assert sidecar["precision"] == {"name": "fp32", "graph": "fp32", "strongly_typed": False, "builder_flags": []}
+    written = sidecar.to_dict()
+    assert tuple(written) == KEYS and written["source"]["sha256"] == graph.sha256 and written["build_seconds"] == 1.23
+    assert written["precision"] == {"name": "fp32", "graph": "fp32", "strongly_typed": False, "builder_flags": []}
     graph.engine.parent.mkdir()
     graph.engine.write_bytes(b"placeholder")
-    sidecar_path(graph.engine).write_text(json.dumps(sidecar))
-    assert source_onnx(graph.engine, read_sidecar(graph.engine)) == onnx_dir / "prefill.onnx"
+    save_sidecar(graph.engine, sidecar)
+    assert json.loads(sidecar_path(graph.engine).read_text()) == written and load_sidecar(graph.engine) == sidecar
+    assert source_onnx(graph.engine, load_sidecar(graph.engine)) == onnx_dir / "prefill.onnx"
     for path in (graph.engine, graph.engine.parent):  # the engine or the build folder
         artifact = resolve(path)
         assert (artifact.kind, artifact.model, artifact.precision) == ("engine", checkpoint, "fp32")

@@ -23,11 +23,11 @@ from typing import Any
 
 import onnx_ir as ir
 
-from headfold.converter.config import position_limit, read_config
+from headfold.converter.checkpoint import CheckpointFacts
 from headfold.engines.env import Target
 from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
 from headfold.graphs.trt_lint import Finding, LintReport, lint
-from headfold.ground.artifacts import EXPORT_SUMMARY, graph_source, read_export_summary
+from headfold.ground import export_summary
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 
@@ -44,7 +44,6 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "past": ("past_sequence", "past_sequence_length", "past_seq_len"),
 }
 _DIM_EXPR = re.compile(r"\s*(\w+)\s*(?:([+-])\s*(\d+))?\s*")  # "past_sequence + 1"
-_SINCE = re.compile(r"parsed from TensorRT ([\d.]+) on")  # trt_lint's hint for ops of later releases
 _LOWEST = {"batch": 1, "seq": 1, "past": 0}
 _OPT_CAP = 512  # opt length: half the position limit, at most this (typical prompt / cache length)
 _DEFAULT_BATCH = (1, 4, 8)
@@ -188,16 +187,14 @@ def lint_graph(model: ir.Model, path: Path, target: Target) -> tuple[LintReport,
 
 
 def _since(finding: Finding) -> tuple[int, ...]:
-    """The release that first parses what `finding` is about; () when newer releases do not help."""
-    since = _SINCE.search(finding.message)
-    return tuple(int(p) for p in since[1].split(".")) if since else ()
+    """The release that first parses what `finding` is about, to compare; () when none does."""
+    return tuple(int(p) for p in finding.since.split(".")) if finding.since else ()
 
 
 def _fix(finding: Finding, target: Target) -> str:
-    since = ".".join(map(str, _since(finding)))
-    op = finding.message.split()[0]  # trt_lint: "<op> has no importer in TensorRT ..."
-    if since and finding.rule == "op-unsupported" and op in DECOMPOSITIONS:
-        return f"re-export with headfold export --trt-version {target.version} (decomposes {op}), or use TensorRT {since} or newer"
+    since = finding.since
+    if since and finding.rule == "op-unsupported" and finding.op in DECOMPOSITIONS:
+        return f"re-export with headfold export --trt-version {target.version} (decomposes {finding.op}), or use TensorRT {since} or newer"
     if since:
         return f"use TensorRT {since} or newer, or check the plan with --dry-run --trt-version {since}"
     if finding.rule == "custom-domain":
@@ -225,7 +222,7 @@ class GraphPlan:
     attention_nodes: int
     profile: dict[str, list[list[int]]]
     plugins: list[str]
-    lint: dict[str, Any]
+    lint: LintReport  # after the plugin emitter, when the graph needs plugins
 
     @property
     def sidecar(self) -> Path:
@@ -256,7 +253,8 @@ class BuildPlan:
             raise Unparsable(self.refusals[0])
 
     def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(asdict(self) | {"plugins": self.plugins}, default=str))
+        graphs = [asdict(g) | {"lint": g.lint.to_dict() | {"parsable": g.lint.parsable}} for g in self.graphs]
+        return json.loads(json.dumps(asdict(self) | {"plugins": self.plugins, "graphs": graphs}, default=str))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -286,7 +284,8 @@ def _bytes(n: int) -> str:
 
 
 def _describe_graph(graph: GraphPlan) -> list[str]:
-    lint_line = f"lint (rule set {graph.lint['rules']}): {'parsable' if graph.lint['parsable'] else 'NOT parsable'}, {len(graph.lint['errors'])} errors, {len(graph.lint['warnings'])} warnings"
+    report = graph.lint
+    lint_line = f"lint (rule set {report.rules}): {'parsable' if report.parsable else 'NOT parsable'}, {len(report.errors)} errors, {len(report.warnings)} warnings"
     width = max(map(len, graph.profile), default=0)
     lines = [
         f"{graph.onnx.name} -> {graph.engine}",
@@ -308,11 +307,11 @@ def source_graphs(src: Path) -> tuple[list[Path], str]:
     """(graphs, layout) of a .onnx file or an export folder; BadInput for anything else."""
     if src.is_file() and src.suffix == ".onnx":
         return [src.resolve()], "file"
-    if src.is_dir() and (src / EXPORT_SUMMARY).is_file():
-        summary = read_export_summary(src)
-        if summary.get("layout") == "merged":  # its total length P + S is no profile dimension
+    if src.is_dir() and export_summary.exists(src):
+        summary = export_summary.load(src)
+        if summary.layout == "merged":  # its total length P + S is no profile dimension
             raise BadInput(f"{src} holds the merged decoder graph (ONNX Runtime, onnxruntime-genai); TensorRT builds the split pair: headfold export SRC OUT --graphs split")
-        names = list(summary.get("graphs", {}))
+        names = list(summary.graphs)
         missing = [n for n in names if not (src / n).is_file()]
         if missing or not names:
             raise BadInput(f"export folder {src} lacks {', '.join(missing) or 'graphs'}; re-run headfold export")
@@ -326,8 +325,8 @@ def source_graphs(src: Path) -> tuple[list[Path], str]:
 
 def position_limit_for(graph: Path) -> int | None:
     """The model's position limit from the checkpoint its export.json names (None if unknown)."""
-    model = graph_source(graph)
-    return position_limit(read_config(model)) if model is not None else None
+    model = export_summary.graph_source(graph)
+    return CheckpointFacts.read(model).position_limit if model is not None else None
 
 
 def _out_engine(out: Path, layout: str, graph: Path) -> Path:
@@ -338,10 +337,10 @@ def _out_engine(out: Path, layout: str, graph: Path) -> Path:
     return out / (graph.stem + ENGINE_SUFFIX)
 
 
-def _graph_plan(path: Path, model: ir.Model, engine: Path, ranges: dict[str, Range], target: Target) -> tuple[GraphPlan, LintReport]:
+def _graph_plan(path: Path, model: ir.Model, engine: Path, ranges: dict[str, Range], target: Target) -> GraphPlan:
     report, plugins = lint_graph(model, path, target)
     data = path.with_name(path.name + ".data")
-    plan = GraphPlan(
+    return GraphPlan(
         name=path.stem,
         onnx=path,
         engine=engine,
@@ -350,13 +349,8 @@ def _graph_plan(path: Path, model: ir.Model, engine: Path, ranges: dict[str, Ran
         attention_nodes=sum("Attention" in n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph)),
         profile=input_profile(model, path.name, ranges),
         plugins=plugins,
-        lint={"rules": report.rules, "parsable": report.parsable, "errors": _findings(report.errors), "warnings": _findings(report.warnings)},
+        lint=report,
     )
-    return plan, report
-
-
-def _findings(findings: list[Finding]) -> list[dict[str, str]]:
-    return [{"node": f.node, "rule": f.rule, "message": f.message} for f in findings]
 
 
 def parse_workspace(text: str | None) -> int | None:
@@ -399,10 +393,10 @@ def make_plan(
     chosen = decide_precision(precision, precisions.pop(), target)
     plans, refusals = [], []
     for path in graphs:
-        graph, report = _graph_plan(path, models[path], _out_engine(Path(out), layout, path), ranges, target)
+        graph = _graph_plan(path, models[path], _out_engine(Path(out), layout, path), ranges, target)
         plans.append(graph)
-        if not report.parsable:
-            refusals.append(refusal(path.name, report, target))
+        if not graph.lint.parsable:
+            refusals.append(refusal(path.name, graph.lint, target))
     plan = BuildPlan(target, Path(src), Path(out), layout, chosen, ranges, plans, workspace_bytes, timing_cache, refusals=refusals)
     plan.ranges = {k: v for k, v in ranges.items() if any(uses(m, k) for m in models.values())}
     plan.notes = _notes(given, limit, plan.ranges)

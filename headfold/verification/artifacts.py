@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headfold.ground.artifacts import EXPORT_SUMMARY, MANIFEST, export_source, read_export_summary
-from headfold.ground.errors import BadInput, read_json_object
+from headfold.converter.checkpoint import CheckpointFacts
+from headfold.converter.per_layer import collapse
+from headfold.ground import export_summary, manifest
+from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 
@@ -51,7 +53,7 @@ class Artifact:
 
     @property
     def is_conversion(self) -> bool:
-        return self.model is not None and (self.model / MANIFEST).is_file()
+        return self.model is not None and manifest.exists(self.model)
 
     def describe(self) -> dict[str, Any]:
         """Path, kind, precision, head counts and the sha256 of the file that identifies it."""
@@ -68,11 +70,11 @@ class Artifact:
         if self.model is not None:
             info |= attention_info(self.model, self.precision)
         if self.kind == "engine":
-            from headfold.engines.sidecar import read_sidecar, summary
+            from headfold.engines.sidecar import load_sidecar
 
-            info["engine"] = summary(read_sidecar(self.path))
+            info["engine"] = load_sidecar(self.path).summary()
         if self.is_conversion:
-            info["conversion"] = conversion_manifest(self.model)["conversion"]
+            info["conversion"] = conversion_manifest(self.model).conversion.to_dict()
         return info
 
 
@@ -86,73 +88,56 @@ def _runner(kind: str, path: Path) -> BaseRunner:
 
 def attention_info(checkpoint: Path, precision: str) -> dict[str, Any]:
     """Heads, kv heads (one count, or one per layer) and the KV-cache bytes per token they imply at `precision`."""
-    from transformers import AutoConfig
-
-    from headfold.converter.per_layer import (
-        KV_HEADS_PER_LAYER,
-        collapse,
-        config_kv_heads,
-    )
-
-    config = AutoConfig.from_pretrained(checkpoint, local_files_only=True, trust_remote_code=False)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    per_layer = config_kv_heads(kv_heads, getattr(config, KV_HEADS_PER_LAYER, None), heads, config.num_hidden_layers)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    facts = CheckpointFacts.read(checkpoint)
     bytes_per_value = 4 if precision == "fp32" else 2
-    cache = 2 * sum(per_layer) * head_dim * bytes_per_value  # K and V of every layer
-    return {"heads": heads, "kv_heads": collapse(per_layer), "kv_cache_bytes_per_token": cache}
+    cache = 2 * sum(facts.kv_heads) * facts.head_dim * bytes_per_value  # K and V of every layer
+    return {"heads": facts.heads, "kv_heads": collapse(facts.kv_heads), "kv_cache_bytes_per_token": cache}
 
 
 def _checkpoint_precision(folder: Path) -> str:
-    config = read_json_object(folder / "config.json", "restore it from the original checkpoint")
-    return _TORCH_PRECISION.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), "fp32")
+    dtype = CheckpointFacts.read(folder).dtype
+    return _TORCH_PRECISION.get(str(dtype).removeprefix("torch.") if dtype else "float32", "fp32")
 
 
-def conversion_manifest(model: Path) -> dict[str, Any]:
-    """headfold.json of a converted checkpoint, with the sections verify reads."""
-    path, fix = model / MANIFEST, f"re-run headfold convert into {model}"
-    manifest = read_json_object(path, fix)
-    if not all(isinstance(manifest.get(key), dict) for key in ("source", "conversion")):
-        raise BadInput(f"{path} is corrupt (no 'source' and 'conversion' sections); {fix}")
-    return manifest
+def conversion_manifest(model: Path) -> manifest.Manifest:
+    """headfold.json of a converted checkpoint; BadInput when it is corrupt."""
+    return manifest.load(model)
 
 
-def _decode_graph(graph: Path, summary: dict[str, Any]) -> Path | None:
+def _decode_graph(graph: Path, summary: export_summary.ExportSummary) -> Path | None:
     """The graph that continues from `graph`'s cache: itself for a merged decoder graph, decode.onnx
     for a split export's prefill graph, else None."""
-    if graph.name == MERGED_GRAPH and summary.get("layout") == "merged":
+    if graph.name == MERGED_GRAPH and summary.layout == "merged":
         return graph
     decode = graph.parent / DECODE_GRAPH
-    paired = graph.name == PREFILL_GRAPH and DECODE_GRAPH in summary.get("graphs", {})
+    paired = graph.name == PREFILL_GRAPH and DECODE_GRAPH in summary.graphs
     return decode if paired and decode.is_file() else None
 
 
 def _onnx_artifact(graph: Path) -> Artifact:
-    summary_file = graph.parent / EXPORT_SUMMARY
-    if not summary_file.is_file():
+    if not export_summary.exists(graph.parent):
         return Artifact(graph, "onnx", None, "fp32")
-    summary = read_export_summary(graph.parent)
-    model = export_source(summary, graph.parent)
-    return Artifact(graph, "onnx", model, summary.get("dtype", "fp32"), _decode_graph(graph, summary))
+    summary = export_summary.load(graph.parent)
+    model = export_summary.export_source(summary, graph.parent)
+    return Artifact(graph, "onnx", model, summary.dtype, _decode_graph(graph, summary))
 
 
 def _engine_artifact(engine: Path) -> Artifact:
     """An engine's model is its source graph's; its precision the one it was built in."""
-    from headfold.engines.sidecar import read_sidecar, source_onnx
+    from headfold.engines.sidecar import load_sidecar, source_onnx
 
-    info = read_sidecar(engine)
+    info = load_sidecar(engine)
     graph = source_onnx(engine, info)
     decode = engine.with_name(DECODE_ENGINE)  # `headfold build` writes the pair side by side
     paired = engine.name == PREFILL_ENGINE and decode.is_file()
-    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info["precision"]["name"], decode if paired else None)
+    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info.precision.name, decode if paired else None)
 
 
 def resolve(path: Path) -> Artifact:
     """Classify a path; BadInput for anything headfold cannot run."""
     if path.is_dir() and (path / "config.json").is_file():
         return Artifact(path.resolve(), "checkpoint", path.resolve(), _checkpoint_precision(path))
-    if path.is_dir() and (path / EXPORT_SUMMARY).is_file():
+    if path.is_dir() and export_summary.exists(path):
         graph = next((path / g for g in GRAPHS if (path / g).is_file()), None)
         if graph is None:
             raise BadInput(f"export folder {path} has neither {' nor '.join(GRAPHS)}; re-run headfold export")
@@ -174,8 +159,7 @@ def loosest(a: str, b: str) -> str:
 
 
 def _converted_from(reference: Path, candidate: Path) -> bool:
-    source = conversion_manifest(candidate)["source"]
-    return source.get("config_sha256") == sha256_file(reference / "config.json")
+    return conversion_manifest(candidate).source.config_sha256 == sha256_file(reference / "config.json")
 
 
 def check_kind(reference: Artifact, candidate: Artifact, requested: str = "auto") -> str:
