@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import copy_other_files, default_shard_bytes
 from headfold.converter.writer import PlannedTensor, ShardedWriter
-from headfold.ground.artifacts import MANIFEST
+from headfold.ground.manifest import Manifest
 from headfold.ground.hashing import sha256_file, versions
 
 LOG_FILE, PLOT_FILE = "distill-log.json", "distill-curve.png"
@@ -45,12 +46,11 @@ def write_checkpoint(student: SourceCheckpoint, state: dict[str, torch.Tensor], 
 
 
 def write_manifest(folder: Path, student_manifest: dict[str, Any], distillation: dict[str, Any], files: dict[str, str]) -> None:
-    manifest = {**student_manifest, "distillation": distillation, "versions": versions(PACKAGES)}
     for name in (LOG_FILE, PLOT_FILE):
         if (folder / name).is_file():
             files[name] = sha256_file(folder / name)
-    manifest["files"] = dict(sorted(files.items()))
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    student = Manifest.from_dict(student_manifest)
+    replace(student, distillation=distillation, versions=versions(PACKAGES), files=dict(sorted(files.items()))).save_in(folder)
 
 
 def write_log(folder: Path, log: dict[str, list], metric: str) -> None:
