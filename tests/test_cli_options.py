@@ -148,3 +148,8 @@ def test_help_starts_without_heavy_libraries(argv: list[str]) -> None:
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "LOADED []"
+
+
+def test_python_dash_m_headfold_is_the_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "headfold", "convert", "-h"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Conversion options:" in result.stdout
