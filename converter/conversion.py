@@ -1,29 +1,36 @@
-"""MHA → GQA/MQA checkpoint conversion, streamed tensor by tensor into an atomic output."""
+"""MHA → GQA/MQA checkpoint conversion, streamed tensor by tensor into an atomic output.
+
+mean and first run without torch (converter/rawpool.py: numpy over the safetensors bytes, the
+other tensors copied as byte ranges), so this module imports torch and the calibration only
+inside the data-aware path: a plain conversion starts as fast as a copy.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tqdm.auto import tqdm
 
-from headfold.converter.calibration import attention_inputs, check_settings
-from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, rotary_dims
+from headfold.converter import rawpool
+from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
-from headfold.converter.methods import LayerContext, Recipe, get_method
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
+from headfold.converter.recipes import LayerContext, Recipe, contiguous_groups, get_method
 from headfold.converter.tokens import read_text
-from headfold.converter.writer import PlannedTensor, ShardedWriter
+from headfold.converter.writer import PlannedTensor, ShardedWriter, dtype_code
 from headfold.ground.artifacts import MANIFEST
 from headfold.ground.atomic import atomic_output, check_output
-from headfold.ground.errors import BadInput, read_json_object
-from headfold.ground.hashing import sha256_file, versions
+from headfold.ground.errors import BadInput
+from headfold.ground.hashing import copy_hashed, sha256_file, versions
+from headfold.ground.manifest import Conversion, Manifest, ManifestSource, load_raw
+
+if TYPE_CHECKING:
+    import torch
 
 SKIPPED_DIRS = {".git", ".cache", "__pycache__"}
 PACKAGES = ("headfold", "torch", "transformers", "safetensors", "numpy")  # versions the manifest records
@@ -56,6 +63,8 @@ def convert(
     source = Path(source)
     recipe = get_method(method)
     if recipe.data_aware:
+        from headfold.converter.calibration import check_settings  # torch: data-aware methods only
+
         check_settings()  # a bad $HEADFOLD_DEVICE or $HEADFOLD_CALIBRATION_RAM fails before the slow calibration
     with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
         targets = target_shapes(ckpt, kv_heads)
@@ -72,8 +81,8 @@ def convert(
             manifest = build_manifest(ckpt, targets, recipe, groups, files, skipped)
             if recipe.data_aware:
                 used = "weights" if text is None else str(calibration or "built-in")
-                manifest["conversion"]["calibration"] = {"text": used, "tokens": calibration_tokens, "seed": seed}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+                manifest.conversion.calibration = {"text": used, "tokens": calibration_tokens, "seed": seed}
+            manifest.save_in(tmp)
     return out
 
 
@@ -147,8 +156,13 @@ def calibration_text(calibration: str | Path | None, builtin: str | None) -> str
 
 def layer_contexts(ckpt: SourceCheckpoint, text: str | None, tokens: int, seed: int, progress: bool) -> list[LayerContext]:
     """What a method may know about each layer: calibration inputs, RoPE dims, whether K may rotate."""
-    inputs = attention_inputs(ckpt, text, tokens, seed, progress) if text is not None else [None] * ckpt.layers
-    rotary = rotary_dims(ckpt.config, ckpt.spec, ckpt.shape.head_dim)
+    if text is None:
+        inputs = [None] * ckpt.layers
+    else:
+        from headfold.converter.calibration import attention_inputs  # torch and transformers: only when calibrating
+
+        inputs = attention_inputs(ckpt, text, tokens, seed, progress)
+    rotary = ckpt.facts.rotary.dims
     normed = ckpt.spec.qk_norm is not None and any(ckpt.spec.tensor_pattern(ckpt.spec.qk_norm).match(n) for n in ckpt.tensors)
     return [LayerContext(x, rotary, rotate_keys=not normed) for x in inputs]
 
@@ -158,7 +172,10 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, recipe:
 
     Tensors the recipe leaves as they are stay unread (shapes only, on the meta device) and are
     not returned: the writer copies them unchanged. mean/first read the source dtype (mean
-    accumulates in fp32 itself); the data-aware maths get fp32 copies."""
+    accumulates in fp32 itself); the data-aware maths get fp32 copies. The torch path: every
+    data-aware method, and mean/first of a pickle source (rawpool does the others)."""
+    import torch
+
     layer = ckpt.attention.layers[index]
     codec = AttentionCodec(ckpt.spec, ckpt.layer_shapes[index])
     kept = untouched_suffixes(ckpt, recipe)
@@ -188,17 +205,25 @@ def write_weights(
     """Stream every tensor to the output; return file hashes and each layer's head groups."""
     plan = plan_outputs(ckpt, targets)
     owner = ckpt.attention.owner()
-    pending: dict[str, torch.Tensor] = {}  # converted tensors of the current layer not yet written
+    raw = not recipe.data_aware and rawpool.readable(ckpt)  # mean/first without torch
+    pending: dict[str, Any] = {}  # converted tensors (torch) or arrays (raw) of the current layer not yet written
     groups: list[list[list[int]]] = [[] for _ in range(ckpt.layers)]
     bar = tqdm(total=sum(t.nbytes for t in plan), unit="B", unit_scale=True, desc="convert", disable=not progress)
     with bar, ShardedWriter(folder, plan, shard_bytes, metadata={"format": "pt"}) as writer:
         for t in plan:
             if (layer := owner.get(t.name)) is not None and not groups[layer]:
-                converted, groups[layer] = convert_layer(ckpt, layer, targets[layer], recipe, contexts[layer])
+                if raw:
+                    converted = rawpool.convert_layer(ckpt, layer, targets[layer], recipe.pool)
+                    groups[layer] = contiguous_groups(ckpt.layer_shapes[layer].kv_heads, targets[layer].kv_heads)
+                else:
+                    converted, groups[layer] = convert_layer(ckpt, layer, targets[layer], recipe, contexts[layer])
                 contexts[layer] = LayerContext()  # calibration inputs of a done layer: free them
                 pending.update(converted)
             if t.name in pending:
-                writer.write(t.name, pending.pop(t.name))
+                if raw:
+                    writer.write_array(t.name, dtype_code(t.dtype), pending.pop(t.name))
+                else:
+                    writer.write(t.name, pending.pop(t.name))
             elif source := ckpt.byte_range(t.name):  # unchanged tensor: no trip through Python
                 writer.copy(t.name, t.dtype, t.shape, source)
             else:
@@ -236,53 +261,34 @@ def copy_other_files(ckpt: SourceCheckpoint, folder: Path) -> tuple[dict[str, st
                 skipped.append(rel.as_posix())
             continue
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-        copied[rel.as_posix()] = _copy_hashed(path, folder / rel)
+        copied[rel.as_posix()] = copy_hashed(path, folder / rel)
     return copied, skipped
-
-
-def _copy_hashed(src: Path, dst: Path) -> str:
-    digest = hashlib.sha256()
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        while chunk := fin.read(1 << 20):
-            digest.update(chunk)
-            fout.write(chunk)
-    shutil.copymode(src, dst)
-    return digest.hexdigest()
 
 
 def build_manifest(
     ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, groups: list[list[list[int]]], files: dict[str, str], skipped: list[str]
-) -> dict[str, Any]:
+) -> Manifest:
     src = ckpt.shape
     uniform = all(layer == groups[0] for layer in groups)
     query_map = [[h // t.group for h in range(src.heads)] for t in targets]
     kv_heads = collapse([t.kv_heads for t in targets])
-    parent = ckpt.folder / MANIFEST
-    return {
-        "format": 1,
-        "source": {
-            "path": str(ckpt.folder.resolve()),
-            "model_type": ckpt.config.get("model_type"),
-            "family": ckpt.spec.family,
-            "heads": src.heads,
-            "kv_heads": collapse([s.kv_heads for s in ckpt.layer_shapes]),
-            "head_dim": src.head_dim,
-            "config_sha256": sha256_file(ckpt.folder / "config.json"),
-            "manifest": read_json_object(parent, "restore it or remove it from the source") if parent.is_file() else None,
-        },
-        "conversion": {
-            "method": recipe.name,
-            # one value for every layer, or a list with one entry per layer
-            "kv_heads": kv_heads,
-            "group_size": collapse([t.group for t in targets]),
-            "kv_head_of_query_head": query_map[0] if len(set(map(tuple, query_map))) == 1 else query_map,
-            # which source kv heads each new kv head pools; the same for every layer unless
-            # `grouped` chose per layer (query heads were then permuted to match)
-            "source_kv_heads_of_kv_head": groups[0] if uniform else groups,
-        },
+    parent = load_raw(ckpt.folder, "restore it or remove it from the source") if (ckpt.folder / MANIFEST).is_file() else None
+    return Manifest(
+        source=ManifestSource(
+            path=str(ckpt.folder.resolve()), model_type=ckpt.config.get("model_type"), family=ckpt.spec.family, heads=src.heads,
+            kv_heads=collapse([s.kv_heads for s in ckpt.layer_shapes]), head_dim=src.head_dim,
+            config_sha256=sha256_file(ckpt.folder / "config.json"), manifest=parent,
+        ),
+        conversion=Conversion(
+            method=recipe.name,
+            kv_heads=kv_heads,
+            group_size=collapse([t.group for t in targets]),
+            kv_head_of_query_head=query_map[0] if len(set(map(tuple, query_map))) == 1 else query_map,
+            source_kv_heads_of_kv_head=groups[0] if uniform else groups,
+        ),
         # per-layer kv heads are headfold's own config key: transformers would refuse them
-        "loader": "transformers" if ckpt.spec.native_gqa and isinstance(kv_heads, int) else "headfold.load_model",
-        "versions": versions(PACKAGES),
-        "files": files,
-        "skipped_weight_files": skipped,
-    }
+        loader="transformers" if ckpt.spec.native_gqa and isinstance(kv_heads, int) else "headfold.load_model",
+        versions=versions(PACKAGES),
+        files=files,
+        skipped_weight_files=skipped,
+    )

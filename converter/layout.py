@@ -3,16 +3,22 @@
 Canonical form puts heads first: Q/K/V weights are [heads, head_dim, hidden], their biases
 [heads, head_dim], the O weight is [heads, head_dim, hidden] (its input side split into
 heads). Pooling methods only ever see this form, so a fused or transposed layout is written
-once, here, and never again in a method.
+once, here, and never again in a method. The codec takes torch tensors (the data-aware maths)
+or numpy arrays (mean/first over raw bytes, converter/rawpool.py) alike: it only reshapes,
+slices, swaps the two axes of a 2-D tensor and concatenates.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from headfold.converter.spec import ArchitectureSpec, FusedQKV
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -44,35 +50,46 @@ class AttentionWeights:
         return replace(self, k=k, v=v, k_bias=k_bias, v_bias=v_bias)
 
 
+def _concatenate(parts: list, axis: int = 0):
+    """torch.cat or np.concatenate, whichever the parts are (torch is loaded when they are tensors)."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts, axis=axis)
+    import torch
+
+    return torch.cat(parts, dim=axis)
+
+
 def split_heads(t: torch.Tensor, axis: int, heads: int) -> torch.Tensor:
-    """[.., heads·d (at axis), ..] → [heads, d, rest]."""
-    t = t.movedim(axis, 0)
+    """[.., heads·d (at axis), ..] → [heads, d, rest]; weights are 2-D, so moving the head
+    axis first is one axis swap."""
+    t = t.swapaxes(axis, 0)
     return t.reshape(heads, -1, *t.shape[1:])
 
 
 def merge_heads(t: torch.Tensor, axis: int) -> torch.Tensor:
     """Inverse of split_heads."""
-    return t.reshape(-1, *t.shape[2:]).movedim(0, axis)
+    return t.reshape(-1, *t.shape[2:]).swapaxes(0, axis)
 
 
-def _split_fused(t: torch.Tensor, fused: FusedQKV, axis: int, shape: HeadShape) -> list[torch.Tensor]:
+def split_fused(t: torch.Tensor, fused: FusedQKV, axis: int, shape: HeadShape) -> list[torch.Tensor]:
     """A fused Q/K/V tensor (weight or bias) → canonical [q, k, v]."""
     h, n, d = shape.heads, shape.kv_heads, shape.head_dim
-    t = t.movedim(axis, 0)
+    t = t.swapaxes(axis, 0)
     if fused.layout == "blocks":
-        return [x.reshape(-1, d, *t.shape[1:]) for x in t.split([h * d, n * d, n * d])]
+        blocks = (t[: h * d], t[h * d : (h + n) * d], t[(h + n) * d :])
+        return [x.reshape(-1, d, *t.shape[1:]) for x in blocks]
     grouped = t.reshape(n, shape.group + 2, d, *t.shape[1:])
     return [grouped[:, :-2].reshape(h, d, *t.shape[1:]), grouped[:, -2], grouped[:, -1]]
 
 
-def _merge_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fused: FusedQKV, axis: int) -> torch.Tensor:
+def merge_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fused: FusedQKV, axis: int) -> torch.Tensor:
     if fused.layout == "blocks":
-        flat = torch.cat([q, k, v]).reshape(-1, *q.shape[2:])
+        flat = _concatenate([q, k, v]).reshape(-1, *q.shape[2:])
     else:
         n = k.shape[0]
-        grouped = torch.cat([q.reshape(n, -1, *q.shape[1:]), k[:, None], v[:, None]], dim=1)
+        grouped = _concatenate([q.reshape(n, -1, *q.shape[1:]), k[:, None], v[:, None]], axis=1)
         flat = grouped.reshape(-1, *q.shape[2:])
-    return flat.movedim(0, axis)
+    return flat.swapaxes(0, axis)
 
 
 class AttentionCodec:
@@ -83,15 +100,15 @@ class AttentionCodec:
         self.shape = shape
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:
-        """`tensors` maps spec suffixes (e.g. "q_proj.weight") to fp32 tensors."""
+        """`tensors` maps spec suffixes (e.g. "q_proj.weight") to tensors or arrays."""
         spec, shape = self.spec, self.shape
         o = spec.projections["o"]
         parts = {"o": split_heads(tensors[o.weight], o.head_axis, shape.heads)}
         if spec.fused_qkv:
             f = spec.fused_qkv
-            parts.update(zip("qkv", _split_fused(tensors[f.weight], f, f.head_axis, shape)))
+            parts.update(zip("qkv", split_fused(tensors[f.weight], f, f.head_axis, shape)))
             if f.bias in tensors:
-                parts.update(zip(("q_bias", "k_bias", "v_bias"), _split_fused(tensors[f.bias], f, 0, shape)))
+                parts.update(zip(("q_bias", "k_bias", "v_bias"), split_fused(tensors[f.bias], f, 0, shape)))
         else:
             for role, heads in (("q", shape.heads), ("k", shape.kv_heads), ("v", shape.kv_heads)):
                 p = spec.projections[role]
@@ -107,9 +124,9 @@ class AttentionCodec:
         out = {o.weight: merge_heads(attn.o, o.head_axis)}
         if spec.fused_qkv:
             f = spec.fused_qkv
-            out[f.weight] = _merge_fused(attn.q, attn.k, attn.v, f, f.head_axis)
+            out[f.weight] = merge_fused(attn.q, attn.k, attn.v, f, f.head_axis)
             if attn.q_bias is not None:
-                out[f.bias] = _merge_fused(attn.q_bias, attn.k_bias, attn.v_bias, f, 0)
+                out[f.bias] = merge_fused(attn.q_bias, attn.k_bias, attn.v_bias, f, 0)
             return out
         for role in "qkv":
             p = spec.projections[role]

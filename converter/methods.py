@@ -17,6 +17,8 @@ Modifiers combine with ``+`` (``aligned+grouped+refit``); they pool with ``mean`
 ``first`` is named. With RoPE, every K-side transform is restricted to what commutes with the
 rotary rotation (see alignment.py); with a per-dimension norm on Q/K (Qwen3) K is left alone.
 Data-aware recipes compute on the first CUDA GPU when torch sees one ($HEADFOLD_DEVICE overrides).
+This is the torch path; a conversion runs mean/first of a safetensors checkpoint without torch
+(converter/rawpool.py, the same bytes) and names the recipes through recipes.py.
 """
 
 from __future__ import annotations
@@ -28,18 +30,11 @@ import torch
 
 from headfold.converter import alignment
 from headfold.converter.layout import AttentionWeights
+# re-exported: the names live in recipes.py, which imports no torch
+from headfold.converter.recipes import METHODS, LayerContext, Recipe, contiguous_groups, get_method  # noqa: F401
 from headfold.ground.errors import BadInput
 
 DEVICE_VARIABLE = "HEADFOLD_DEVICE"  # cpu, cuda or cuda:N; default: the first GPU when there is one
-POOLS = ("mean", "first")
-MODIFIERS = ("grouped", "aligned", "refit")
-
-
-@dataclass(frozen=True)
-class LayerContext:
-    inputs: torch.Tensor | None = None  # [tokens, hidden]: this layer's attention input on calibration text
-    rotary: int = 0  # leading head dims that RoPE rotates in (i, i + rotary/2) pairs; 0 = no RoPE
-    rotate_keys: bool = True  # False when a per-dimension norm follows W_Q / W_K
 
 
 @dataclass(frozen=True)
@@ -48,64 +43,33 @@ class LayerResult:
     groups: list[list[int]]  # source kv heads pooled into each new kv head, in order
 
 
-@dataclass(frozen=True)
-class Recipe:
-    pool: str = "mean"
-    grouped: bool = False
-    aligned: bool = False
-    refit: bool = False
+def convert_attention(recipe: Recipe, attn: AttentionWeights, kv_heads: int, ctx: LayerContext = LayerContext()) -> LayerResult:
+    """Pool `attn` to `kv_heads`; data-aware recipes compute on the GPU when there is one."""
+    device = compute_device() if recipe.data_aware else torch.device("cpu")
+    if device.type == "cpu":
+        return _convert(recipe, attn, kv_heads, ctx)
+    inputs = None if ctx.inputs is None else ctx.inputs.to(device)
+    result = _convert(recipe, _moved(attn, device), kv_heads, replace(ctx, inputs=inputs))
+    return replace(result, attn=_moved(result.attn, torch.device("cpu")))
 
-    @property
-    def name(self) -> str:
-        parts = [m for m in MODIFIERS if getattr(self, m)]
-        return "+".join(parts + ([self.pool] if self.pool != "mean" or not parts else []))
 
-    @property
-    def data_aware(self) -> bool:
-        return self.grouped or self.aligned or self.refit
-
-    def __call__(self, attn: AttentionWeights, kv_heads: int, ctx: LayerContext = LayerContext()) -> LayerResult:
-        """Pool `attn` to `kv_heads`; data-aware recipes compute on the GPU when there is one."""
-        device = compute_device() if self.data_aware else torch.device("cpu")
-        if device.type == "cpu":
-            return self._convert(attn, kv_heads, ctx)
-        inputs = None if ctx.inputs is None else ctx.inputs.to(device)
-        result = self._convert(_moved(attn, device), kv_heads, replace(ctx, inputs=inputs))
-        return replace(result, attn=_moved(result.attn, torch.device("cpu")))
-
-    def _convert(self, attn: AttentionWeights, kv_heads: int, ctx: LayerContext) -> LayerResult:
-        n = attn.kv_heads
-        groups = [list(range(g * n // kv_heads, (g + 1) * n // kv_heads)) for g in range(kv_heads)]
-        if not self.data_aware:
-            return LayerResult(_pool(attn, groups, self.pool), groups)
+def _convert(recipe: Recipe, attn: AttentionWeights, kv_heads: int, ctx: LayerContext) -> LayerResult:
+    groups = contiguous_groups(attn.kv_heads, kv_heads)
+    if not recipe.data_aware:
+        return LayerResult(_pool(attn, groups, recipe.pool), groups)
+    keys, values = head_activations(attn.k, attn.k_bias, ctx), head_activations(attn.v, attn.v_bias, ctx)
+    key_rotary = ctx.rotary if ctx.rotate_keys else None
+    if recipe.grouped:
+        groups = similar_groups(keys, values, kv_heads, key_rotary)
+    if recipe.aligned:
+        attn = align(attn, groups, keys, values, key_rotary)
         keys, values = head_activations(attn.k, attn.k_bias, ctx), head_activations(attn.v, attn.v_bias, ctx)
-        key_rotary = ctx.rotary if ctx.rotate_keys else None
-        if self.grouped:
-            groups = similar_groups(keys, values, kv_heads, key_rotary)
-        if self.aligned:
-            attn = align(attn, groups, keys, values, key_rotary)
-            keys, values = head_activations(attn.k, attn.k_bias, ctx), head_activations(attn.v, attn.v_bias, ctx)
-        pooled = _pool(attn, groups, self.pool)
-        if self.aligned:
-            pooled = _restore_norms(pooled, groups, keys, values, ctx)
-        if self.refit:
-            pooled = refit(pooled, groups, keys, values, ctx, key_rotary)
-        return LayerResult(_group_queries(pooled, attn, groups), groups)
-
-
-def get_method(name: str) -> Recipe:
-    """'mean', 'first', or modifiers joined by '+', e.g. 'aligned+grouped+refit'."""
-    parts = name.split("+")
-    unknown = [p for p in parts if p not in POOLS + MODIFIERS]
-    pools = [p for p in parts if p in POOLS]
-    if unknown or len(pools) > 1 or len(set(parts)) != len(parts):
-        raise BadInput(
-            f"unknown method {name!r}; use mean or first, or combine {', '.join(MODIFIERS)} with '+' (e.g. aligned+grouped)"
-        )
-    return Recipe(pool=pools[0] if pools else "mean", **{m: m in parts for m in MODIFIERS})
-
-
-METHODS = ("mean", "first", "aligned", "grouped", "refit", "aligned+grouped", "aligned+grouped+refit")
+    pooled = _pool(attn, groups, recipe.pool)
+    if recipe.aligned:
+        pooled = _restore_norms(pooled, groups, keys, values, ctx)
+    if recipe.refit:
+        pooled = refit(pooled, groups, keys, values, ctx, key_rotary)
+    return LayerResult(_group_queries(pooled, attn, groups), groups)
 
 
 def compute_device() -> torch.device:

@@ -5,38 +5,55 @@ conversion knows every output tensor's name, dtype and shape before computing an
 this writer lays out the shards up front, writes each header first and then streams tensor
 bytes in order, so memory stays bounded by one layer. The bytes follow the safetensors
 format exactly (8-byte little-endian header length, JSON header padded to 8 bytes, data);
-tests read the result back with ``safetensors.safe_open``.
+tests read the result back with ``safetensors.safe_open``. It imports no torch: dtypes are
+safetensors codes ("F16") or torch dtypes, data torch tensors, numpy arrays or source byte ranges.
+
+Shards are planned here rather than with huggingface_hub's split_state_dict_into_shards_factory:
+that one puts a tensor larger than the cap into a shard *before* the one being filled, which
+breaks writing in source order (the streaming this writer exists for).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import mmap
+import math
 import os
 import struct
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
+import numpy as np
 
-from headfold.converter.checkpoint import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, FileRange
+from headfold.converter.checkpoint import SAFETENSORS_INDEX, FileRange
+from headfold.ground.hashing import update_from_file
 
-DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+TORCH_CODES = {
+    "torch.float64": "F64", "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
+    "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8",
+    "torch.uint8": "U8", "torch.bool": "BOOL", "torch.float8_e4m3fn": "F8_E4M3", "torch.float8_e5m2": "F8_E5M2",
+}  # fmt: skip
+
+
+def dtype_code(dtype: Any) -> str:
+    """The safetensors code of a torch dtype (by name: torch is not imported) or of a code."""
+    return dtype if isinstance(dtype, str) else TORCH_CODES[str(dtype)]
 
 
 @dataclass(frozen=True)
 class PlannedTensor:
     name: str
-    dtype: torch.dtype
+    dtype: Any  # torch.dtype or safetensors code
     shape: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
-        return self.dtype.itemsize * int(torch.Size(self.shape).numel())
+        return DTYPE_SIZES[dtype_code(self.dtype)] * math.prod(self.shape)
 
 
 def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
@@ -62,7 +79,7 @@ def _header(shard: list[PlannedTensor], metadata: dict[str, str]) -> bytes:
     entries: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for t in shard:
-        entries[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        entries[t.name] = {"dtype": dtype_code(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -89,23 +106,16 @@ def _copy_range(source: FileRange, out: BinaryIO) -> None:
                 done += len(chunk)
 
 
-def _hash_range(source: FileRange, digest: Any) -> None:
-    """Hash bytes straight from the page cache (mmap); unmapping keeps them out of our RSS."""
-    if source.nbytes == 0:
-        return
-    start = source.offset - source.offset % mmap.ALLOCATIONGRANULARITY
-    with open(source.path, "rb") as f, mmap.mmap(f.fileno(), source.offset + source.nbytes - start, offset=start, access=mmap.ACCESS_READ) as m:
-        with memoryview(m) as view:
-            digest.update(view[source.offset - start :])
-
-
 class ShardedWriter:
     """Write planned tensors, in plan order, into ``folder``; sha256 of every file kept.
 
-    Writing and hashing each run on their own background thread (both release the GIL), so the
-    hash of one tensor overlaps the write of the next while the caller reads and converts the
-    one after. At most ``IN_FLIGHT`` converted tensors wait in memory; byte ranges copied from
-    the source hold none, so they queue freely and neither thread waits for the caller.
+    Writing runs on one background thread and hashing on one per shard (both release the GIL),
+    so the hash of one tensor overlaps the write of the next while the caller reads and converts
+    the one after, and the shards of a sharded output hash side by side, as many at once as
+    there are cores: sha256 (~0.8 s/GB on one core) is the slowest step of a plain conversion.
+    The hash reads the bytes the writer is given (arrays, or the source's page cache for copied
+    ranges), never the output file. At most ``IN_FLIGHT`` converted tensors wait in memory; byte
+    ranges copied from the source hold none, so they queue freely and no thread waits for the caller.
     """
 
     IN_FLIGHT = 2
@@ -119,24 +129,34 @@ class ShardedWriter:
         self._queue = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
         self._next = 0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headfold-write")
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headfold-hash")
+        self._hashers: dict[int, ThreadPoolExecutor] = {}  # shard → its hash thread, in order within the shard
+        self._hashing = threading.BoundedSemaphore(os.cpu_count() or 1)  # shards hashing at once
         self._in_flight: deque[tuple[Future[None], Future[None], bool]] = deque()  # write, hash, holds memory
         self._file: BinaryIO | None = None
-        self._hash = hashlib.sha256()
+        self._hashes: dict[int, Any] = {}
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue the next planned tensor."""
+    def write(self, name: str, tensor: Any) -> None:
+        """Queue the next planned tensor (a torch tensor)."""
+        import torch  # loaded already: `tensor` is one
+
         self._check(name, tensor.dtype, tuple(tensor.shape))
         self._submit(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
 
-    def copy(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], source: FileRange) -> None:
+    def write_array(self, name: str, dtype: str, array: np.ndarray) -> None:
+        """Queue the next planned tensor as a numpy array holding `dtype`'s bytes (BF16: uint16)."""
+        if array.dtype.itemsize != DTYPE_SIZES[dtype]:
+            raise RuntimeError(f"writer got {array.dtype} data for {name}, which is {dtype}")
+        self._check(name, dtype, tuple(array.shape))
+        self._submit(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+
+    def copy(self, name: str, dtype: Any, shape: tuple[int, ...], source: FileRange) -> None:
         """Queue the next planned tensor, taken unchanged from a byte range of a source file."""
         self._check(name, dtype, shape)
         self._submit(source)
 
-    def _check(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    def _check(self, name: str, dtype: Any, shape: tuple[int, ...]) -> None:
         planned = self._queue[self._next][1]
-        if (name, dtype, shape) != (planned.name, planned.dtype, planned.shape):
+        if (name, dtype_code(dtype), shape) != (planned.name, dtype_code(planned.dtype), planned.shape):
             raise RuntimeError(f"writer expected {planned}, got {name} {dtype} {shape}")
 
     def _submit(self, data: memoryview | FileRange) -> None:
@@ -145,11 +165,16 @@ class ShardedWriter:
         self._next += 1
         last = self._next == len(self._queue) or self._queue[self._next][0] != shard_index
         header = _header(self.shards[shard_index], self.metadata) if first else None
+        if first:
+            self._hashers[shard_index] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"headfold-hash-{shard_index}")
+        hasher = self._hashers[shard_index]
         self._in_flight.append((
             self._writer.submit(self._store, shard_index, header, data, last),
-            self._hasher.submit(self._digest, shard_index, header, data, last),
+            hasher.submit(self._digest, shard_index, header, data, last),
             isinstance(data, memoryview),
         ))  # fmt: skip
+        if last:
+            hasher.shutdown(wait=False)  # its thread ends once the shard's hash is done
         while sum(held for *_, held in self._in_flight) > self.IN_FLIGHT:
             self._wait_oldest()
 
@@ -175,15 +200,17 @@ class ShardedWriter:
             self._file = None
 
     def _digest(self, shard_index: int, header: bytes | None, data: memoryview | FileRange, last: bool) -> None:
-        """Hash thread: one call at a time, in order."""
-        if header is not None:
-            self._hash = hashlib.sha256(header)
-        if isinstance(data, FileRange):
-            _hash_range(data, self._hash)
-        else:
-            self._hash.update(data)
-        if last:
-            self.sha256[self.names[shard_index]] = self._hash.hexdigest()
+        """A shard's hash thread: its tensors one at a time, in order."""
+        with self._hashing:
+            if header is not None:
+                self._hashes[shard_index] = hashlib.sha256(header)
+            digest = self._hashes[shard_index]
+            if isinstance(data, FileRange):
+                update_from_file(digest, data.path, data.offset, data.nbytes)
+            else:
+                digest.update(data)
+            if last:
+                self.sha256[self.names[shard_index]] = self._hashes.pop(shard_index).hexdigest()
 
     def finish(self) -> dict[str, str]:
         """Wait for the writes, write the index (when sharded); return {file name: sha256}."""
@@ -205,7 +232,8 @@ class ShardedWriter:
                 self._wait_oldest()
         finally:
             self._writer.shutdown(wait=True, cancel_futures=True)
-            self._hasher.shutdown(wait=True, cancel_futures=True)
+            for hasher in self._hashers.values():
+                hasher.shutdown(wait=True, cancel_futures=True)
             if self._file is not None:
                 self._file.close()
                 self._file = None

@@ -1,0 +1,99 @@
+"""mean and first straight from the safetensors bytes: numpy, no torch.
+
+Only K and V (and their biases) change under mean/first, and only those are read: each tensor
+is read once into a numpy array of its storage type, its heads viewed [kv groups, G, ...]
+through the layout codec, pooled, and handed to the writer as an array. Every other tensor
+(Q, O, MLP, embeddings) is copied by the writer as a byte range, never decoded.
+
+The bytes equal those of the torch path (methods._pool, then a cast to the source dtype):
+torch's fp32 mean over the group axis adds the G heads in order and divides by G, and both
+casts back round to nearest even. numpy has no bfloat16: BF16 is read as uint16, widened to
+fp32 by a 16-bit shift (exact) and narrowed with torch's rounding, bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from headfold.converter.checkpoint import FileRange, SourceCheckpoint
+from headfold.converter.layout import HeadShape, merge_fused, merge_heads, split_fused, split_heads
+from headfold.converter.writer import dtype_code
+
+STORAGE = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}  # what numpy holds each as
+BF16_NAN = 0xFFFF  # what torch's vectorised fp32 → bf16 cast writes for a NaN
+
+
+def readable(ckpt: SourceCheckpoint) -> bool:
+    """Whether every attention tensor is a safetensors byte range of a dtype numpy can hold."""
+    return all(
+        ckpt.byte_range(name) is not None and dtype_code(ckpt.tensors[name].dtype) in STORAGE
+        for layer in ckpt.attention.layers
+        for name in layer.values()
+    )
+
+
+def read_array(source: FileRange, code: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor's bytes, read once with a positioned read, as its storage type."""
+    array = np.empty(shape, dtype=STORAGE[code])
+    with open(source.path, "rb", buffering=0) as f:
+        f.seek(source.offset)
+        if f.readinto(memoryview(array.reshape(-1)).cast("B")) != source.nbytes:
+            raise EOFError(f"{source.path} ended inside a tensor at byte {source.offset}")
+    return array
+
+
+def widen(array: np.ndarray, code: str) -> np.ndarray:
+    """Storage → fp32 (exact)."""
+    if code == "BF16":
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32)
+
+
+def narrow(values: np.ndarray, code: str) -> np.ndarray:
+    """fp32 → storage, rounding to nearest even like torch's cast."""
+    if code != "BF16":
+        return values.astype(STORAGE[code])
+    bits = values.view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(BF16_NAN), rounded)
+
+
+def pool_heads(heads: np.ndarray, kv_heads: int, how: str, code: str) -> np.ndarray:
+    """[n, d, ...] → [kv_heads, d, ...]: the mean of each contiguous group (adding its heads in
+    order in fp32, then dividing), or its first head."""
+    grouped = heads.reshape(kv_heads, -1, *heads.shape[1:])
+    if how == "first":
+        return grouped[:, 0]
+    total = widen(grouped[:, 0], code)
+    for i in range(1, grouped.shape[1]):
+        total += widen(grouped[:, i], code)
+    total /= np.float32(grouped.shape[1])
+    return narrow(total, code)
+
+
+def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, how: str) -> dict[str, np.ndarray]:
+    """One layer's K/V tensors (or its fused QKV tensors) pooled to `target`, by tensor name."""
+    spec, shape, layer = ckpt.spec, ckpt.layer_shapes[index], ckpt.attention.layers[index]
+
+    def read(suffix: str) -> tuple[np.ndarray, str]:
+        info = ckpt.tensors[layer[suffix]]
+        code = dtype_code(info.dtype)
+        return read_array(ckpt.byte_range(info.name), code, info.shape), code
+
+    out: dict[str, np.ndarray] = {}
+    if f := spec.fused_qkv:
+        for suffix, axis in ((f.weight, f.head_axis), (f.bias, 0)):
+            if suffix in layer:
+                array, code = read(suffix)
+                q, k, v = split_fused(array, f, axis, shape)
+                pooled = (pool_heads(t, target.kv_heads, how, code) for t in (k, v))
+                out[layer[suffix]] = merge_fused(q, *pooled, f, axis)
+        return out
+    for role in "kv":
+        p = spec.projections[role]
+        for suffix, axis in ((p.weight, p.head_axis), (p.bias, 0)):
+            if suffix in layer:
+                array, code = read(suffix)
+                heads = split_heads(array, axis, shape.kv_heads)
+                out[layer[suffix]] = merge_heads(pool_heads(heads, target.kv_heads, how, code), axis)
+    return out

@@ -1,0 +1,64 @@
+"""Method names and what each one needs, without the maths: torch-free, so a mean or first
+conversion (which never calls the torch maths) starts without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from headfold.ground.errors import BadInput
+
+if TYPE_CHECKING:
+    from headfold.converter.layout import AttentionWeights
+    from headfold.converter.methods import LayerResult
+
+POOLS = ("mean", "first")
+MODIFIERS = ("grouped", "aligned", "refit")
+METHODS = ("mean", "first", "aligned", "grouped", "refit", "aligned+grouped", "aligned+grouped+refit")
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    inputs: Any = None  # torch.Tensor [tokens, hidden]: this layer's attention input on calibration text
+    rotary: int = 0  # leading head dims that RoPE rotates in (i, i + rotary/2) pairs; 0 = no RoPE
+    rotate_keys: bool = True  # False when a per-dimension norm follows W_Q / W_K
+
+
+@dataclass(frozen=True)
+class Recipe:
+    pool: str = "mean"
+    grouped: bool = False
+    aligned: bool = False
+    refit: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [m for m in MODIFIERS if getattr(self, m)]
+        return "+".join(parts + ([self.pool] if self.pool != "mean" or not parts else []))
+
+    @property
+    def data_aware(self) -> bool:
+        return self.grouped or self.aligned or self.refit
+
+    def __call__(self, attn: AttentionWeights, kv_heads: int, ctx: LayerContext = LayerContext()) -> LayerResult:
+        """Pool `attn` (canonical torch weights) to `kv_heads`; see methods.convert_attention."""
+        from headfold.converter.methods import convert_attention  # the torch maths, imported only when used
+
+        return convert_attention(self, attn, kv_heads, ctx)
+
+
+def contiguous_groups(kv_heads: int, target: int) -> list[list[int]]:
+    """Source kv heads j pooled into new head j // (kv_heads // target): the default grouping."""
+    return [list(range(g * kv_heads // target, (g + 1) * kv_heads // target)) for g in range(target)]
+
+
+def get_method(name: str) -> Recipe:
+    """'mean', 'first', or modifiers joined by '+', e.g. 'aligned+grouped+refit'."""
+    parts = name.split("+")
+    unknown = [p for p in parts if p not in POOLS + MODIFIERS]
+    pools = [p for p in parts if p in POOLS]
+    if unknown or len(pools) > 1 or len(set(parts)) != len(parts):
+        raise BadInput(
+            f"unknown method {name!r}; use mean or first, or combine {', '.join(MODIFIERS)} with '+' (e.g. aligned+grouped)"
+        )
+    return Recipe(pool=pools[0] if pools else "mean", **{m: m in parts for m in MODIFIERS})
