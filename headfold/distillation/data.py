@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from headfold import corpus
-from headfold.converter.checkpoint import check_links
+from headfold.converter.checkpoint import check_links, tokenizer_location
 from headfold.converter.tokens import TOKENIZER_FILES
 from headfold.ground.errors import BadInput, HeadfoldError
 
@@ -116,7 +116,7 @@ def _texts(stream, path: Path, option: str) -> Iterator[str]:
 
 def encoder_for(folder: Path, vocab_size: int, encoder_model: bool) -> Encoder:
     """The checkpoint's own tokenizer (offline, no remote code); bytes for a 256-token vocabulary without one."""
-    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+    if tokenizer_location(folder) is None:
         if vocab_size != corpus.VOCAB_SIZE:
             raise BadInput(f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) and is not byte-level; add its tokenizer to the folder")
         return Encoder(corpus.encode, corpus.encode(corpus.SEPARATOR), list, 0, "bytes")
