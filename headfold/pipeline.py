@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,8 @@ from headfold.ground.artifacts import LEDGER
 from headfold.ground.atomic import atomic_output, check_disjoint, output_lock
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
+from headfold.ground.ledger import RunLedger, StageEntry
+from headfold.ground.ledger import load as load_ledger
 from headfold.verification.artifacts import resolve
 from headfold.verification.budget import Thresholds
 from headfold.verification.inputs import InputSpec, make_inputs, read_text
@@ -58,7 +60,7 @@ class Ledger:
 
     def __init__(self, out: Path, *, overwrite: bool) -> None:
         self.path = out / LEDGER
-        self.stages: dict[str, Any] = self._load() if self.path.is_file() else {}
+        self.stages: dict[str, StageEntry] = load_ledger(self.path).stages if self.path.is_file() else {}
         if not self.path.is_file() and out.is_dir() and any(out.iterdir()) and not overwrite:
             raise BadInput(
                 f"{out} exists and is not a headfold run folder (no {LEDGER}); "
@@ -67,38 +69,29 @@ class Ledger:
         if out.exists() and not out.is_dir():
             raise BadInput(f"{out} exists and is not a folder; choose another OUT_DIR")
 
-    def _load(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text())
-            stages = data["stages"] if "stages" in data else data  # before format 1: the stages alone
-            if isinstance(stages, dict) and all(isinstance(e, dict) for e in stages.values()):
-                return stages
-        except (OSError, ValueError, TypeError, AttributeError):
-            pass
-        raise BadInput(f"{self.path} is corrupt; remove {self.path.parent} (or choose another OUT_DIR) to run every stage again")
-
     def claim(self, stage: str, output: Path) -> None:
         """Record `stage` as run's own before it writes `output`; refuse an `output` it never wrote."""
         if stage not in self.stages and (output.exists() or output.is_symlink()):
             raise BadInput(f"{output} exists but headfold run did not write it (not in {self.path}); move it away or choose another OUT_DIR")
-        self.record(stage, **{**self.stages.get(stage, {}), "key": None, "output": output.name})
+        entry = self.stages.get(stage)
+        self.record(stage, replace(entry, key=None, output=output.name) if entry else StageEntry(key=None, output=output.name))
 
     def unchanged(self, stage: str, key: str, output: Path) -> tuple[str | None, str]:
         """(the recorded output sha256, "") when `stage` can be skipped, else (None, why it runs)."""
-        entry = self.stages.get(stage, {})
-        if entry.get("key") != key:
+        entry = self.stages.get(stage)
+        if entry is None or entry.key != key:
             return None, ""
         if not output.is_dir():
             return None, f"its output {output} is missing"
         digest = tree_digest(output)
-        if digest != entry.get("sha256"):
-            return None, f"its output {output} changed since it was written (sha256 {digest[:12]}, recorded {str(entry.get('sha256'))[:12]})"
+        if digest != entry.sha256:
+            return None, f"its output {output} changed since it was written (sha256 {digest[:12]}, recorded {str(entry.sha256)[:12]})"
         return digest, ""
 
-    def record(self, stage: str, **entry: Any) -> None:
+    def record(self, stage: str, entry: StageEntry) -> None:
         self.stages[stage] = entry
         with atomic_output(self.path, is_dir=False, overwrite=True) as tmp:
-            tmp.write_text(json.dumps({"format": 1, "stages": self.stages}, indent=2, default=str) + "\n")
+            tmp.write_text(RunLedger(stages=self.stages).to_json())
 
 
 def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work: Callable[[], Any]) -> tuple[str, Any]:
@@ -116,7 +109,7 @@ def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work
     result = work()
     seconds = round(time.perf_counter() - start, 2)
     digest = tree_digest(output)
-    ledger.record(name, key=key, inputs=inputs, output=output.name, sha256=digest, seconds=seconds)
+    ledger.record(name, StageEntry(key=key, inputs=inputs, output=output.name, sha256=digest, seconds=seconds))
     log.info(f"{name}: done in {seconds:.1f} s ({output})")
     return digest, result
 
@@ -172,7 +165,7 @@ def run(
         try:
             return _run_stages(src, out, ledger, kv_heads, method, opset, dtype, inputs, thresholds, budgets, text, distill)
         except BaseException:
-            if created and not any(entry.get("key") for entry in ledger.stages.values()):
+            if created and not any(entry.key for entry in ledger.stages.values()):
                 shutil.rmtree(out, ignore_errors=True)  # no stage finished: a failed first run leaves nothing
             raise
 
