@@ -21,8 +21,8 @@ from types import ModuleType
 from typing import Any
 
 from headfold.engines.env import Target, engine_support
-from headfold.engines.plan import BuildPlan, GraphPlan, make_plan, sidecar_path
-from headfold.engines.sidecar import make_sidecar
+from headfold.engines.plan import BuildPlan, GraphPlan, make_plan
+from headfold.engines.sidecar import EngineSidecar, make_sidecar, save_sidecar
 from headfold.ground.atomic import atomic_output, check_output, scratch_dir
 from headfold.ground.errors import BadInput, CheckFailed
 
@@ -157,8 +157,8 @@ def engine_layers(engine: Any) -> list[dict[str, Any] | str]:
     return json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON)).get("Layers", [])
 
 
-def build_graph(plan: BuildPlan, graph: GraphPlan, dest: Path, *, require_fused: bool) -> dict[str, Any]:
-    """Build, save and inspect one engine at `dest`; its sidecar dict."""
+def build_graph(plan: BuildPlan, graph: GraphPlan, dest: Path, *, require_fused: bool) -> EngineSidecar:
+    """Build, save and inspect one engine at `dest`; its sidecar."""
     from polygraphy.backend.trt import SaveEngine
 
     start = time.perf_counter()
@@ -181,7 +181,7 @@ def _quiet_polygraphy() -> None:
     G_LOGGER.module_severity = G_LOGGER.WARNING  # its INFO lines (TF32 notice, per-step banners) drown the summary
 
 
-def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: bool = False) -> list[dict[str, Any]]:
+def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: bool = False) -> list[EngineSidecar]:
     """Build every engine of `plan` (atomically) and write their sidecars; the sidecars.
 
     Raises Unparsable/BadInput (exit 2) before building anything the lint or the options refuse,
@@ -195,28 +195,22 @@ def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: 
         custom_ops.register_tensorrt(plan.plugins)
     _quiet_polygraphy()
 
-    def build_one(graph: GraphPlan, dest: Path) -> dict[str, Any]:
+    def build_one(graph: GraphPlan, dest: Path) -> EngineSidecar:
         return build_graph(plan, graph, dest, require_fused=require_fused_attention)
 
     if plan.layout == "file":
         with atomic_output(plan.out, is_dir=False, overwrite=overwrite) as engine:
             sidecars = [build_one(plan.graphs[0], engine)]
-        _write_json(sidecar_path(plan.out), sidecars[0])  # once the engine is in place
+        save_sidecar(plan.out, sidecars[0])  # once the engine is in place
         return sidecars
     with atomic_output(plan.out, overwrite=overwrite) as folder:
         sidecars = [build_one(graph, folder / graph.engine.name) for graph in plan.graphs]
         for graph, sidecar in zip(plan.graphs, sidecars):
-            _write_json(sidecar_path(folder / graph.engine.name), sidecar)
+            save_sidecar(folder / graph.engine.name, sidecar)
     return sidecars
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def build_export(onnx_dir: Path, out: Path) -> list[dict[str, Any]]:
+def build_export(onnx_dir: Path, out: Path) -> list[EngineSidecar]:
     """`headfold run`'s build stage: every graph of an export folder, default profiles, the graph's precision."""
     why_not = engine_support()
     if why_not:
