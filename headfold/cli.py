@@ -13,6 +13,7 @@ import sys
 import traceback
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -47,6 +48,11 @@ from headfold.options import (
     spec,
     threshold_options,
 )
+
+if TYPE_CHECKING:
+    from headfold.distillation.stage import DistillStage
+    from headfold.verification.budget import Thresholds
+    from headfold.verification.inputs import InputSpec
 
 EXIT_CODES = "Exit codes: 0 ok, 1 a check or gate failed, 2 bad input or environment (one line, nothing written), 3 internal error (a bug; --debug shows the traceback)."
 CONVERSION = "Conversion options"
@@ -104,7 +110,7 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
         summary = convert_onnx(src, out, kv_heads, method, overwrite=output.overwrite)
         click.echo(f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})")
         return
-    from headfold.converter.methods import get_method
+    from headfold.converter.recipes import get_method
 
     if not get_method(method).data_aware:
         refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only grouped, aligned and refit calibrate)")
@@ -223,7 +229,7 @@ def _finish(report) -> None:
 @input_options(token_ids=True)
 @threshold_options
 @report_options
-def verify_cmd(reference: Path, candidate: Path, check: str, inputs, thresholds, json_path: Path | None, markdown_path: Path | None, junit_path: Path | None) -> None:
+def verify_cmd(reference: Path, candidate: Path, check: str, inputs: InputSpec, thresholds: Thresholds, json_path: Path | None, markdown_path: Path | None, junit_path: Path | None) -> None:
     """Compare CANDIDATE with REFERENCE on the same text; exit 1 when a budget is exceeded.
 
     Each side is a checkpoint folder (run in torch), an export folder or a .onnx file (run in
@@ -242,7 +248,7 @@ def verify_cmd(reference: Path, candidate: Path, check: str, inputs, thresholds,
 DISTILL_TOKENS = spec("--distill-tokens", type=int, default=None, help="Tokens the distill stage trains on. [default: run 40 steps of 16 × 256; demo 24 steps of 8 × 256] In run without --distill-data, for the embedded model: its own training split.")
 
 
-def _distill_stage(distill_data: Path | None, distill_tokens: int | None):
+def _distill_stage(distill_data: Path | None, distill_tokens: int | None) -> DistillStage | None:
     """The distill stage `run` adds when asked for (None: convert → export directly)."""
     if distill_data is None and distill_tokens is None:
         return None
@@ -268,7 +274,7 @@ distill_stage_options = OptionGroup(
 @input_options()
 @threshold_options
 @output_options(quiet=False)
-def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, distill, opset: int, dtype: str, inputs, thresholds, output: Output) -> None:
+def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, distill: DistillStage | None, opset: int, dtype: str, inputs: InputSpec, thresholds: Thresholds, output: Output) -> None:
     """Convert → export → build → verify SRC into OUT_DIR/{convert,export,build,verify}.
 
     Stages whose inputs (content hashes and options, in OUT_DIR/stages.json) are unchanged and
@@ -393,7 +399,7 @@ def inspect_cmd(src: Path, candidates: str | None, method: str, kv_budget, calib
 )  # fmt: skip
 @options(DISTILL_TOKENS, spec("--no-distill", is_flag=True, help="Skip distillation: what training-free conversion alone reaches (the reference budget then fails)."), title="Distill stage")
 @threshold_options
-def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: int | None, no_distill: bool, thresholds) -> None:
+def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: int | None, no_distill: bool, thresholds: Thresholds) -> None:
     """`headfold run` on the embedded trained model (Llama layout, 4 layers × 8 heads) in a temporary folder.
 
     Converts, distills on the model's own training split, exports, (builds where TensorRT is

@@ -49,10 +49,9 @@ def test_help_has_a_heading_per_group(command: str, headings: list[str]) -> None
 
 def test_groups_build_the_objects_their_commands_take() -> None:
     """verify gets one InputSpec and one Thresholds, not their fifteen values."""
+    from headfold.options import input_options, threshold_options
     from headfold.verification.budget import Thresholds
     from headfold.verification.inputs import InputSpec
-
-    from headfold.options import input_options, threshold_options
 
     seen = {}
 
@@ -153,3 +152,11 @@ def test_help_starts_without_heavy_libraries(argv: list[str]) -> None:
 def test_python_dash_m_headfold_is_the_command() -> None:
     result = subprocess.run([sys.executable, "-m", "headfold", "convert", "-h"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "Conversion options:" in result.stdout
+
+
+@pytest.mark.xfail(reason="converter/checkpoint.py still imports torch at module level (via rawpool); the CLI itself imports none of it", strict=False)
+def test_mean_conversion_runs_without_torch(tiny_checkpoint, tmp_path: Path) -> None:
+    argv = ["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "-q"]
+    probe = f"import sys; from headfold.cli import main; code = main({argv!r}); print('LOADED', code, [m for m in {HEAVY!r} if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[-1] == "LOADED 0 []", result.stderr
