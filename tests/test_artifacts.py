@@ -232,3 +232,15 @@ def test_corrupt_run_ledger_is_one_line(tmp_path: Path) -> None:
     _write(tmp_path / LEDGER, {"format": 1, "stages": {"convert": {"output": "convert"}}})  # no key
     with pytest.raises(BadInput, match=r"stages.json is corrupt; remove .* to run every stage again$"):
         Ledger(tmp_path, overwrite=False)
+
+
+def test_convert_writes_exactly_what_the_manifest_record_reads(tiny_checkpoint, tmp_path: Path) -> None:
+    """convert and a chained convert: the file is the record's JSON byte for byte, the parent nested whole."""
+    from headfold import convert
+
+    first = convert(tiny_checkpoint("llama"), tmp_path / "kv2", 2, progress=False)
+    second = convert(first, tmp_path / "kv1", 1, progress=False)
+    for folder in (first, second):
+        assert manifest.load(folder).to_json() == (folder / MANIFEST).read_text()
+    chained = manifest.load(second)
+    assert chained.source.manifest == json.loads((first / MANIFEST).read_text()) and chained.conversion.kv_heads == 1
