@@ -24,6 +24,7 @@ from click.core import ParameterSource
 
 from headfold.ground.errors import BadInput, HeadfoldError
 
+log = logging.getLogger(__name__)
 OPTIONS = "Options"  # the heading of a command's own options, listed first
 PATH = click.Path(path_type=Path)
 
@@ -150,6 +151,7 @@ class OptionGroup:
         def command(*args: Any, **values: Any) -> Any:
             if self.build is not None:
                 values[self.into] = self.build(**{name: values.pop(name) for name in names})
+                log.debug(f"{self.into}: {values[self.into]!r}")  # -v shows what the options became
             return f(*args, **values)
 
         command.__click_params__ = [*getattr(f, "__click_params__", []), *reversed(params)]  # click lists them reversed

@@ -131,6 +131,13 @@ def test_group_verbosity_sets_the_headfold_logger(flags: list[str], level: int, 
     main(["build", str(tmp_path / "m.onnx"), str(tmp_path / "e"), "--json"])  # back to the default for other tests
 
 
+def test_verbose_shows_what_the_options_became(capsys) -> None:
+    assert main(["-v", "demo", "--no-distill", "--distill-tokens", "9", "--max-kl", "0.5"]) == 2  # refused after the groups ran
+    out = capsys.readouterr().out
+    assert "thresholds: Thresholds(" in out and "max_kl=0.5" in out
+    assert main(["demo", "--no-distill", "--distill-tokens", "9"]) == 2 and "thresholds:" not in capsys.readouterr().out
+
+
 def test_command_quiet_is_the_group_quiet(tiny_checkpoint, tmp_path: Path, capsys) -> None:
     assert main(["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "-q"]) == 0
     assert logging.getLogger("headfold").level == logging.WARNING
