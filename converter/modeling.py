@@ -482,14 +482,19 @@ def _resolve_dtype(dtype: torch.dtype | None, facts: CheckpointFacts, meta: _Met
     return next(d for d in (dtype, facts.dtype, *stored, torch.float32) if d is not None)
 
 
-def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> transformers.PreTrainedModel:
-    """A runnable model (eval mode, SDPA attention) for the checkpoint folder at `path`.
+def _facts(path: str | os.PathLike | CheckpointFacts) -> CheckpointFacts:
+    """The facts a caller already holds, else read (and checked) from the folder at `path`."""
+    return path if isinstance(path, CheckpointFacts) else CheckpointFacts.read(Path(path))
+
+
+def load_model(path: str | os.PathLike | CheckpointFacts, *, dtype: torch.dtype | None = None) -> transformers.PreTrainedModel:
+    """A runnable model (eval mode, SDPA attention) for the checkpoint folder at `path` (or its facts).
 
     Raises BadInput for a missing/unknown config, remote-code or unknown architectures, and tensors
     whose names or shapes don't match config.json (e.g. K/V sized for another num_key_value_heads).
     """
-    folder = Path(path)
-    facts = CheckpointFacts.read(folder)  # missing, unreadable, links out, quantized, bad sizes or rope: before transformers sizes anything
+    facts = _facts(path)  # missing, unreadable, links out, quantized, bad sizes or rope: before transformers sizes anything
+    folder = facts.folder
     config = _read_config(facts)
     cls = _model_class(config)
     gqa = _gqa_class(config, facts.heads, facts.kv_heads)
@@ -537,10 +542,10 @@ def _finish_like_from_pretrained(model: transformers.PreTrainedModel, folder: Pa
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
 
 
-def parameter_names(model: transformers.PreTrainedModel, path: str | os.PathLike) -> dict[str, str]:
+def parameter_names(model: transformers.PreTrainedModel, path: str | os.PathLike | CheckpointFacts) -> dict[str, str]:
     """Checkpoint tensor name -> name in `model`'s state dict (prefixes and load-time renames
-    resolved), for `model` loaded from the folder at `path`. Tensors that a transformers
-    WeightConverter merges or splits on load have no single counterpart and are left out."""
-    facts = CheckpointFacts.read(Path(path))
+    resolved), for `model` loaded from the folder at `path` (or its facts). Tensors that a
+    transformers WeightConverter merges or splits on load have no single counterpart and are left out."""
+    facts = _facts(path)
     plan = _plan(model, facts, _tensor_meta(facts)[0], converters_ok=True)
     return {ckpt_name: name for name, ckpt_name in plan.items()}

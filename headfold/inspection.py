@@ -105,7 +105,7 @@ class LiveAttention:
     def __init__(self, model: torch.nn.Module, ckpt: SourceCheckpoint) -> None:
         from headfold.converter.modeling import parameter_names
 
-        names, state = parameter_names(model, ckpt.folder), model.state_dict()  # state shares the parameters' storage
+        names, state = parameter_names(model, ckpt.facts), model.state_dict()  # state shares the parameters' storage
         unmapped = [n for layer in ckpt.attention.layers for n in layer.values() if n not in names]
         if unmapped:
             raise BadInput(f"tensor {unmapped[0]} is merged or split when {type(model).__name__} loads; inspect cannot edit it in place")
@@ -341,7 +341,7 @@ def _measure(
 ) -> Inspection:
     from headfold.converter.modeling import load_model
 
-    model = load_model(ckpt.folder, dtype=torch.float32)
+    model = load_model(ckpt.facts, dtype=torch.float32)  # the facts and tensor index convert read
     fit_text = calibration_text(calibration, corpus.calibration_text())  # None under --calibration weights: methods see weights only
     ids = token_ids(ckpt.folder, fit_text if fit_text is not None else corpus.calibration_text(), ckpt.facts.vocab_size)
     windows = choose_windows(ids, tokens, seed, fit=fit_text is not None)

@@ -132,3 +132,13 @@ def test_one_message_for_broken_weights(fault: str, words: str, tiny_checkpoint,
     CheckpointFacts.read(folder)  # the config's facts need no weights
     (message,) = _messages(folder, ("tensor index", "convert", "load_model"))
     assert words in message
+
+
+@pytest.mark.parametrize("family", ("llama", "gpt2"))
+def test_load_model_takes_the_facts_a_stage_holds(family: str, tiny_checkpoint) -> None:
+    """convert's facts (and their tensor index) serve load_model: the same model as from the folder."""
+    folder = tiny_checkpoint(family)
+    facts = SourceCheckpoint(folder).facts
+    from_facts, from_folder = load_model(facts).state_dict(), load_model(folder).state_dict()
+    assert from_facts.keys() == from_folder.keys()
+    assert all(torch.equal(from_facts[name], from_folder[name]) for name in from_folder)
