@@ -130,7 +130,7 @@ def inside(folder: Path, entry: Any, index: Path) -> Path:
 
 
 # -- config.json ----------------------------------------------------------------------
-def read_config(folder: Path) -> dict[str, Any]:
+def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     try:  # open, not is_file(): an unreadable file is "permission denied", never "missing"
         text = path.read_bytes()
@@ -145,7 +145,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def check_config(config: dict[str, Any], spec: ArchitectureSpec | None) -> None:
+def _check_config(config: dict[str, Any], spec: ArchitectureSpec | None) -> None:
     """Refuse config values that make no sense before anything is sized by them (`spec` None: a
     family headfold does not convert, checked under the common key names)."""
     if quantization := config.get("quantization_config"):
@@ -194,7 +194,7 @@ def _positive_int(config: dict[str, Any], key: str) -> int:
     return value
 
 
-def head_shape(config: dict[str, Any], keys: ConfigKeys) -> HeadShape:
+def _head_shape(config: dict[str, Any], keys: ConfigKeys) -> HeadShape:
     """Heads, kv heads (the largest layer's) and head_dim under a family's config key names."""
     heads = _positive_int(config, keys.heads)
     kv_heads = _positive_int(config, keys.kv_heads) if config.get(keys.kv_heads) is not None else heads
@@ -219,7 +219,7 @@ class Rotary:
     theta: float | None  # base frequency; None: transformers' default for the family
 
 
-def rotary_of(config: dict[str, Any], spec: ArchitectureSpec | None, head_dim: int) -> Rotary:
+def _rotary(config: dict[str, Any], spec: ArchitectureSpec | None, head_dim: int) -> Rotary:
     if spec is None or not spec.rope:
         return Rotary(0, 0.0, None)
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -279,12 +279,12 @@ class CheckpointFacts:
         if not _is_dir(folder):
             raise BadInput(f"source {folder} is not a folder; pass a Hugging Face checkpoint folder")
         check_links(folder)
-        config = read_config(folder)
+        config = _read_config(folder)
         model_type = config.get("model_type")
         spec = spec_for(model_type) if convertible or model_type in supported_model_types() else None
-        check_config(config, spec)
+        _check_config(config, spec)
         keys = spec.config if spec else COMMON_KEYS
-        shape = head_shape(config, keys)
+        shape = _head_shape(config, keys)
         layers = _positive_int(config, keys.layers)
         return cls(
             folder=folder,
@@ -295,7 +295,7 @@ class CheckpointFacts:
             kv_heads=config_kv_heads(shape.kv_heads, config.get(KV_HEADS_PER_LAYER), shape.heads, layers),
             head_dim=shape.head_dim,
             hidden=config[keys.hidden],
-            rotary=rotary_of(config, spec, shape.head_dim),
+            rotary=_rotary(config, spec, shape.head_dim),
             dtype=_config_dtype(config),
             positions=config.get("max_position_embeddings") or config.get("n_positions"),
             vocab_size=config.get("vocab_size"),
