@@ -10,6 +10,7 @@ dataclass with load/save in one module: the manifest (ground/manifest.py), expor
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -22,6 +23,17 @@ MANIFEST = "headfold.json"  # headfold convert / distill: how a checkpoint was m
 EXPORT_SUMMARY = "export.json"  # headfold export: graphs, layout, dtype and the source checkpoint
 GENAI_CONFIG = "genai_config.json"  # headfold export: onnxruntime-genai's model folder config
 LEDGER = "stages.json"  # headfold run: per stage its key, output digest and timing
+PREFILL_GRAPH, DECODE_GRAPH = "prefill.onnx", "decode.onnx"  # a split decoder export's KV-cache pair
+MODEL_GRAPH = "model.onnx"  # the one graph of a merged decoder export (prompt and cache steps) or of an encoder
+ENGINE_SUFFIX = ".engine"  # headfold build names each engine after its graph: prefill.onnx -> prefill.engine
+ENGINE_SUFFIXES = (ENGINE_SUFFIX, ".plan")  # what build and verify take as an engine file
+SIDECAR_SUFFIX = ".json"  # model.engine -> model.engine.json, the engine sidecar
+
+
+def engine_name(graph: str) -> str:
+    """The engine `headfold build` makes of a graph file: prefill.onnx -> prefill.engine."""
+    return Path(graph).stem + ENGINE_SUFFIX
+
 
 EXTRA = "extra"  # the field that keeps keys a record does not know (a newer writer's), written back
 R = TypeVar("R", bound="Record")
@@ -55,8 +67,6 @@ class Record:
         return data | getattr(self, EXTRA, {})
 
     def to_json(self) -> str:
-        import json
-
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def save(self, path: Path) -> None:

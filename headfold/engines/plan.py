@@ -28,13 +28,11 @@ from headfold.engines.env import Target
 from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
 from headfold.graphs.trt_lint import Finding, LintReport, lint
 from headfold.ground import export_summary
+from headfold.ground.artifacts import ENGINE_SUFFIXES, SIDECAR_SUFFIX, engine_name
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 
 PRECISIONS = ("fp32", "fp16", "bf16")
-ENGINE_SUFFIX = ".engine"
-ENGINE_SUFFIXES = (".engine", ".plan")
-SIDECAR_SUFFIX = ".json"  # model.engine -> model.engine.json
 _IR_PRECISION = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}
 
 # Option name -> the dimension names exporters give it (headfold's torch.export Dims first).
@@ -334,7 +332,7 @@ def _out_engine(out: Path, layout: str, graph: Path) -> Path:
         if out.suffix not in ENGINE_SUFFIXES:
             raise BadInput(f"output {out} must end with .engine (or .plan) for a single graph")
         return out
-    return out / (graph.stem + ENGINE_SUFFIX)
+    return out / engine_name(graph.name)
 
 
 def _graph_plan(path: Path, model: ir.Model, engine: Path, ranges: dict[str, Range], target: Target) -> GraphPlan:

@@ -20,16 +20,14 @@ from typing import Any
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.per_layer import collapse
 from headfold.ground import export_summary, manifest
+from headfold.ground.artifacts import DECODE_GRAPH, ENGINE_SUFFIXES, MODEL_GRAPH, PREFILL_GRAPH, engine_name
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 
-GRAPHS = ("prefill.onnx", "model.onnx")  # the full-sequence graph of a decoder / an encoder
-PREFILL_GRAPH, DECODE_GRAPH = "prefill.onnx", "decode.onnx"  # a split decoder export's KV-cache pair
-MERGED_GRAPH = "model.onnx"  # a merged decoder export: prompt and cache steps in one graph
-PREFILL_ENGINE, DECODE_ENGINE = "prefill.engine", "decode.engine"  # the same pair after `headfold build`
-ENGINE_SUFFIXES = (".engine", ".plan")
-ENGINES = ("prefill.engine", "model.engine")  # in a `headfold build` folder, like GRAPHS
+GRAPHS = (PREFILL_GRAPH, MODEL_GRAPH)  # the full-sequence graph of a decoder / an encoder
+PREFILL_ENGINE, DECODE_ENGINE = engine_name(PREFILL_GRAPH), engine_name(DECODE_GRAPH)  # the pair after `headfold build`
+ENGINES = tuple(map(engine_name, GRAPHS))  # in a `headfold build` folder, like GRAPHS
 _TORCH_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _LOOSENESS = ("fp32", "fp16", "bf16")  # bf16 keeps the fewest mantissa bits
 
@@ -107,7 +105,7 @@ def conversion_manifest(model: Path) -> manifest.Manifest:
 def _decode_graph(graph: Path, summary: export_summary.ExportSummary) -> Path | None:
     """The graph that continues from `graph`'s cache: itself for a merged decoder graph, decode.onnx
     for a split export's prefill graph, else None."""
-    if graph.name == MERGED_GRAPH and summary.layout == "merged":
+    if graph.name == MODEL_GRAPH and summary.layout == "merged":
         return graph
     decode = graph.parent / DECODE_GRAPH
     paired = graph.name == PREFILL_GRAPH and DECODE_GRAPH in summary.graphs
