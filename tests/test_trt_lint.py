@@ -50,6 +50,17 @@ def test_attention_before_10_14_is_unsupported() -> None:
     report = lint(_attention(), "10.13")
     assert _rules(report) == {("op-unsupported", "error")}
     assert "parsed from TensorRT 10.14 on" in report.errors[0].message and report.errors[0].node == "attn"
+    assert (report.errors[0].op, report.errors[0].since) == ("Attention", "10.14")  # typed, not parsed back from the text
+
+
+def test_findings_name_their_op_and_the_release_that_parses_it() -> None:
+    """since is None where no release parses the op; custom-domain ops are named domain.op; a saved report loads back equal."""
+    from headfold.graphs.trt_lint import LintReport
+
+    nodes = [helper.make_node("Attention", ["q", "k", "v"], ["y"], name="attn"), helper.make_node("Foo", ["q"], ["f"], name="foo", domain="my.ops")]
+    report = lint(_model(nodes, {"q": (TensorProto.FLOAT, Q_SHAPE), "k": (TensorProto.FLOAT, KV_SHAPE), "v": (TensorProto.FLOAT, KV_SHAPE)}, extra_opsets=("my.ops",)), "11.0")
+    assert [(f.node, f.rule, f.op, f.since) for f in report.findings] == [("foo", "custom-domain", "my.ops.Foo", None)]
+    assert LintReport.from_dict(report.to_dict()) == report
 
 
 @pytest.mark.parametrize(
