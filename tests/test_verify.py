@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from polygraphy.datatype import DataType
 from polygraphy.exception import PolygraphyException
 
 from headfold import convert
@@ -128,6 +129,137 @@ def test_polygraphy_runner_plugs_in(tiny) -> None:
     assert isinstance(runner, Runner)
     result = run_check("fidelity", "fidelity", TorchRunner(tiny["kv2"]), runner, make_inputs(tiny["kv2"], SPEC), fidelity_budget("fp32"))
     assert result.passed and result.metrics["max_abs_err"] < 1e-4
+
+
+def test_runners_declare_the_feed_they_take(tiny, tiny_checkpoint) -> None:
+    """Polygraphy's input metadata of each runner names exactly the feed make_inputs builds."""
+    for checkpoint, graph in ((tiny["kv2"], tiny["onnx"] / "prefill.onnx"), (tiny_checkpoint("bert", vocab_size=256), None)):
+        feed = make_inputs(checkpoint, SPEC, allow_random=True).feeds[0]
+        runners = [TorchRunner(checkpoint)] + ([OnnxRuntimeRunner(graph)] if graph else [])
+        for runner in runners:
+            with runner:
+                meta = runner.get_input_metadata(use_numpy_dtypes=False)
+                assert set(meta) == set(feed) and all(meta[n].dtype == DataType.INT64 for n in meta), runner.name
+                runner.infer(feed)
+                assert runner.last_inference_time() > 0
+
+
+def test_polygraphy_comparator_runs_headfolds_runners(tiny) -> None:
+    """Polygraphy's Comparator takes headfold's runners as they are (its own atol/rtol rule on the logits).
+
+    Fed unpadded rows: Comparator compares every position, and backends differ where the mask is 0."""
+    from polygraphy.comparator import Comparator, SimpleCompareFunc
+
+    feeds = [{"input_ids": f["input_ids"][:, :16], "attention_mask": f["attention_mask"][:, :16]} for f in make_inputs(tiny["kv2"], SPEC).feeds[:2]]
+    assert all(f["attention_mask"].all() for f in feeds)  # rows are at least window / 2 = 16 tokens long
+    runners = [TorchRunner(tiny["kv2"]), OnnxRuntimeRunner(tiny["onnx"] / "prefill.onnx")]
+    results = Comparator.run(runners, data_loader=feeds)
+    accuracy = Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=1e-4, rtol=1e-3, check_error_stat="max"))
+    assert bool(accuracy) and len(results[runners[1].name]) == 2
+
+
+def test_a_feed_the_graph_does_not_take_is_one_line_of_bad_input(tiny, capsys) -> None:
+    feed = make_inputs(tiny["kv2"], SPEC).feeds[0]
+    with OnnxRuntimeRunner(tiny["onnx"] / "prefill.onnx") as runner:
+        with pytest.raises(BadInput, match=r"^prefill.onnx does not take headfold's feed \(Input tensor: input_ids \| Received unexpected dtype"):
+            runner.infer({**feed, "input_ids": feed["input_ids"].astype(np.int32)})
+        with pytest.raises(BadInput, match=r"Extra inputs in input data: \{'position_ids'\}"):
+            runner.infer({**feed, "position_ids": feed["input_ids"]})
+    assert capsys.readouterr() == ("", "")  # Polygraphy's own log of the refusal stays silent
+
+
+# --- the TensorRT runner where TensorRT is absent ---------------------------------------------------
+# TrtRunner's own work (deserialize, bind, execute) needs TensorRT and a GPU: tests/test_gpu_engines.py.
+# Here: what the subclass adds, with Polygraphy's parent calls replaced by recorders. Not run on TensorRT.
+
+
+class _Engine:
+    """The two engine queries profile choice makes: per profile, input → (min, opt, max)."""
+
+    def __init__(self, profiles: list[dict[str, tuple]]) -> None:
+        self.table, self.num_optimization_profiles = profiles, len(profiles)
+
+    def get_tensor_profile_shape(self, name: str, profile: int) -> tuple:
+        return self.table[profile][name]
+
+
+@pytest.fixture
+def trt_runner(tmp_path: Path, monkeypatch):
+    """A TensorRTRunner posing as active: an engine of int32 ids and a bf16 past, two profiles, profile 0 set."""
+    from types import SimpleNamespace
+
+    from polygraphy.backend.trt import TrtRunner
+    from polygraphy.common import TensorMetadata
+
+    from headfold.verification.tensorrt_runner import TensorRTRunner
+
+    runner = TensorRTRunner(tmp_path / "decode.engine", timed_runs=0, plugins=[])
+    meta = TensorMetadata().add("input_ids", DataType.INT32, (-1, -1)).add("past", DataType.BFLOAT16, (-1, 2, -1, 4))
+    small, large = ((1, 1), (4, 4), (8, 64)), ((1, 1), (4, 128), (8, 512))
+    past = ((1, 2, 0, 4), (4, 2, 64, 4), (8, 2, 512, 4))
+    runner.engine = _Engine([{"input_ids": small, "past": past}, {"input_ids": large, "past": past}])
+    runner.context = SimpleNamespace(active_optimization_profile=0)
+    runner.calls = []
+    monkeypatch.setattr(runner, "get_input_metadata", lambda use_numpy_dtypes=None: meta)
+    monkeypatch.setattr(runner, "set_profile", lambda index: (runner.calls.append(("set_profile", index)), setattr(runner.context, "active_optimization_profile", index)))
+
+    def parent_infer(self, feed, check_inputs=True):
+        runner.calls.append(("infer", {name: (value.dtype, tuple(value.shape)) for name, value in feed.items()}))
+        return {"logits": torch.full((*feed["input_ids"].shape, 3), 0.5, dtype=torch.bfloat16), "present": feed["past"]}
+
+    monkeypatch.setattr(TrtRunner, "infer", parent_infer)
+    runner.is_active = True
+    yield runner
+    runner.is_active = False  # nothing was activated; keeps Polygraphy's leak warning quiet
+
+
+def test_tensorrt_runner_is_polygraphys_and_imports_tensorrt_on_activation_only(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    from polygraphy.backend.trt import TrtRunner
+
+    from headfold.engines import env
+    from headfold.verification.tensorrt_runner import TensorRTRunner
+
+    runner = TensorRTRunner(tmp_path / "prefill.engine")
+    assert isinstance(runner, TrtRunner) and isinstance(runner, Runner) and runner.name == "tensorrt:prefill.engine"
+    assert runner.describe() == {"runner": "tensorrt:prefill.engine"} and "tensorrt" not in sys.modules
+    monkeypatch.setattr(env, "engine_support", lambda: "no NVIDIA GPU is visible")
+    with pytest.raises(BadInput, match=r"^cannot run the TensorRT engine .*prefill.engine: no NVIDIA GPU is visible$"):
+        runner.activate()
+    assert not runner.is_active and "tensorrt" not in sys.modules
+
+
+def test_tensorrt_runner_casts_the_feed_picks_the_profile_and_copies_outputs(trt_runner) -> None:
+    ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "past": np.ones((2, 2, 5, 4), np.float32)}
+    out = trt_runner.infer(feed)
+    assert trt_runner.calls == [("infer", {"input_ids": (torch.int32, (2, 3)), "past": (torch.bfloat16, (2, 2, 5, 4))})]  # the mask dropped
+    assert out["logits"].dtype == np.float32 and np.all(out["logits"] == 0.5) and out["present"].dtype == np.float32
+    trt_runner.infer({**feed, "input_ids": np.zeros((2, 100), np.int64)})  # longer than profile 0 admits
+    trt_runner.infer(feed)
+    assert [c for c in trt_runner.calls if c[0] == "set_profile"] == [("set_profile", 1), ("set_profile", 0)]
+    with pytest.raises(BadInput, match=r"fit none of its optimization profiles .*rebuild with larger --batch/--seq/--past"):
+        trt_runner.infer({**feed, "input_ids": np.zeros((9, 3), np.int64)})
+    with pytest.raises(BadInput, match="^decode.engine needs inputs past; the feed has input_ids, attention_mask$"):
+        trt_runner.infer({"input_ids": ids, "attention_mask": ids})
+
+
+def test_tensorrt_runner_outputs_survive_polygraphys_buffer_reuse() -> None:
+    from headfold.verification.tensorrt_runner import _to_numpy
+
+    host_buffer = torch.zeros(4)
+    copy = _to_numpy(host_buffer)
+    host_buffer += 1  # Polygraphy writes the next call's outputs into the same host buffer
+    assert copy.tolist() == [0.0] * 4 and _to_numpy(torch.ones(2, dtype=torch.bfloat16)).dtype == np.float32
+
+
+def test_tensorrt_runner_latency_summary(tmp_path: Path) -> None:
+    from headfold.verification.tensorrt_runner import TensorRTRunner
+
+    runner = TensorRTRunner(tmp_path / "m.engine", timed_runs=3)
+    runner.latencies = [2.0, 1.0, 4.0]
+    assert runner.describe() == {"runner": "tensorrt:m.engine", "latency_ms": 2.0, "latency_runs": 3, "latency_feeds": 3}
 
 
 # --- which check ------------------------------------------------------------------------------

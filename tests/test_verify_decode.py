@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import pytest
+from polygraphy.backend.base import BaseRunner
 
 from headfold import convert
 from headfold.cli import main
@@ -130,6 +131,30 @@ def test_left_padded_rows_decode_like_the_prompt(exports, layout: str) -> None:
     positions = lambda feed: decoded_positions(feed["attention_mask"], 8)  # noqa: E731
     (result,) = run_checks([CheckSpec("left", "fidelity", prefill, kv_cache, fidelity_budget("fp32"), positions=positions)], inputs)
     assert result.passed and result.metrics["max_abs_err"] <= ATOL
+
+
+class _Probe(BaseRunner):
+    """A Polygraphy runner that only counts its activations."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name)
+        self.activations = 0
+
+    def activate_impl(self) -> None:
+        self.activations += 1
+
+
+def test_kv_cache_runner_activates_only_what_is_not_active(capsys) -> None:
+    """A prefill runner shared with a check stays with it; a merged graph's one runner is entered once."""
+    prefill, decode, merged = _Probe("prefill"), _Probe("decode"), _Probe("merged")
+    with prefill:
+        with KvCacheRunner(prefill, decode, steps=2):
+            assert prefill.is_active and decode.is_active
+        assert prefill.is_active and not decode.is_active
+    with KvCacheRunner(merged, merged, steps=2):
+        assert merged.is_active
+    assert not merged.is_active and (prefill.activations, decode.activations, merged.activations) == (1, 1, 1)
+    assert "Already active" not in capsys.readouterr().out  # Polygraphy warns when a runner is activated twice
 
 
 # --- failures, skipping, encoders ------------------------------------------------------------------
