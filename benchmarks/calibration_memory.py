@@ -6,19 +6,23 @@ one of issue 14: hidden 2048, 16 heads, 10 layers, vocab 32000) with `aligned+gr
 calibration and the rest, CPU seconds (all threads, imports included; robust on a shared
 machine where wall time is not), the process's peak RSS and the bound
 "2 × largest fp32 layer + calibration activations + 500 MB". `--whole-model` also runs the
-previous path (the whole fp32 model loaded, hooks on every layer) for comparison.
+previous path (the whole fp32 model loaded, hooks on every layer) for comparison; `--baseline
+TREE` also converts with an older headfold source tree (e.g. `git archive REV | tar -x -C TREE`)
+for before/after figures. The load average is recorded: on a shared machine compare CPU seconds.
 Prints a table and writes JSON (default benchmarks/results/calibration_memory.json).
 
-    python benchmarks/calibration_memory.py [--layers 10] [--tokens 4096] [--whole-model] [--keep DIR]
+    python benchmarks/calibration_memory.py [--layers 10] [--tokens 4096] [--whole-model] [--baseline TREE] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import torch
@@ -51,8 +55,10 @@ def timed_inputs(*args, **kwargs):
     spent["calibration_s"], spent["calibration_cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
     return inputs
 
-real = conversion.attention_inputs
-conversion.attention_inputs = timed_inputs
+real = calibration.attention_inputs
+for module in (calibration, conversion):  # conversion imported it by name in older trees
+    if hasattr(module, "attention_inputs"):
+        module.attention_inputs = timed_inputs
 if whole:
     calibration.calibrate = whole_model
 start = time.perf_counter()
@@ -63,8 +69,24 @@ print(json.dumps({**spent, "cpu_s": time.process_time(), "peak_rss_mb": hwm_kb *
 """
 
 
-def run(src: Path, out: Path, tokens: int, whole: bool) -> dict[str, float]:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), str(tokens), "whole" if whole else "layerwise"], capture_output=True, text=True)
+def laid_out(tree: Path, folder: Path) -> Path:
+    """A folder whose headfold/ package is `tree` as its pyproject.toml's package-dir lays it out
+    (links), to put first on PYTHONPATH so that `import headfold` finds that tree."""
+    package_dir = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    root = folder / "headfold"
+    root.mkdir(parents=True)
+    for entry in (tree / package_dir["headfold"]).iterdir():
+        (root / entry.name).symlink_to(entry.resolve())
+    for name, path in package_dir.items():
+        if name != "headfold":
+            (root / name.removeprefix("headfold.")).symlink_to((tree / path).resolve())
+    return folder
+
+
+def run(src: Path, out: Path, tokens: int, whole: bool, tree: Path | None = None) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
+    argv = [sys.executable, "-c", CHILD, str(src), str(out), str(tokens), "whole" if whole else "layerwise"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
     if done.returncode:
         sys.exit(done.stderr)
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -106,6 +128,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--whole-model", action="store_true", help="also run the previous whole-model calibration")
+    parser.add_argument("--baseline", type=Path, help="also convert with this older headfold source tree")
     parser.add_argument("--keep", type=Path, help="make the checkpoint once in this folder and reuse it (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "calibration_memory.json")
     args = parser.parse_args()
@@ -114,6 +137,8 @@ def main() -> None:
         runs = {"layerwise": run(src, Path(tmp) / "layerwise", args.tokens, whole=False)}
         if args.whole_model:
             runs["whole_model"] = run(src, Path(tmp) / "whole", args.tokens, whole=True)
+        if args.baseline:
+            runs["baseline"] = run(src, Path(tmp) / "baseline", args.tokens, whole=False, tree=laid_out(args.baseline, Path(tmp) / "tree"))
     hidden = 2048
     fp32_layer = sizes["layer_bytes"] / getattr(torch, args.dtype).itemsize * 4
     activations = (args.layers + 1) * args.tokens * hidden * 4  # every layer's attention input + the hidden states
@@ -121,6 +146,7 @@ def main() -> None:
         "checkpoint_gb": round(sizes["total_bytes"] / 1e9, 3), "layers": args.layers, "tokens": args.tokens,
         "largest_fp32_layer_mb": round(fp32_layer / MB, 1), "activations_mb": round(activations / MB, 1),
         "rss_bound_mb": round((2 * fp32_layer + activations) / MB + 500, 1),
+        "load_average_1min": round(os.getloadavg()[0], 2), "cores": os.cpu_count(),
         **{f"{label}_{k}": v for label, r in runs.items() for k, v in r.items()},
     }  # fmt: skip
     layerwise = runs["layerwise"]

@@ -2,8 +2,10 @@
 
 Compares `headfold convert` (mean pooling) with a plain copy of the same files, both with a warm
 page cache and up to their data reaching disk (`sync`): in-process (imports excluded) and as whole
-processes (`headfold convert` vs `cp -r`, process start included), and reports the converter's
-peak RSS against the bound "2 × largest layer + 500 MB". Defaults: the 1.29 GB fp16 layout of
+processes, process start included: `headfold convert` and a bare `python -c "convert(...)"` of the
+converter API (no CLI) vs `cp -r`. Reports wall and CPU seconds (children's user + system: the
+robust figure on a shared machine), whether the conversion imported torch, the load average, and
+the converter's peak RSS against the bound "2 × largest layer + 500 MB". Defaults: the 1.29 GB fp16 layout of
 issue 14 (hidden 2048, 16 heads, 10 layers, vocab 32000); `--layers 40` gives the 4.4 GB one.
 Prints a table and writes JSON (default benchmarks/results/convert_throughput.json).
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -102,13 +106,14 @@ def _save(shards: list[dict[str, torch.Tensor]], folder: Path, last: bool = Fals
 CHILD = """
 import json, re, sys, time
 from pathlib import Path
-from headfold import convert
+from headfold.converter import convert
 start = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], int(sys.argv[3]), progress=False)
 seconds = time.perf_counter() - start
 hwm_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
-print(json.dumps({"seconds": seconds, "peak_rss_mb": hwm_kb * 1024 / 1e6}))
+print(json.dumps({"seconds": seconds, "peak_rss_mb": hwm_kb * 1024 / 1e6, "torch_imported": "torch" in sys.modules}))
 """
+API = "import sys; from headfold.converter import convert; convert(sys.argv[1], sys.argv[2], int(sys.argv[3]), progress=False)"
 
 
 def drop_page_cache() -> bool:
@@ -121,12 +126,19 @@ def drop_page_cache() -> bool:
         return False
 
 
-def timed(command: list[str]) -> float:
-    """Wall seconds of a whole process (start-up included) and the `sync` writing its data to disk."""
-    start = time.perf_counter()
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(command: list[str]) -> dict[str, float]:
+    """Wall seconds of a whole process (start-up included) and the `sync` writing its data to disk,
+    and the CPU seconds the process spent."""
+    start, cpu = time.perf_counter(), children_cpu()
     subprocess.run(command, check=True, capture_output=True)
+    cpu = children_cpu() - cpu
     subprocess.run(["sync"], check=True)
-    return time.perf_counter() - start
+    return {"seconds": time.perf_counter() - start, "cpu_s": cpu}
 
 
 def in_process(src: Path, dst: Path, kv_heads: int) -> dict[str, float]:
@@ -146,6 +158,7 @@ def measure(root: Path, src: Path, kv_heads: int, cold: bool, runs: int) -> dict
     commands = {
         "copy": lambda: timed(["cp", "-r", str(src), str(root / "copy")]),
         "convert_process": lambda: timed([headfold, "convert", str(src), str(root / "out"), "--kv-heads", str(kv_heads), "-q"]),
+        "api_process": lambda: timed([sys.executable, "-c", API, str(src), str(root / "out"), str(kv_heads)]),
         "convert": lambda: in_process(src, root / "out", kv_heads),
     }
     samples: dict[str, list] = {label: [] for label in commands}
@@ -159,11 +172,14 @@ def measure(root: Path, src: Path, kv_heads: int, cold: bool, runs: int) -> dict
             shutil.rmtree(root / ("copy" if label == "copy" else "out"))
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     convert = samples.pop("convert")
+    copy = samples["copy"]
     return {
-        **{label: median(xs) for label, xs in samples.items()},
+        **{label: median([r["seconds"] for r in xs]) for label, xs in samples.items()},
+        **{f"{label}_cpu": median([r["cpu_s"] for r in xs]) for label, xs in samples.items()},
         "convert": median([r["seconds_with_sync"] for r in convert]),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in convert),
-        "ratios": median([c / p for c, p in zip(samples["copy"], samples["convert_process"])]),
+        "torch_imported": any(r["torch_imported"] for r in convert),
+        **{f"{label}_ratio": median([c["seconds"] / p["seconds"] for c, p in zip(copy, samples[label])]) for label in ("convert_process", "api_process")},
     }
 
 
@@ -177,6 +193,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="make the checkpoint once in this folder and reuse it (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "convert_throughput.json")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=args.keep or Path.cwd()) as tmp:
         src, sizes = checkpoint(args.keep or Path(tmp), args.layers, args.dtype, args.shard_mb)
         caches = ["warm"] + (["cold"] if drop_page_cache() else [])
@@ -187,14 +204,19 @@ def main() -> None:
         "largest_layer_mb": round(sizes["layer_bytes"] / MB, 1),
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs.values()), 1),
         "rss_bound_mb": round(2 * sizes["layer_bytes"] / MB + 500, 1),
+        "torch_imported": any(r["torch_imported"] for r in runs.values()),
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "cores": os.cpu_count(),
     }  # fmt: skip
     for cache, r in runs.items():
         result[f"{cache}_copy_s"] = round(r["copy"], 2)
         result[f"{cache}_convert_s"] = round(r["convert"], 2)
         result[f"{cache}_convert_gb_per_s"] = round(gb / r["convert"], 3)
         result[f"{cache}_speed_vs_copy"] = round(r["copy"] / r["convert"], 3)
-        result[f"{cache}_convert_process_s"] = round(r["convert_process"], 2)
-        result[f"{cache}_process_speed_vs_copy"] = round(r["ratios"], 3)
+        for label in ("convert_process", "api_process"):
+            result[f"{cache}_{label}_s"] = round(r[label], 2)
+            result[f"{cache}_{label}_speed_vs_copy"] = round(r[f"{label}_ratio"], 3)
+        for label in ("copy", "convert_process", "api_process"):
+            result[f"{cache}_{label}_cpu_s"] = round(r[f"{label}_cpu"], 2)
     width = max(map(len, result))
     for key, value in result.items():
         print(f"{key:<{width}}  {value}")
