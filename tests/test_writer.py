@@ -85,3 +85,21 @@ def test_copied_ranges_equal_written_tensors(kernel_copy: bool, tmp_path: Path, 
         with safe_open(f, framework="pt") as handle:
             for k in handle.keys():
                 assert torch.equal(handle.get_tensor(k), TENSORS[k]), k
+
+
+def test_arrays_under_safetensors_codes(tmp_path: Path) -> None:
+    """The torch-free path: dtypes as safetensors codes, data as numpy arrays (bf16 as uint16)."""
+    import numpy as np
+
+    bf16 = torch.randn(3, 5).to(torch.bfloat16)
+    half = torch.randn(4).half()
+    planned = [PlannedTensor("a", "BF16", (3, 5)), PlannedTensor("b", "F16", (4,))]
+    with ShardedWriter(tmp_path, planned, 1 << 30, {"format": "pt"}) as writer:
+        with pytest.raises(RuntimeError, match="float32"):
+            writer.write_array("a", "BF16", np.zeros((3, 5), np.float32))
+        writer.write_array("a", "BF16", bf16.view(torch.int16).numpy().view(np.uint16))
+        writer.write_array("b", "F16", half.numpy())
+        hashes = writer.finish()
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as handle:
+        assert torch.equal(handle.get_tensor("a"), bf16) and torch.equal(handle.get_tensor("b"), half)
+    assert hashes["model.safetensors"] == hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
