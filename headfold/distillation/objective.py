@@ -28,7 +28,7 @@ class Objective:
 
     def __call__(self, student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.encoder:
-            return F.mse_loss(student.float(), teacher.float()) + (1 - embedding_cosine(student, teacher)).mean()
+            return F.mse_loss(student.float(), teacher.float()) + embedding_distance(student, teacher).mean()
         t = self.temperature
         loss = DistillKL.apply(student / t, teacher / t) * t * t
         if self.loss == "kl+ce":
@@ -61,6 +61,14 @@ def token_kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """KL(teacher ‖ student) of each position's distribution, in nats: [batch, seq]."""
     s, t = F.log_softmax(student.float(), -1), F.log_softmax(teacher.float(), -1)
     return (t.exp() * (t - s)).sum(-1)
+
+
+def embedding_distance(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """1 − cosine of the mean-pooled embeddings, computed as ½‖û − v̂‖² of the unit vectors: the same
+    value, but its autograd gradient is exactly zero where the two are equal (1 − cos rounds to
+    ±1e-7 there, and Adam turns that noise into full-size steps): [batch]."""
+    u, v = (F.normalize(x.float().mean(1), dim=-1) for x in (student, teacher))
+    return 0.5 * (u - v).square().sum(-1)
 
 
 def embedding_cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,12 @@ import torch
 from headfold import corpus
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.distillation import output, state
+from headfold.distillation.budget import is_embedded, parse_tokens, pretraining_tokens
 from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, file_source
 from headfold.distillation.objective import Objective
 from headfold.distillation.trainable import TRAIN_MODES, merged, select, trainable_state
 from headfold.distillation.trainer import Trainer
+from headfold.ground import manifest as manifests
 from headfold.ground.artifacts import MANIFEST
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
@@ -79,6 +80,8 @@ def distill(
     `options` are the fields of DistillOptions. Raises BadInput (nothing written) for a bad request.
     """
     teacher, student = Path(teacher), Path(student)
+    if isinstance(options.get("tokens"), str):  # 200k, 1.5M, 5% (the CLI passes the text as given)
+        options["tokens"] = parse_tokens(options["tokens"], pretraining_tokens(teacher))
     opts = DistillOptions(**options)
     teacher_ckpt, student_ckpt, manifest = check_pair(teacher, student)
     out = check_output(Path(out), overwrite=overwrite, sources=(teacher, student))
@@ -128,18 +131,30 @@ def distill(
 def check_pair(teacher: Path, student: Path) -> tuple[SourceCheckpoint, SourceCheckpoint, dict[str, Any]]:
     """Both checkpoints valid, the same vocabulary, layers and width, and STUDENT converted from TEACHER."""
     t, s = SourceCheckpoint(teacher), SourceCheckpoint(student)
-    keys = t.spec.config
-    for what, key in (("vocabulary", "vocab_size"), ("layers", keys.layers), ("hidden size", keys.hidden)):
-        if t.config.get(key) != s.config.get(key):
-            raise BadInput(f"teacher and student differ in {what} ({t.config.get(key)} vs {s.config.get(key)}); the student must be a headfold conversion of the teacher")
+    for what, fact in (("vocabulary", "vocab_size"), ("layers", "layers"), ("hidden size", "hidden")):
+        if (ours := getattr(t.facts, fact)) != (theirs := getattr(s.facts, fact)):
+            raise BadInput(f"teacher and student differ in {what} ({ours} vs {theirs}); the student must be a headfold conversion of the teacher")
     manifest_file = student / MANIFEST
     if not manifest_file.is_file():
         raise BadInput(f"student {student} has no {MANIFEST}, so it is not a headfold conversion; make one with headfold convert {teacher} STUDENT --kv-heads N")
-    manifest = json.loads(manifest_file.read_text())
-    source = manifest.get("source", {})
-    if source.get("config_sha256") != sha256_file(teacher / "config.json"):
-        raise BadInput(f"student {student} was converted from {source.get('path')}, not from teacher {teacher} (config.json differs); pass the student's own original")
-    return t, s, manifest
+    manifest = manifests.load(student)
+    if manifest.source.config_sha256 != sha256_file(teacher / "config.json"):
+        raise BadInput(f"student {student} was converted from {manifest.source.path}, not from teacher {teacher} (config.json differs); pass the student's own original")
+    check_copied_tensor(t, s, student)
+    return t, s, manifest.to_dict()
+
+
+def check_copied_tensor(t: SourceCheckpoint, s: SourceCheckpoint, student: Path) -> None:
+    """Models fine-tuned from one base share their config.json, so also compare the bytes of a tensor
+    conversion copies unchanged: the token embedding (vocabulary rows), else the largest non-attention one."""
+    attention = set(t.attention.owner())
+    same = [i for n, i in t.tensors.items() if n not in attention and n in s.tensors and (s.tensors[n].shape, s.tensors[n].dtype) == (i.shape, i.dtype)]
+    if not same:
+        raise BadInput(f"student {student} shares no unchanged tensor with teacher {t.folder}; the student must be a headfold conversion of the teacher")
+    vocab = t.facts.vocab_size
+    name = max(same, key=lambda i: (i.shape[:1] == (vocab,), i.nbytes, i.name)).name
+    if not torch.equal(t.get(name).reshape(-1).view(torch.uint8), s.get(name).reshape(-1).view(torch.uint8)):
+        raise BadInput(f"student {student} was not converted from teacher {t.folder}: its {name} differs (same config.json, other weights); pass the student's own original")
 
 
 def check_options(opts: DistillOptions, student: SourceCheckpoint, encoder_model: bool) -> None:
@@ -153,7 +168,7 @@ def check_options(opts: DistillOptions, student: SourceCheckpoint, encoder_model
     for option, value in positive.items():
         if not value > 0:
             raise BadInput(f"{option} must be positive, got {value}")
-    limit = student.config.get("max_position_embeddings") or student.config.get("n_positions")
+    limit = student.facts.positions
     if limit and opts.seq_len > limit:
         raise BadInput(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions; choose at most {limit}")
     if opts.tokens is not None and opts.steps is not None:
@@ -169,14 +184,8 @@ def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts:
     heldout = file_source(Path(eval_data), "--eval-data") if eval_data is not None else None
     if heldout is None and data is None:
         heldout = builtin_source(corpus.heldout_text(), "built-in held-out split")
-    encoder = encoder_for(student.folder, int(student.config.get("vocab_size", 0)), encoder_model)
+    encoder = encoder_for(student.folder, int(student.facts.vocab_size or 0), encoder_model)
     return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed)
-
-
-def is_embedded(teacher: Path) -> bool:
-    embedded = Path(str(resources.files("headfold") / "data" / "default_model"))
-    weights = teacher / "model.safetensors"
-    return teacher.resolve() == embedded.resolve() or (weights.is_file() and sha256_file(weights) == sha256_file(embedded / "model.safetensors"))
 
 
 def total_steps(opts: DistillOptions, processes: int) -> int:
