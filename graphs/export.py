@@ -12,7 +12,6 @@ weights; export.json summarises them.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import warnings
@@ -29,6 +28,7 @@ from torch.export import Dim
 from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
+from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.modeling import load_model
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse
 from headfold.graphs.genai import write_model_folder
@@ -36,7 +36,7 @@ from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
-from headfold.ground.artifacts import EXPORT_SUMMARY
+from headfold.ground.export_summary import ExportSummary
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
 
@@ -49,6 +49,7 @@ __all__ = [
     "GRAPH_LAYOUTS",
     "encoder_graphs",
     "position_ids",
+    "POSITION_IDS",
     "check_opset",
     "OPSETS",
     "DTYPES",
@@ -136,21 +137,29 @@ def visible_keys(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 class Decoder(nn.Module):
     """The merged graph: input_ids (B, S), attention_mask (B, P + S), past K/V (B, kvᵢ, P, d), P ≥ 0
-    → logits (B, S, V), present K/V (B, kvᵢ, P + S, d)."""
+    → logits (B, S, V), present K/V (B, kvᵢ, P + S, d).
 
-    def __init__(self, model: transformers.PreTrainedModel) -> None:
+    With `explicit_positions` a position_ids (B, S) input follows attention_mask and the rotary
+    positions are taken from it; otherwise they are counted over the mask's real tokens.
+    """
+
+    def __init__(self, model: transformers.PreTrainedModel, explicit_positions: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.explicit_positions = explicit_positions
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *rest: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
+        positions, past = (rest[0], rest[1:]) if self.explicit_positions else (None, rest)
         cache = DynamicCache(list(zip(past[0::2], past[1::2])), config=self.model.config)
         new_tokens = input_ids.shape[1]
+        if positions is None:
+            positions = position_ids(attention_mask)[:, -new_tokens:]
         out = self.model(
             input_ids=input_ids,
             attention_mask=visible_keys(attention_mask, new_tokens),
-            position_ids=position_ids(attention_mask)[:, -new_tokens:],
+            position_ids=positions,
             cache=cache,
             use_cache=True,
         )
@@ -194,8 +203,14 @@ GRAPH_LAYOUTS = ("merged", "split")
 MERGED_GRAPH = "model.onnx"
 
 
-def decoder_graphs(model: transformers.PreTrainedModel, layers: int, layout: str = "merged") -> list[GraphSpec]:
-    """The merged graph (model.onnx), or prefill.onnx + decode.onnx for layout="split"."""
+POSITION_IDS = "position_ids"
+
+
+def decoder_graphs(
+    model: transformers.PreTrainedModel, layers: int, layout: str = "merged", *, explicit_positions: bool = False
+) -> list[GraphSpec]:
+    """The merged graph (model.onnx), with a position_ids input if `explicit_positions`, or
+    prefill.onnx + decode.onnx for layout="split"."""
     batch, sequence, past = Dim("batch"), Dim("sequence"), Dim("past_sequence")
     ids, mask = _example_tokens(model.config, _BATCH, _SEQUENCE)
     prefill = Prefill(model)
@@ -203,15 +218,18 @@ def decoder_graphs(model: transformers.PreTrainedModel, layers: int, layout: str
         past_kv = prefill(*_example_tokens(model.config, _BATCH, _PAST))[1:]
     kv_axes = {0: batch, 2: past}
     if layout == "merged":
+        mask = torch.ones(_BATCH, _PAST + _SEQUENCE, dtype=torch.long)
+        positions = (position_ids(mask)[:, -_SEQUENCE:],) if explicit_positions else ()
+        position_axes = ({0: batch, 1: sequence},) if explicit_positions else ()
         return [
             GraphSpec(
                 MERGED_GRAPH,
-                Decoder(model),
-                (ids, torch.ones(_BATCH, _PAST + _SEQUENCE, dtype=torch.long), *past_kv),
-                ["input_ids", "attention_mask", *_kv_names("past_key_values", layers)],
+                Decoder(model, explicit_positions),
+                (ids, mask, *positions, *past_kv),
+                ["input_ids", "attention_mask", *[POSITION_IDS] * len(positions), *_kv_names("past_key_values", layers)],
                 ["logits", *_kv_names("present", layers)],
-                # P + S as its own symbol: torch.export's derived dims take one symbol only
-                ({0: batch, 1: sequence}, {0: batch, 1: Dim("total_sequence")}, (kv_axes,) * len(past_kv)),
+                # P + S as its own symbol: torch.export's derived dims take one symbol only; *rest is one tuple
+                ({0: batch, 1: sequence}, {0: batch, 1: Dim("total_sequence")}, (*position_axes, *(kv_axes,) * len(past_kv))),
             )
         ]
     return [
@@ -294,10 +312,12 @@ def export_graph(
     attention: AttentionKind = "onnx",
     trt_version: str | None = None,
     ort_fusions: bool = False,
+    positions: int | None = None,
 ) -> dict:
     """Export, rewrite, check and save one graph; return its summary.
 
-    With `ort_fusions`, ONNX Runtime's fused ops follow (graphs/rewrite/ort_fusions), counted.
+    With `ort_fusions`, ONNX Runtime's fused ops follow (graphs/rewrite/ort_fusions), counted;
+    `positions` (the context length) sizes the rotary tables GroupQueryAttention then takes.
 
     With `trt_version`, ops that version's TensorRT parser lacks are then decomposed into
     primitives (graphs/rewrite/decompose); the fused attention nodes stay.
@@ -307,7 +327,7 @@ def export_graph(
     exported = time.perf_counter()
     report = optimize(model, kv_heads=kv_heads, layers=layers, graph=spec.file, attention=attention)
     decomposed = {op: n for op, n in decompose(model, trt_version).items() if n} if trt_version else {}
-    fused_for_ort = fuse_for_ort(model) if ort_fusions else None
+    fused_for_ort = fuse_for_ort(model, positions=positions) if ort_fusions else None
     rewritten = time.perf_counter()
     save(model, folder / spec.file)
     summary = {
@@ -345,12 +365,15 @@ def export(
     trt_version: str | None = None,
     graphs: str = "merged",
     optimize: str | None = None,
+    explicit_positions: bool = False,
 ) -> dict:
     """Export the checkpoint folder `src` to ONNX graphs in `out_dir` (atomically); return the summary.
 
     graphs="merged" (decoders) writes model.onnx, genai_config.json and the tokenizer files: an
     onnxruntime-genai model folder; graphs="split" writes prefill.onnx + decode.onnx instead.
     optimize="ort" applies ONNX Runtime's fusions and records their counts per graph.
+    explicit_positions=True gives the merged graph a position_ids [B, S] input that the rotary
+    positions come from (else they are counted over the mask's real tokens); genai_config names it.
 
     attention="ort-gqa" (decoders) writes com.microsoft.GroupQueryAttention nodes for ONNX Runtime;
     those graphs need unpadded or right-padded batches (headfold.graphs.rewrite.ort_gqa).
@@ -367,6 +390,8 @@ def export(
         raise BadInput(f"unknown optimization {optimize!r}; use --optimize ort")
     if optimize and trt_version:
         raise BadInput("--optimize ort writes ONNX Runtime's own ops, which TensorRT cannot parse; drop --optimize or --trt-version")
+    if explicit_positions and graphs != "merged":
+        raise BadInput("position_ids is an input of the merged graph only; drop it or use --graphs merged")
     if trt_version is not None:
         rule_set(trt_version)  # an unknown version is bad input before the slow part
     if attention not in ATTENTION_OPS:
@@ -374,31 +399,27 @@ def export(
     torch_dtype = _torch_dtype(dtype)
     src, out = Path(src), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
-    model = load_model(src, dtype=torch_dtype)
-    layers, heads, kv_heads = attention_shape(model.config)
+    facts = CheckpointFacts.read(src)
+    model = load_model(facts, dtype=torch_dtype)
+    layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
     if attention == "ort-gqa" and not model.can_generate():
         raise BadInput(f"--attention ort-gqa is for decoders (ORT's GroupQueryAttention is causal); {src} is an encoder")
-    specs = decoder_graphs(model, layers, graphs) if model.can_generate() else encoder_graphs(model)
-    summary = {
-        "source": str(src),
-        "model_type": model.config.model_type,
-        "opset": opset,
-        "dtype": dtype,
-        "attention": attention,
-        "layers": layers,
-        "heads": heads,
-        "kv_heads": collapse(kv_heads),  # one count, or one per layer
-        "optimize": optimize,
-        "layout": graphs if model.can_generate() else "encoder",
-        "graphs": {},
-    }
+    if explicit_positions and not model.can_generate():
+        raise BadInput(f"position_ids is an input of decoder graphs; {src} is an encoder")
+    specs = decoder_graphs(model, layers, graphs, explicit_positions=explicit_positions) if model.can_generate() else encoder_graphs(model)
+    summary = ExportSummary(
+        source=str(src), model_type=model.config.model_type, opset=opset, dtype=dtype, attention=attention, layers=layers,
+        heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=graphs if model.can_generate() else "encoder", graphs={},
+    )  # fmt: skip
     with atomic_output(out, overwrite=overwrite) as tmp:
         for spec in tqdm(specs, desc="export", unit="graph", disable=not progress):
-            summary["graphs"][spec.file] = export_graph(
+            summary.graphs[spec.file] = export_graph(
                 spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version,
-                ort_fusions=optimize == "ort",
+                ort_fusions=optimize == "ort", positions=facts.positions if model.can_generate() else None,
             )  # fmt: skip
-        if summary["layout"] == "merged":
-            summary["genai"] = write_model_folder(src, tmp, model.config, MERGED_GRAPH, attention=attention)
-        (tmp / EXPORT_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+        if summary.layout == "merged":
+            summary.genai = write_model_folder(
+                facts, tmp, model.config, MERGED_GRAPH, attention=attention, position_ids=explicit_positions
+            )
+        summary.save_in(tmp)
+    return summary.to_dict()

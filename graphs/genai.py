@@ -17,7 +17,7 @@ from typing import Any
 
 import transformers
 
-from headfold.converter.per_layer import KV_HEADS_PER_LAYER
+from headfold.converter.checkpoint import CheckpointFacts
 from headfold.ground.artifacts import GENAI_CONFIG
 
 __all__ = ["TOKENIZER_FILES", "genai_config", "write_model_folder"]
@@ -66,39 +66,41 @@ def _token_ids(src: Path, config: transformers.PretrainedConfig) -> dict[str, An
     return {key: (-1 if value is None else value) for key, value in ids.items()}  # -1: none
 
 
-def context_length(config: transformers.PretrainedConfig) -> int:
-    return getattr(config, "max_position_embeddings", None) or config.n_positions
-
-
-def genai_config(src: Path, config: transformers.PretrainedConfig, graph: str, *, attention: str) -> dict[str, Any]:
-    """The genai_config.json of a merged decoder graph exported from the checkpoint `src`."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, KV_HEADS_PER_LAYER, None) or [getattr(config, "num_key_value_heads", None) or heads]
-    length = context_length(config)
+def genai_config(
+    facts: CheckpointFacts, config: transformers.PretrainedConfig, graph: str, *, attention: str, position_ids: bool = False
+) -> dict[str, Any]:
+    """The genai_config.json of a merged decoder graph exported from the checkpoint `facts` describes;
+    the position_ids input is named only when the graph has one (og then feeds its positions)."""
+    length = facts.positions
     decoder = {
         "filename": graph,
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-        "head_size": getattr(config, "head_dim", None) or config.hidden_size // heads,
-        "hidden_size": config.hidden_size,
-        "num_attention_heads": heads,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_key_value_heads": max(kv_heads),  # the largest; each layer's count is in the graph
+        "head_size": facts.head_dim,
+        "hidden_size": facts.hidden,
+        "num_attention_heads": facts.heads,
+        "num_hidden_layers": facts.layers,
+        "num_key_value_heads": max(facts.kv_heads),  # the largest; each layer's count is in the graph
         "inputs": {
             "input_ids": "input_ids",
             "attention_mask": "attention_mask",
+            **({"position_ids": "position_ids"} if position_ids else {}),
             "past_key_names": "past_key_values.%d.key",
             "past_value_names": "past_key_values.%d.value",
         },
         "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
     }
-    model = {"type": "decoder", "vocab_size": config.vocab_size, "context_length": length, **_token_ids(src, config), "decoder": decoder}
+    model = {"type": "decoder", "vocab_size": facts.vocab_size, "context_length": length, **_token_ids(facts.folder, config), "decoder": decoder}
     search = {**_SEARCH, "max_length": length, "past_present_share_buffer": attention == "ort-gqa"}
     return {"model": model, "search": search}
 
 
-def write_model_folder(src: Path, folder: Path, config: transformers.PretrainedConfig, graph: str, *, attention: str) -> dict[str, Any]:
+def write_model_folder(
+    facts: CheckpointFacts, folder: Path, config: transformers.PretrainedConfig, graph: str, *, attention: str, position_ids: bool = False
+) -> dict[str, Any]:
     """genai_config.json and the checkpoint's tokenizer files into `folder`; what was written."""
-    (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(src, config, graph, attention=attention), indent=2) + "\n")
+    config_text = json.dumps(genai_config(facts, config, graph, attention=attention, position_ids=position_ids), indent=2)
+    (folder / GENAI_CONFIG).write_text(config_text + "\n")
+    src = facts.folder
     copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
     for name in copied:
         shutil.copyfile(src / name, folder / name)

@@ -31,14 +31,15 @@ CASES = [("llama", 2), ("gpt2", 1)] + [
 
 @pytest.fixture(scope="module")
 def merged(tiny_checkpoint, tmp_path_factory):
-    """merged(family, kv, **export options) → (checkpoint, export folder), cached."""
+    """merged(family, kv, config={overrides}, **export options) → (checkpoint, export folder), cached."""
     cache: dict[tuple, tuple[Path, Path]] = {}
 
-    def get(family: str, kv, **options) -> tuple[Path, Path]:
-        key = (family, kv, tuple(sorted(options.items())))
+    def get(family: str, kv, config: dict | None = None, **options) -> tuple[Path, Path]:
+        key = (family, kv, tuple(sorted((config or {}).items())), tuple(sorted(options.items())))
         if key not in cache:
             folder = tmp_path_factory.mktemp(f"{family}-merged")
-            checkpoint = convert(tiny_checkpoint(family), folder / "checkpoint", kv, progress=False) if kv != HEADS else tiny_checkpoint(family)
+            source = tiny_checkpoint(family, **(config or {}))
+            checkpoint = convert(source, folder / "checkpoint", kv, progress=False) if kv != HEADS else source
             export(checkpoint, folder / "onnx", progress=False, **options)
             cache[key] = checkpoint, folder / "onnx"
         return cache[key]
@@ -70,9 +71,13 @@ def run_chunks(graph: Path, ids: np.ndarray, mask: np.ndarray, chunks) -> np.nda
         i.name: np.zeros((len(ids), i.shape[1], 0, i.shape[3]), np.float32) for i in sess.get_inputs() if i.name.startswith("past_key_values.")
     }
     names = [o.name for o in sess.get_outputs()]
+    explicit = any(i.name == "position_ids" for i in sess.get_inputs())  # fed the mask-derived positions
+    positions = position_ids(torch.from_numpy(mask)).numpy()
     logits, start = [], 0
     for n in chunks:
-        out = dict(zip(names, sess.run(None, {"input_ids": ids[:, start : start + n], "attention_mask": mask[:, : start + n], **past})))
+        feeds = {"input_ids": ids[:, start : start + n], "attention_mask": mask[:, : start + n], **past}
+        feeds |= {"position_ids": positions[:, start : start + n]} if explicit else {}
+        out = dict(zip(names, sess.run(None, feeds)))
         past = {"past_key_values." + k.removeprefix("present."): v for k, v in out.items() if k.startswith("present.")}
         logits.append(out["logits"])
         start += n
@@ -130,6 +135,61 @@ def test_optimize_ort_counts_fusions_and_keeps_numbers(merged) -> None:
     for chunks in ((sum(CHUNKS),), CHUNKS):
         want, got = run_chunks(plain / "model.onnx", ids, mask, chunks), run_chunks(fused / "model.onnx", ids, mask, chunks)
         assert np.abs(got - want)[mask.astype(bool)].max() <= 1e-5
+
+
+# (family, kv, config overrides, rules that must fire per layer): rotary goes into
+# GroupQueryAttention where it is full-width on heads of a multiple of 16 (ORT's CPU kernel), so
+# head_dim 16; not the tiny models' head_dim 8, gpt_neox's half-width rotary or GPT-2's absolute
+# positions. Q/K/V are packed where they are three Linears (with biases: qwen2), not GPT-2's c_attn.
+WIDE = {"head_dim": 16}
+GQA_FUSIONS = [
+    ("llama", 2, WIDE, {"RotaryIntoGroupQueryAttention": 1, "PackedQKV": 1}),
+    ("gpt2", 1, None, {"RotaryIntoGroupQueryAttention": 0, "PackedQKV": 0}),
+] + [
+    pytest.param(*case, marks=pytest.mark.slow)
+    for case in [
+        ("qwen2", 4, WIDE, {"RotaryIntoGroupQueryAttention": 1, "PackedQKVWithBias": 1}),
+        ("llama", 2, None, {"RotaryIntoGroupQueryAttention": 0, "PackedQKV": 0}),  # head_dim 8: nothing fires
+        ("gpt_neox", 2, None, {"RotaryIntoGroupQueryAttention": 0}),
+    ]
+]
+
+
+@pytest.mark.parametrize(("family", "kv", "config", "fired"), GQA_FUSIONS)
+def test_optimize_ort_on_gqa_folds_rotary_and_packs_qkv_exactly(merged, family: str, kv, config, fired: dict) -> None:
+    """--attention ort-gqa --optimize ort: GroupQueryAttention with rotary inside and packed QKV
+    where valid, counted, and equal to the unfused ort-gqa graph (right-padded prompt, then steps)."""
+    checkpoint, unfused = merged(family, kv, config, attention="ort-gqa")
+    _, fused = merged(family, kv, config, attention="ort-gqa", optimize="ort")
+    counts = json.loads((fused / "export.json").read_text())["graphs"]["model.onnx"]["ort_fusions"]
+    assert {rule: counts[rule] for rule in fired} == {rule: n * LAYERS for rule, n in fired.items()}
+    graph = onnx.load(fused / "model.onnx", load_external_data=False).graph
+    gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    rotary = {a.name: a.i for n in gqa for a in n.attribute if a.name == "do_rotary"}
+    assert len(gqa) == LAYERS and rotary.get("do_rotary", 0) == fired.get("RotaryIntoGroupQueryAttention", 0)
+    assert not any(n.op_type == "RotaryEmbedding" for n in graph.node) or not rotary
+    ids = np.random.default_rng(1).integers(3, 160, (2, 12))
+    mask = np.ones_like(ids)
+    mask[1, 6:8] = 0
+    chunks = (8, 1, 1, 1, 1)
+    want, got = (run_chunks(f / "model.onnx", ids, mask, chunks) for f in (unfused, fused))
+    error = np.abs(got - want)[mask.astype(bool)].max()
+    assert error <= ATOL, f"{family} fused vs unfused ort-gqa: max abs error {error:.2e}"
+
+
+def test_explicit_position_ids_equal_the_mask_derived_ones(merged) -> None:
+    """explicit_positions: a position_ids input, named in genai_config; fed the positions the mask
+    gives (left, right and gapped padding, prompt and appends) it yields the same logits."""
+    _, plain = merged("llama", 2)
+    _, explicit = merged("llama", 2, explicit_positions=True)
+    graph = onnx.load(explicit / "model.onnx", load_external_data=False).graph
+    assert [i.name for i in graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
+    inputs = [json.loads((f / "genai_config.json").read_text())["model"]["decoder"]["inputs"] for f in (plain, explicit)]
+    assert "position_ids" not in inputs[0] and inputs[1]["position_ids"] == "position_ids"
+    ids, mask = _padded_batch(160)
+    for chunks in ((sum(CHUNKS),), CHUNKS):
+        want, got = run_chunks(plain / "model.onnx", ids, mask, chunks), run_chunks(explicit / "model.onnx", ids, mask, chunks)
+        assert np.abs(got - want)[mask.astype(bool)].max() <= 1e-6
 
 
 def test_bad_layouts_and_option_clashes(tiny_checkpoint, tmp_path: Path) -> None:

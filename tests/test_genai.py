@@ -44,12 +44,14 @@ def folders(tiny_checkpoint, tmp_path_factory):
     cache: dict[str, tuple[Path, Path]] = {}
 
     def get(name: str, attention: str = "onnx") -> tuple[Path, Path]:
+        """attention: "onnx", or "ort-gqa+ort" (--attention ort-gqa --optimize ort, what og should run)."""
         if name not in cache:
             cache[name] = sources[name](), None
         key = f"{name}/{attention}"
         if key not in cache:
             checkpoint, folder = cache[name][0], root / f"{name}-{attention}-onnx".replace(",", "_")
-            export(checkpoint, folder, attention=attention, progress=False)
+            gqa = attention == "ort-gqa+ort"
+            export(checkpoint, folder, attention="ort-gqa" if gqa else attention, optimize="ort" if gqa else None, progress=False)
             cache[key] = checkpoint, folder
         return cache[key]
 
@@ -131,11 +133,14 @@ def test_model_folder_contents(folders) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["onnx", "ort-gqa"])
+@pytest.mark.parametrize("attention", ["onnx", "ort-gqa+ort"])
 def test_embedded_kv4_generates_torch_tokens(folders, attention: str) -> None:
     checkpoint, folder = folders("default-kv4", attention)
     share = json.loads((folder / CONFIG_FILE).read_text())["search"]["past_present_share_buffer"]
-    assert share is (attention == "ort-gqa")
+    assert share is (attention == "ort-gqa+ort")
+    if attention == "ort-gqa+ort":  # head_dim 32: rotary inside GroupQueryAttention, Q/K/V packed
+        fused = json.loads((folder / "export.json").read_text())["graphs"]["model.onnx"]["ort_fusions"]
+        assert fused["RotaryIntoGroupQueryAttention"] == fused["PackedQKV"] == 4
     _assert_same_tokens(checkpoint, folder, [list(p.encode()) for p in TEXT_PROMPTS])
 
 
@@ -155,14 +160,14 @@ def test_tiny_conversions_generate_torch_tokens(folders, name: str) -> None:
 @pytest.mark.slow
 def test_multi_turn_append_equals_torch(folders) -> None:
     """Turn 2 is appended after turn 1 and its answer (several new tokens after a past), in the
-    shared K/V buffer of the ort-gqa graph.
+    shared K/V buffer of the ort-gqa graph (with --optimize ort: rotary inside GroupQueryAttention).
 
     og leaves the last generated token pending (in the sequence, not yet run); append_tokens feeds
     only the new tokens, so the pending one is rewound and fed first. With separate past/present
     buffers (the standard-Attention graph) og 0.18 can neither rewind nor append after generating:
     it sizes present by the mask, which counts the pending token (README).
     """
-    checkpoint, folder = folders("default-kv4", "ort-gqa")
+    checkpoint, folder = folders("default-kv4", "ort-gqa+ort")
     turns = [list(b'Q: what does "pass" do?\nA:'), list(b"\nQ: and a while loop?\nA:")]
     model = load_model(checkpoint)
     first = torch_greedy(model, turns[0], NEW_TOKENS)
@@ -190,7 +195,7 @@ def test_multi_turn_append_equals_torch(folders) -> None:
 def test_ort_gqa_writes_into_one_shared_buffer(folders, capfd) -> None:
     """og's own log of output shapes: with past_present_share_buffer every present.{i} is the
     max_length buffer from the prompt on, i.e. GroupQueryAttention wrote in place (no Concat copy)."""
-    _, folder = folders("default-kv4", "ort-gqa")
+    _, folder = folders("default-kv4", "ort-gqa+ort")
     model = og.Model(str(folder))
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=40, do_sample=False)

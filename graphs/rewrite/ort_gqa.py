@@ -91,6 +91,8 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
             scale=float_attr(node, "scale") or head_size**-0.5,
             softcap=float_attr(node, "softcap"),
         )
+        batch, sequence = dims(query, 4)[0], dims(query, 4)[2]
+        output.shape, output.dtype = ir.Shape([batch, sequence, heads * head_size]), query.dtype  # for later rules
         output = op.Transpose(op.Reshape(output, op.Constant(value_ints=[0, 0, heads, head_size])), perm=_BNSH_TO_BSNH)
         return (output, present_key, present_value) if self.past else output
 
