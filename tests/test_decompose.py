@@ -164,14 +164,13 @@ FAMILIES = {"llama": (5, 4), "qwen3": (9, 4), "gpt_neox": (0, 4)}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def exported(request, tiny_checkpoint, tmp_path_factory) -> tuple[str, Path, Path, dict]:
-    """(family, plain export, export for TensorRT 10.14, its summary), once per family."""
+def exported(request, tiny_export, tmp_path_factory) -> tuple[str, Path, Path, dict]:
+    """(family, plain export (shared), export for TensorRT 10.14, its summary), once per family."""
     family = request.param
-    src = tiny_checkpoint(family)
+    src, plain = tiny_export(family)
     folder = tmp_path_factory.mktemp(f"decompose_{family}")
-    export(src, folder / "plain", progress=False, graphs="split")
     summary = export(src, folder / "trt10.14", trt_version="10.14", progress=False, graphs="split")
-    return family, folder / "plain", folder / "trt10.14", summary
+    return family, plain, folder / "trt10.14", summary
 
 
 @pytest.mark.slow

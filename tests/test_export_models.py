@@ -1,7 +1,7 @@
 """Real trained models through headfold export: ORT vs torch on real text.
 
 - all-MiniLM-L6-v2 (BERT, 12 heads) converted to 4 kv-heads: last_hidden_state within 1e-4.
-- The embedded default model (byte-level Llama, 8 heads), original and kv 4/2/1: prefill logits
+- The embedded default model (byte-level Llama, 8 heads), original and kv 4/1: prefill logits
   within 1e-4 at batch 1 and 3 (left padding), and 16 greedy KV-cache decode steps through ORT
   equal torch's greedy generation. Skipped while the model is not there yet (it is being trained).
 """
@@ -72,7 +72,8 @@ DEFAULT = default_model_path()
 needs_default = pytest.mark.skipif(
     not (DEFAULT / "config.json").is_file(), reason=f"embedded default model not present at {DEFAULT} (still being trained)"
 )
-KV_CASES = [pytest.param(kv, id="original" if kv is None else f"kv{kv}") for kv in (None, 4, 2, 1)]
+# MHA, GQA and MQA: kv 2 would take kv 4's code path again (each export of this model costs ~30 s).
+KV_CASES = [pytest.param(kv, id="original" if kv is None else f"kv{kv}") for kv in (None, 4, 1)]
 
 
 @pytest.fixture(scope="module")

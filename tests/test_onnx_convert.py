@@ -14,7 +14,7 @@ from tiny_models import HEADS, sample_batch
 
 from headfold import convert
 from headfold.converter.modeling import load_model
-from headfold.graphs.export import export, position_ids
+from headfold.graphs.export import position_ids
 from headfold.graphs.onnx_convert import convert_onnx
 from headfold.ground.errors import BadInput
 
@@ -29,18 +29,9 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def mha_onnx(tiny_checkpoint, tmp_path_factory):
-    """mha_onnx(family) → (checkpoint, folder with prefill.onnx / decode.onnx at kv = heads)."""
-    cache: dict[str, tuple[Path, Path]] = {}
-
-    def get(family: str) -> tuple[Path, Path]:
-        if family not in cache:
-            folder = tmp_path_factory.mktemp(f"{family}-mha") / "onnx"
-            export(tiny_checkpoint(family), folder, progress=False, graphs="split")
-            cache[family] = tiny_checkpoint(family), folder
-        return cache[family]
-
-    return get
+def mha_onnx(tiny_export):
+    """mha_onnx(family) → (checkpoint, folder with prefill.onnx / decode.onnx at kv = heads), shared."""
+    return lambda family: tiny_export(family)
 
 
 def _session(path: Path) -> ort.InferenceSession:

@@ -15,8 +15,8 @@ import torch
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnxscript.rewriter import pattern
+from tiny_models import HEADS
 
-from headfold.graphs.export import export
 from headfold.graphs.trt_lint import lint
 from headfold.ground.errors import BadInput
 from headfold.plugins import emit, plan_plugins, reference_ops, register_tensorrt
@@ -229,21 +229,16 @@ class _CacheIntoAttention(pattern.RewriteRuleClassBase):
 
 
 LAYERS = 2
-DECODERS = {  # name: (config overrides for tiny llama: heads, kv heads)
-    "gqa2-of-4": {"num_attention_heads": 4, "num_key_value_heads": 2},
-    "mqa-of-8": {"num_attention_heads": 8, "num_key_value_heads": 1},
+DECODERS = {  # name: (tiny family, kv heads it is converted to from HEADS); the exports test_export checks
+    "gqa4-of-8": ("llama", 2),
+    "mqa-of-8": ("qwen2", 1),  # llama's attention with Q/K/V biases
 }
 
 
 @pytest.fixture(scope="module")
-def decode_graphs(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
-    """name → the exported decode.onnx (each export takes a few seconds)."""
-    paths = {}
-    for name, overrides in DECODERS.items():
-        folder = tmp_path_factory.mktemp(name) / "onnx"  # export refuses an existing folder
-        export(tiny_checkpoint("llama", **overrides), folder, progress=False, graphs="split")
-        paths[name] = folder / "decode.onnx"
-    return paths
+def decode_graphs(tiny_export) -> dict[str, Path]:
+    """name → the exported decode.onnx (the session's shared exports: each costs 15-30 CPU seconds)."""
+    return {name: tiny_export(family, kv)[1] / "decode.onnx" for name, (family, kv) in DECODERS.items()}
 
 
 def _in_memory(path: Path) -> ir.Model:
@@ -303,10 +298,8 @@ def test_emit_past_form_decode_graph_for_10_15(decode_graphs, name: str) -> None
 
     assert plugins == [NAME]
     assert len(_plugin_nodes(model)) == LAYERS and not _attention_with_past(model)
-    heads = DECODERS[name]
-    assert {(n.attributes["q_num_heads"].value, n.attributes["kv_num_heads"].value) for n in _plugin_nodes(model)} == {
-        (heads["num_attention_heads"], heads["num_key_value_heads"])
-    }
+    _, kv_heads = DECODERS[name]
+    assert {(n.attributes["q_num_heads"].value, n.attributes["kv_num_heads"].value) for n in _plugin_nodes(model)} == {(HEADS, kv_heads)}
     assert lint(model, "10.15", plugins=plugins).parsable
     without_rotary = {f.rule for f in lint(model, "10.14", plugins=plugins).errors}
     assert without_rotary == {"op-unsupported"}  # only RotaryEmbedding / RMSNormalization (10.15+) remain
@@ -359,7 +352,7 @@ def test_tensorrt_plugin_engine_matches_reference(decode_graphs, tmp_path: Path)
         TrtRunner,
     )
 
-    source = decode_graphs["gqa2-of-4"]
+    source = decode_graphs["gqa4-of-8"]
     model = _in_memory(source)
     _CacheIntoAttention.rule().apply_to_model(model)
     model, plugins = emit(model, "10.15")
