@@ -17,7 +17,6 @@ import numpy as np
 
 from headfold.converter.checkpoint import FileRange, SourceCheckpoint
 from headfold.converter.layout import HeadShape, merge_fused, merge_heads, split_fused, split_heads
-from headfold.converter.writer import dtype_code
 
 STORAGE = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}  # what numpy holds each as
 BF16_NAN = 0xFFFF  # what torch's vectorised fp32 → bf16 cast writes for a NaN
@@ -26,7 +25,7 @@ BF16_NAN = 0xFFFF  # what torch's vectorised fp32 → bf16 cast writes for a NaN
 def readable(ckpt: SourceCheckpoint) -> bool:
     """Whether every attention tensor is a safetensors byte range of a dtype numpy can hold."""
     return all(
-        ckpt.byte_range(name) is not None and dtype_code(ckpt.tensors[name].dtype) in STORAGE
+        ckpt.byte_range(name) is not None and ckpt.tensors[name].code in STORAGE
         for layer in ckpt.attention.layers
         for name in layer.values()
     )
@@ -77,7 +76,7 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, how: st
 
     def read(suffix: str) -> tuple[np.ndarray, str]:
         info = ckpt.tensors[layer[suffix]]
-        code = dtype_code(info.dtype)
+        code = info.code
         return read_array(ckpt.byte_range(info.name), code, info.shape), code
 
     out: dict[str, np.ndarray] = {}

@@ -95,7 +95,6 @@ def test_group_means_match_torch(dtype: str, group: int) -> None:
     assert rawpool.pool_heads(as_bytes(heads), 4, "mean", dtype).tobytes() == as_bytes(expected).tobytes()
 
 
-@pytest.mark.xfail(reason="converter/checkpoint.py (owner G) imports torch at module level; see the issue-14 README section", strict=False)
 def test_mean_conversion_imports_no_torch(tiny_checkpoint, tmp_path: Path) -> None:
     src, out = tiny_checkpoint("llama", dtype=torch.bfloat16), tmp_path / "out"
     code = (
