@@ -2,16 +2,17 @@
 
 A random-weights Llama layout (hidden size ≠ vocabulary: the builder takes any Linear with
 out_features == vocab_size for the LM head) is converted to kv = heads / 4 (mean pooling), and
-both checkpoints are turned into og model folders three ways: `headfold export` (fp32, standard
-Attention, separate past/present buffers), `headfold export --attention ort-gqa --optimize ort`
-("headfold gqa": GroupQueryAttention, shared buffers, fused norms) and `python -m
-onnxruntime_genai.models.builder -p fp32 -e cpu` (GroupQueryAttention with rotary inside, shared
-buffers). Each folder then
-generates --new-tokens greedy tokens after a --context-token random prompt at each --batch;
-tokens/s counts the generated tokens of every row over the generation steps only (the prompt
-step is timed apart). Prints a table and writes JSON to benchmarks/results/.
+both checkpoints are turned into og model folders by --exporters: `python -m
+onnxruntime_genai.models.builder -p fp32 -e cpu` ("og builder", the reference), `headfold export
+--attention ort-gqa --optimize ort` ("headfold gqa": GroupQueryAttention with rotary inside, packed
+QKV, shared buffers, fused norms) and, when asked, plain `headfold export` ("headfold": standard
+Attention, separate past/present buffers). Each folder then generates --new-tokens greedy tokens
+after a --context-token random prompt at each --batch; tokens/s counts the generated tokens of every
+row over the generation steps only (the prompt step is timed apart). The exporters run back to back
+in --rounds interleaved rounds, and each round's ratio to the builder is reported, so a loaded
+machine slows both sides of a ratio alike. Prints a table and writes JSON to benchmarks/results/.
 
-    python benchmarks/generate_throughput.py [--context 2048] [--new-tokens 128] [--batch 1 8] [--threads 2]
+    python benchmarks/generate_throughput.py [--context 2048] [--new-tokens 128] [--batch 1 8] [--threads 2] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -107,6 +108,35 @@ def nodes_and_files(folder: Path) -> dict:
     return {"nodes": len(graph.graph.node), "files": sorted(p.name for p in folder.iterdir() if ".onnx" in p.name)}
 
 
+EXPORTERS = {
+    "og builder": None,
+    "headfold": {},
+    "headfold gqa": {"attention": "ort-gqa", "optimize": "ort"},
+}
+
+
+def model_folders(checkpoint: Path, root: Path, exporters: list[str]) -> dict[str, Path]:
+    folders = {}
+    for exporter in exporters:
+        folder = root / f"{checkpoint.name}-{exporter.replace(' ', '-')}"
+        if EXPORTERS[exporter] is None:
+            build_with_og(checkpoint, folder)
+        else:
+            export(checkpoint, folder, progress=False, **EXPORTERS[exporter])
+        folders[exporter] = folder
+    return folders
+
+
+def paired_ratios(rows: list[dict], exporters: list[str]) -> list[dict]:
+    """Per (variant, batch, round): each exporter's tokens/s over the builder's, measured back to back."""
+    pairs = []
+    for key in sorted({(r["variant"], r["batch"], r["round"]) for r in rows}, key=str):
+        same = {r["exporter"]: r["tokens_per_s"] for r in rows if (r["variant"], r["batch"], r["round"]) == key}
+        for exporter in exporters[1:]:
+            pairs.append({"variant": key[0], "batch": key[1], "round": key[2], "exporter": exporter, "vs_builder": round(same[exporter] / same[exporters[0]], 3)})
+    return pairs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=2048)
@@ -117,6 +147,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds: every exporter once per round, back to back")
+    parser.add_argument("--exporters", nargs="+", default=["og builder", "headfold gqa"], choices=list(EXPORTERS), help="the first is the reference")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON results file")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     torch.set_num_threads(args.threads)
@@ -124,24 +157,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         positions = 2 * (args.context + args.new_tokens)
-        mha = random_llama(root / "mha", args.layers, args.heads, args.head_dim, args.vocab, positions)
-        checkpoints = {"MHA": mha, "GQA h/4": convert(mha, root / "gqa", args.heads // 4, progress=False)}
+        mha = random_llama(root / "MHA", args.layers, args.heads, args.head_dim, args.vocab, positions)
+        checkpoints = {"MHA": mha, "GQA h/4": convert(mha, root / "GQA-h4", args.heads // 4, progress=False)}
         for variant, checkpoint in checkpoints.items():
-            name = variant.replace("/", "").replace(" ", "-")
-            folders = {"og builder": build_with_og(checkpoint, root / f"{name}-builder"), "headfold": root / f"{name}-headfold", "headfold gqa": root / f"{name}-gqa"}
-            export(checkpoint, folders["headfold"], progress=False)
-            export(checkpoint, folders["headfold gqa"], progress=False, attention="ort-gqa", optimize="ort")
-            for exporter, folder in folders.items():
-                for batch in args.batch:
-                    result = tokens_per_second(folder, batch, args.context, args.new_tokens, args.vocab, args.threads)
-                    rows.append({"variant": variant, "exporter": exporter, "batch": batch, **result, **nodes_and_files(folder)})
-                    print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'variant':8} {'exporter':12} {'batch':>5} {'tokens/s':>9} {'prompt s':>8} {'nodes':>5}")
+            folders = model_folders(checkpoint, root, args.exporters)
+            for batch in args.batch:
+                for round_ in range(args.rounds):  # interleaved: the machine's load hits every exporter alike
+                    for exporter, folder in folders.items():
+                        result = tokens_per_second(folder, batch, args.context, args.new_tokens, args.vocab, args.threads)
+                        row = {"variant": variant, "exporter": exporter, "batch": batch, "round": round_, **result}
+                        rows.append({**row, "load_1min": round(os.getloadavg()[0], 1), **nodes_and_files(folder)})
+                        print(json.dumps(rows[-1]), flush=True)
+    pairs = paired_ratios(rows, args.exporters)
+    print(f"\n{'variant':8} {'exporter':12} {'batch':>5} {'round':>5} {'tokens/s':>9} {'prompt s':>8} {'nodes':>5} {'load':>5}")
     for r in rows:
-        print(f"{r['variant']:8} {r['exporter']:12} {r['batch']:>5} {r['tokens_per_s']:>9} {r['prompt_s']:>8} {r['nodes']:>5}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+        print(f"{r['variant']:8} {r['exporter']:12} {r['batch']:>5} {r['round']:>5} {r['tokens_per_s']:>9} {r['prompt_s']:>8} {r['nodes']:>5} {r['load_1min']:>5}")
+    for p in pairs:
+        print(f"{p['variant']:8} batch {p['batch']} round {p['round']}: {p['exporter']} / builder = {p['vs_builder']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "rows": rows, "pairs": pairs}, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
