@@ -19,9 +19,8 @@ import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from headfold.converter.layout import HeadShape, expected_shapes
@@ -29,18 +28,24 @@ from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
 from headfold.converter.spec import ArchitectureSpec, ConfigKeys, spec_for, supported_model_types
 from headfold.ground.errors import BadInput
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+if TYPE_CHECKING:  # torch is imported only where tensors are made: a mean/first conversion runs without it
+    import torch
+
+# safetensors dtype code -> (torch dtype name, bytes per element)
+SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U8": ("uint8", 1), "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
 }  # fmt: skip
+CODE_OF_DTYPE = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 # Files that hold weights in some format: never copied into a converted checkpoint,
 # because they would still describe the MHA model.
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT_CODES = ("F16", "BF16", "F32", "F64")
+FP8_CODES = ("F8_E4M3", "F8_E5M2")
 MAX_LAYERS = 10_000  # far above any real model; guards allocations sized by config.json
 # Tensor-name endings of quantized checkpoints: their weights are codes, pooling them is garbage.
 QUANTIZATION_TENSORS = {
@@ -59,14 +64,24 @@ WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|onnx
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    dtype: torch.dtype
+    code: str  # safetensors dtype code: "BF16", "F32", ...
     shape: tuple[int, ...]
     file: Path
     offset: int = 0  # byte offset in a safetensors file (unused for pickles)
 
     @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.code)
+
+    @property
     def nbytes(self) -> int:
-        return self.dtype.itemsize * int(torch.Size(self.shape).numel())
+        return SAFETENSORS_DTYPES[self.code][1] * math.prod(self.shape)
+
+
+def torch_dtype(code: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, SAFETENSORS_DTYPES[code][0])
 
 
 @dataclass(frozen=True)
@@ -233,11 +248,10 @@ def tokenizer_location(folder: Path) -> Path | None:
     return folder if any((folder / name).is_file() for name in TOKENIZER_FILES) else None
 
 
-def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
-    """The dtype config.json declares (transformers writes "dtype", older versions "torch_dtype")."""
+def _config_dtype(config: dict[str, Any]) -> str | None:
+    """The safetensors code of the dtype config.json declares (transformers writes "dtype", older versions "torch_dtype")."""
     name = config.get("dtype") or config.get("torch_dtype")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if isinstance(dtype, torch.dtype) else None
+    return CODE_OF_DTYPE.get(name) if isinstance(name, str) else None
 
 
 @dataclass(frozen=True)
@@ -265,7 +279,7 @@ class CheckpointFacts:
     head_dim: int
     hidden: int
     rotary: Rotary
-    dtype: torch.dtype | None  # as config.json declares it
+    dtype_code: str | None  # the dtype config.json declares, as a safetensors code
     positions: int | None  # max_position_embeddings / n_positions
     vocab_size: int | None
     tokenizer: Path | None  # the folder holding tokenizer files; None without any
@@ -296,11 +310,16 @@ class CheckpointFacts:
             head_dim=shape.head_dim,
             hidden=config[keys.hidden],
             rotary=_rotary(config, spec, shape.head_dim),
-            dtype=_config_dtype(config),
+            dtype_code=_config_dtype(config),
             positions=config.get("max_position_embeddings") or config.get("n_positions"),
             vocab_size=config.get("vocab_size"),
             tokenizer=tokenizer_location(folder),
         )
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype config.json declares (None when it declares none)."""
+        return torch_dtype(self.dtype_code) if self.dtype_code else None
 
     @property
     def shape(self) -> HeadShape:
@@ -329,7 +348,7 @@ def _safetensors_header(file: Path) -> list[TensorInfo]:
     with open(file, "rb") as f:  # first: safetensors reports "permission denied" as "No such file"
         f.read(1)
     try:
-        safe_open(file, framework="pt")  # checks header, dtypes and that the data is complete
+        safe_open(file, framework="numpy")  # checks header, dtypes and that the data is complete (numpy: torch stays unloaded)
     except (SafetensorError, OSError) as e:
         raise BadInput(f"cannot read {file}: unreadable or truncated ({e}); download it again") from None
     with open(file, "rb") as f:
@@ -339,10 +358,9 @@ def _safetensors_header(file: Path) -> list[TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
-        if dtype is None:
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
             raise BadInput(f"{file.name}: tensor {name} has unsupported dtype {entry['dtype']}")
-        infos.append(TensorInfo(name, dtype, tuple(entry["shape"]), file, 8 + length + entry["data_offsets"][0]))
+        infos.append(TensorInfo(name, entry["dtype"], tuple(entry["shape"]), file, 8 + length + entry["data_offsets"][0]))
     return sorted(infos, key=lambda t: t.offset)  # storage order: sequential reads
 
 
@@ -379,7 +397,7 @@ def read_tensor_index(folder: Path, allow_pickle: bool) -> TensorIndex:
             infos = _safetensors_header(file)
         else:
             pickles[file] = _load_pickle(file)
-            infos = [TensorInfo(n, t.dtype, tuple(t.shape), file) for n, t in pickles[file].items()]
+            infos = [TensorInfo(n, _pickle_code(file, n, t), tuple(t.shape), file) for n, t in pickles[file].items()]
         for info in infos:  # a source's tensors, whatever their format; the header parse itself stays neutral
             _check_tensor(info)
         tensors.update((t.name, t) for t in infos)
@@ -421,7 +439,16 @@ def _files_from_index(folder: Path, index: Path) -> tuple[list[Path], set[str]]:
     return files, set(weight_map)
 
 
+def _pickle_code(file: Path, name: str, tensor: torch.Tensor) -> str:
+    code = CODE_OF_DTYPE.get(str(tensor.dtype).removeprefix("torch."))
+    if code is None:
+        raise BadInput(f"{file.name}: tensor {name} has unsupported dtype {tensor.dtype}")
+    return code
+
+
 def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
+    import torch
+
     try:  # mmap: tensors are paged in only when read
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch raises many types for a bad pickle
@@ -476,10 +503,11 @@ class SourceCheckpoint:
     def _check_tensor(self, name: str, expected: tuple[int, ...], s: HeadShape) -> None:
         """An attention tensor's full shape and dtype against the spec and config.json."""
         info = self.tensors[name]
-        if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise BadInput(f"tensor {name} is {info.dtype} (quantized): {DEQUANTIZE}")
-        if info.dtype not in FLOAT_DTYPES:
-            raise BadInput(f"tensor {name} has dtype {info.dtype}; attention weights must be floating point (if the checkpoint is quantized: {DEQUANTIZE})")
+        dtype = f"torch.{SAFETENSORS_DTYPES[info.code][0]}"  # the name users know
+        if info.code in FP8_CODES:
+            raise BadInput(f"tensor {name} is {dtype} (quantized): {DEQUANTIZE}")
+        if info.code not in FLOAT_CODES:
+            raise BadInput(f"tensor {name} has dtype {dtype}; attention weights must be floating point (if the checkpoint is quantized: {DEQUANTIZE})")
         if info.shape != expected:
             raise BadInput(
                 f"tensor {name} has shape {list(info.shape)}, expected {list(expected)} for {s.heads} heads, "
@@ -489,6 +517,8 @@ class SourceCheckpoint:
     # -- reading ------------------------------------------------------------------------
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor with a plain positioned read: no mmap, so memory holds only what is in use."""
+        import torch
+
         info = self.tensors[name]
         if info.file in self._pickles:
             return self._pickles[info.file][name]

@@ -42,7 +42,7 @@ from transformers.models.opt.modeling_opt import eager_attention_forward as opt_
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 from transformers.pytorch_utils import Conv1D
 
-from headfold.converter.checkpoint import FLOAT_DTYPES, CheckpointFacts
+from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER
 from headfold.converter.spec import spec_for
@@ -56,6 +56,7 @@ _ATTN_IMPLEMENTATION = "sdpa"
 # Buffers that older checkpoints saved but today's modules keep non-persistent.
 _STALE_BUFFERS = (r"embeddings\.position_ids$", r"\.inv_freq$", r"\.masked_bias$", r"\.attn\.bias$")
 _Meta = dict[str, tuple[tuple[int, ...], torch.dtype | None]]  # tensor name -> (shape, dtype)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +479,7 @@ def _load_weights(model: nn.Module, plan: dict[str, str], files: dict[str, Path]
 
 def _resolve_dtype(dtype: torch.dtype | None, facts: CheckpointFacts, meta: _Meta) -> torch.dtype:
     """Like from_pretrained's dtype="auto": explicit, else config.json's dtype, else the weights' own."""
-    stored = (d for _, d in meta.values() if d in FLOAT_DTYPES)
+    stored = (d for _, d in meta.values() if d in _FLOATS)
     return next(d for d in (dtype, facts.dtype, *stored, torch.float32) if d is not None)
 
 
