@@ -139,7 +139,7 @@ def plan_outputs(ckpt: SourceCheckpoint, targets: list[HeadShape]) -> list[Plann
         if info.name in resized:
             axis, size = resized[info.name]
             shape[axis] = size
-        planned.append(PlannedTensor(info.name, info.dtype, tuple(shape)))
+        planned.append(PlannedTensor(info.name, info.code, tuple(shape)))
     return planned
 
 
