@@ -62,9 +62,9 @@ def _median_ms(engine: Path, feed: dict[str, np.ndarray], runs: int) -> float:
 
 def _kv_shape(engine: Path) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) from the decode engine's sidecar profile."""
-    from headfold.engines.sidecar import read_sidecar
+    from headfold.engines.sidecar import load_sidecar
 
-    profile = read_sidecar(engine)["profiles"][0]
+    profile = load_sidecar(engine).profiles[0]
     keys = [name for name in profile if name.endswith(".key")]
     _, kv, _, dim = profile[keys[0]][0]
     return len(keys), kv, dim

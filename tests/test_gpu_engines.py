@@ -131,10 +131,10 @@ def test_plugin_decode_engine_equals_native(engines, feeds, tmp_path: Path) -> N
     from headfold.engines.build import build
     from headfold.engines.env import Target
     from headfold.engines.plan import make_plan
-    from headfold.engines.sidecar import read_sidecar, source_onnx
+    from headfold.engines.sidecar import load_sidecar, source_onnx
 
     native = engines["fp32"] / "decode.engine"
-    model = ir.load(source_onnx(native, read_sidecar(native)))
+    model = ir.load(source_onnx(native, load_sidecar(native)))
     ir.external_data.load_to_model(model)
     model, names = plugins.emit(model, "10.13")
     assert names == ["headfold::GQADecodeAttention"]

@@ -1,6 +1,6 @@
-"""TensorRT engines: a pure build plan (CPU), the build through Polygraphy's loaders, a runner.
+"""TensorRT engines: a pure build plan (CPU), the build through Polygraphy's loaders, the sidecar.
 
-Only `plan` is imported eagerly; `build` and `runner` import TensorRT and Polygraphy's TRT backend
+Only `plan` is imported eagerly; `build` imports TensorRT and Polygraphy's TRT backend
 inside their functions, so everything here loads on machines without TensorRT or a GPU.
 """
 

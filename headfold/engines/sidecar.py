@@ -114,13 +114,8 @@ def load_sidecar(engine: Path) -> EngineSidecar:
         raise BadInput(f"{path} is corrupt ({err}); rebuild the engine with headfold build") from None
 
 
-def read_sidecar(engine: Path) -> dict[str, Any]:
-    """The sidecar as a plain dict, for callers that index it (prefer load_sidecar)."""
-    return load_sidecar(engine).to_dict()
-
-
-def source_onnx(engine: Path, info: EngineSidecar | dict[str, Any]) -> Path | None:
+def source_onnx(engine: Path, info: EngineSidecar) -> Path | None:
     """The graph the engine was built from, if it still exists (absolute path, else relative to the engine)."""
-    source = (info if isinstance(info, EngineSidecar) else EngineSidecar.from_dict(info)).source
+    source = info.source
     candidates = (Path(source.onnx), engine.parent / source.onnx_relative)
     return next((p.resolve() for p in candidates if p.is_file()), None)

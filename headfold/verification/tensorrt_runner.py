@@ -69,9 +69,9 @@ class TensorRTRunner(TrtRunner):
 
     def _register_plugins(self) -> None:
         if self.plugins is None:
-            from headfold.engines.sidecar import read_sidecar
+            from headfold.engines.sidecar import load_sidecar
 
-            self.plugins = read_sidecar(self.engine_path).get("plugins", [])
+            self.plugins = load_sidecar(self.engine_path).plugins
         if self.plugins:
             from headfold import plugins as custom_ops
 
