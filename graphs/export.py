@@ -36,9 +36,10 @@ from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
-from headfold.ground.export_summary import ExportSummary
+from headfold.ground.artifacts import DECODE_GRAPH, MODEL_GRAPH, PREFILL_GRAPH
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
+from headfold.ground.export_summary import ExportSummary
 
 __all__ = [
     "export",
@@ -200,7 +201,6 @@ def _example_tokens(config: transformers.PretrainedConfig, batch: int, seq: int)
 
 
 GRAPH_LAYOUTS = ("merged", "split")
-MERGED_GRAPH = "model.onnx"
 
 
 POSITION_IDS = "position_ids"
@@ -223,7 +223,7 @@ def decoder_graphs(
         position_axes = ({0: batch, 1: sequence},) if explicit_positions else ()
         return [
             GraphSpec(
-                MERGED_GRAPH,
+                MODEL_GRAPH,
                 Decoder(model, explicit_positions),
                 (ids, mask, *positions, *past_kv),
                 ["input_ids", "attention_mask", *[POSITION_IDS] * len(positions), *_kv_names("past_key_values", layers)],
@@ -234,7 +234,7 @@ def decoder_graphs(
         ]
     return [
         GraphSpec(
-            "prefill.onnx",
+            PREFILL_GRAPH,
             prefill,
             (ids, mask),
             ["input_ids", "attention_mask"],
@@ -242,7 +242,7 @@ def decoder_graphs(
             ({0: batch, 1: sequence}, {0: batch, 1: sequence}),
         ),
         GraphSpec(
-            "decode.onnx",
+            DECODE_GRAPH,
             Decode(model),
             (ids[:, :1], torch.ones(_BATCH, _PAST + 1, dtype=torch.long), *past_kv),
             ["input_ids", "attention_mask", *_kv_names("past_key_values", layers)],
@@ -261,7 +261,7 @@ def encoder_graphs(model: transformers.PreTrainedModel) -> list[GraphSpec]:
         names.append("token_type_ids")
     axes = {0: batch, 1: sequence}
     dynamic = (axes, axes, (axes,) * (len(inputs) - 2))  # *token_type_ids is one tuple
-    return [GraphSpec("model.onnx", Encoder(model), tuple(inputs), names, ["last_hidden_state"], dynamic)]
+    return [GraphSpec(MODEL_GRAPH, Encoder(model), tuple(inputs), names, ["last_hidden_state"], dynamic)]
 
 
 def check_opset(opset: int) -> None:
@@ -419,7 +419,7 @@ def export(
             )  # fmt: skip
         if summary.layout == "merged":
             summary.genai = write_model_folder(
-                facts, tmp, model.config, MERGED_GRAPH, attention=attention, position_ids=explicit_positions
+                facts, tmp, model.config, MODEL_GRAPH, attention=attention, position_ids=explicit_positions
             )
         summary.save_in(tmp)
     return summary.to_dict()

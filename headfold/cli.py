@@ -132,11 +132,14 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
     spec("--attention", type=click.Choice(("onnx", "ort-gqa")), default="onnx", help="Fused node: onnx = standard Attention (ORT, TensorRT); ort-gqa = com.microsoft.GroupQueryAttention for ONNX Runtime CUDA decoding (decoders only; unpadded or right-padded batches; CUDA runs it in fp16/bf16)."),
     spec("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split with --trt-version, the pair `headfold build` takes]"),
     spec("--optimize", type=click.Choice(("ort",)), default=None, help="ort = ONNX Runtime's fusions (onnxscript ort_fusions: simplified/skip layer norm, fused matmuls), counted in export.json; the graph then runs in ONNX Runtime only."),
+    spec("--position-ids", is_flag=True, help="Merged decoder graph: take a position_ids [B, S] input (named in genai_config.json) instead of counting positions over the mask's real tokens."),
     title=EXPORT,
 )  # fmt: skip
 @options(TRT_VERSION, title=TENSORRT)
 @output_options()
-def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str, graphs: str | None, optimize: str | None, trt_version: str | None, output: Output) -> None:
+def export_cmd(
+    src: Path, out_dir: Path, opset: int, dtype: str, attention: str, graphs: str | None, optimize: str | None, position_ids: bool, trt_version: str | None, output: Output
+) -> None:
     """Export the checkpoint folder SRC to ONNX with one GQA Attention node per layer.
 
     Decoders get one merged model.onnx (any number of new tokens after a past of any length, KV
@@ -152,7 +155,7 @@ def export_cmd(src: Path, out_dir: Path, opset: int, dtype: str, attention: str,
     graphs = graphs or ("split" if trt_version else "merged")  # a TensorRT target gets the graphs TensorRT builds
     summary = export(
         src, out_dir, opset=opset, dtype=dtype, attention=attention, overwrite=output.overwrite, progress=output.progress,
-        trt_version=trt_version, graphs=graphs, optimize=optimize,
+        trt_version=trt_version, graphs=graphs, optimize=optimize, explicit_positions=position_ids,
     )  # fmt: skip
     for name, graph in summary["graphs"].items():
         decomposed = {op: n for op, n in graph.get("decomposed_for_tensorrt", {}).items() if op != "version"}
