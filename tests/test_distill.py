@@ -192,19 +192,24 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(teacher: Path, text_fil
 
 @pytest.mark.slow
 def test_two_processes_give_the_single_process_result(teacher: Path, text_file: Path, tmp_path: Path) -> None:
-    """torchrun, 2 CPU processes (gloo) with half the batch each = 1 process with the whole batch."""
+    """torchrun and accelerate launch, 2 CPU processes (gloo) with half the batch each = 1 process with the whole batch."""
     student = convert(teacher, tmp_path / "kv2", 2, progress=False)
     options = ["--data", str(text_file), "--steps", "4", "--seq-len", "32", "--eval-windows", "2", "--lr", "1e-2"]
     subprocess.run(_cli(str(teacher), str(student), str(tmp_path / "one"), *options, "--batch-size", "4"), check=True, env=_env())
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531"]
-    subprocess.run([*torchrun, *_cli(str(teacher), str(student), str(tmp_path / "two"), *options, "--batch-size", "2")[1:]], check=True, env=_env())
-    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
+    # accelerate 1.15 starts several CPU processes only through its multi-GPU launcher (--cpu alone: one, or MPI)
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                  "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29532"]  # fmt: skip
+    one = weights(tmp_path / "one")
     moved = max(float((one[k] - weights(student)[k]).abs().max()) for k in one)
     assert moved > 1e-3  # training did something
-    # gloo's all-reduce sums in another order than one batch's mean: float rounding, which Adam's
-    # normalised steps carry into the weights (measured 1.9e-5 after 4 steps that moved them 1e-2+)
-    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4
-    assert record(tmp_path / "two")["processes"] == 2 and record(tmp_path / "two")["tokens"] == record(tmp_path / "one")["tokens"]
+    for name, launcher in (("torchrun", torchrun), ("accelerate", accelerate)):
+        subprocess.run([*launcher, *_cli(str(teacher), str(student), str(tmp_path / name), *options, "--batch-size", "2")[1:]], check=True, env=_env())
+        two = weights(tmp_path / name)
+        # gloo's all-reduce sums in another order than one batch's mean: float rounding, which Adam's
+        # normalised steps carry into the weights (measured 1.9e-5 after 4 steps that moved them 1e-2+)
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4, name
+        assert record(tmp_path / name)["processes"] == 2 and record(tmp_path / name)["tokens"] == record(tmp_path / "one")["tokens"]
 
 
 # -- bad input: one line, exit 2, nothing written --------------------------------------------------
