@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import sys
 import traceback
 from dataclasses import replace
@@ -248,10 +249,10 @@ def verify_cmd(reference: Path, candidate: Path, check: str, inputs: InputSpec, 
     _finish(report)
 
 
-DISTILL_TOKENS = spec("--distill-tokens", type=int, default=None, help="Tokens the distill stage trains on. [default: run 40 steps of 16 × 256; demo 24 steps of 8 × 256] In run without --distill-data, for the embedded model: its own training split.")
+DISTILL_TOKENS = spec("--distill-tokens", type=str, default=None, help="Tokens the distill stage trains on, as distill --tokens takes them (200k, 1.5M, 5%). [default: run 40 steps of 8 × 256; demo 24 steps of 8 × 256] In run without --distill-data, for the embedded model: its own training split.")
 
 
-def _distill_stage(distill_data: Path | None, distill_tokens: int | None) -> DistillStage | None:
+def _distill_stage(distill_data: Path | None, distill_tokens: str | None) -> DistillStage | None:
     """The distill stage `run` adds when asked for (None: convert → export directly)."""
     if distill_data is None and distill_tokens is None:
         return None
@@ -300,10 +301,10 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
 @options(
     spec("--data", type=PATH, default=None, help="Training text: a text file, .jsonl/.parquet with a 'text' field, or a datasets save_to_disk folder. Default only for the embedded model: its training split."),
     spec("--eval-data", type=PATH, default=None, help="Held-out text (same formats). Default: the first --eval-windows windows of --data, never trained on."),
-    spec("--tokens", type=int, default=None, help="Training tokens (over all processes); rounded down to whole steps. [default: 40 steps]"),
+    spec("--tokens", type=str, default=None, help="Training tokens over all processes: 200000, 200k, 1.5M, or 5% of the teacher's pre-training tokens (known only for the embedded model); rounded down to whole steps. [default: 40 steps]"),
     spec("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens."),
     spec("--seq-len", type=int, default=256, help="Tokens per training window."),
-    batch_size_spec(16),
+    batch_size_spec(8),
     spec("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0)."),
     spec("--train", type=click.Choice(("kv", "attention", "all", "lora")), default="all", help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end."),
     spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
@@ -339,6 +340,8 @@ def distill_cmd(teacher: Path, student: Path, out: Path, output: Output, **optio
 
     quiet_libraries()
     result = distill(teacher, student, out, overwrite=output.overwrite, progress=output.progress, **options)
+    if os.environ.get("RANK", "0") != "0":
+        return  # under torchrun / accelerate launch only the main process reports (and writes)
     final = manifest.load(result).distillation
     scores = ", ".join(f"{k} {v:.4g}" for k, v in final["final_eval"].items())
     click.echo(f"wrote {result} ({final['steps']} steps, {final['tokens']} tokens; held-out {scores})")
@@ -402,7 +405,7 @@ def inspect_cmd(src: Path, candidates: str | None, method: str, kv_budget, calib
 )  # fmt: skip
 @options(DISTILL_TOKENS, spec("--no-distill", is_flag=True, help="Skip distillation: what training-free conversion alone reaches (the reference budget then fails)."), title="Distill stage")
 @threshold_options
-def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: int | None, no_distill: bool, thresholds: Thresholds) -> None:
+def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: str | None, no_distill: bool, thresholds: Thresholds) -> None:
     """`headfold run` on the embedded trained model (Llama layout, 4 layers × 8 heads) in a temporary folder.
 
     Converts, distills on the model's own training split, exports, (builds where TensorRT is
