@@ -14,9 +14,9 @@ import onnx
 import pytest
 import torch
 import transformers
-from checkpoint_edits import edit_attention, identical_heads
-from ort_decoding import ort_greedy, session
-from tiny_models import ENCODERS, HEADS, sample_batch
+from support.checkpoint_edits import edit_attention, identical_heads
+from support.ort_decoding import ort_greedy, session
+from support.tiny_models import ENCODERS, HEADS, sample_batch
 
 from headfold import convert
 from headfold.cli import main

@@ -24,7 +24,7 @@ from headfold.verification import InputSpec, Thresholds, verify
 from headfold.verification.inputs import cut_rows
 
 EMBEDDED = default_model_path()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROWS = InputSpec(max_rows=32)  # ~6k held-out bytes: enough for stable numbers, quick on 2 cores
 
 

@@ -2,7 +2,7 @@
 TensorRT release, lint refusals, the dry-run CLI, the engine sidecar and engine-support reasons.
 
 Nothing here runs TensorRT (it is not installable on CPU machines): engines are built and run only
-in tests/test_gpu_engines.py. Where a test touches the build code, its name says it checks the
+in tests/integration/test_gpu_engines.py. Where a test touches the build code, its name says it checks the
 arguments handed to Polygraphy, not an engine.
 """
 

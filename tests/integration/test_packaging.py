@@ -14,7 +14,7 @@ import pytest
 
 import headfold
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_suite_runs_on_the_editable_install() -> None:

@@ -15,7 +15,7 @@ import torch
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnxscript.rewriter import pattern
-from tiny_models import HEADS
+from support.tiny_models import HEADS
 
 from headfold.graphs.trt_lint import lint
 from headfold.ground.errors import BadInput

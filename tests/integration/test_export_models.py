@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from ort_decoding import ort_greedy, session
+from support.ort_decoding import ort_greedy, session
 
 from headfold import convert
 from headfold.converter.modeling import load_model

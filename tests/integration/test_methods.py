@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_edits import edit_attention
+from support.checkpoint_edits import edit_attention
 from test_convert import outputs
-from tiny_models import HEADS
+from support.tiny_models import HEADS
 
 from headfold import convert
 from headfold.converter import alignment

@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file
-from tiny_models import FAMILIES, make_checkpoint
+from support.tiny_models import FAMILIES, make_checkpoint
 
 from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 from headfold.converter.modeling import load_model

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_edits import edit_attention, identical_heads
-from tiny_models import HEADS
+from support.checkpoint_edits import edit_attention, identical_heads
+from support.tiny_models import HEADS
 
 from headfold.cli import main
 from headfold.converter.planning import best_plan, best_uniform, budget_total

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from ort_decoding import session
-from tiny_models import HEADS
+from support.ort_decoding import session
+from support.tiny_models import HEADS
 
 from headfold import convert
 from headfold.converter.modeling import load_model

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
+from support.tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
 from headfold.converter.modeling import load_model
 from headfold.ground.errors import BadInput

@@ -10,8 +10,8 @@ import onnx
 import pytest
 import torch
 import transformers
-from ort_decoding import ort_greedy, session
-from tiny_models import ENCODERS, HEADS, sample_batch
+from support.ort_decoding import ort_greedy, session
+from support.tiny_models import ENCODERS, HEADS, sample_batch
 
 from headfold import convert
 from headfold.converter.modeling import load_model

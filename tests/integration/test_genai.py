@@ -26,7 +26,7 @@ from headfold.ground.artifacts import GENAI_CONFIG as CONFIG_FILE
 
 og = pytest.importorskip("onnxruntime_genai")
 
-DEFAULT = Path(__file__).resolve().parents[1] / "headfold" / "data" / "default_model"
+DEFAULT = Path(__file__).resolve().parents[2] / "headfold" / "data" / "default_model"
 NEW_TOKENS = 16
 TEXT_PROMPTS = ['The "while" statement', "def f(x):\n    return", "A", "Lists are mutable sequences, typically"]
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import pytest
 import torch
-from tiny_models import make_checkpoint
+from support.tiny_models import make_checkpoint
 
 import headfold.converter.conversion as convert_module
 from headfold.cli import main

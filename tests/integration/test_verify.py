@@ -169,7 +169,7 @@ def test_a_feed_the_graph_does_not_take_is_one_line_of_bad_input(tiny, capsys) -
 
 
 # --- the TensorRT runner where TensorRT is absent ---------------------------------------------------
-# TrtRunner's own work (deserialize, bind, execute) needs TensorRT and a GPU: tests/test_gpu_engines.py.
+# TrtRunner's own work (deserialize, bind, execute) needs TensorRT and a GPU: tests/integration/test_gpu_engines.py.
 # Here: what the subclass adds, with Polygraphy's parent calls replaced by recorders. Not run on TensorRT.
 
 
@@ -276,7 +276,7 @@ def test_check_selection(tiny, tmp_path: Path) -> None:
         check_kind(resolve(tiny["other"]), kv2)
     assert check_kind(resolve(tiny["other"]), kv2, "loss") == "loss"
     (tmp_path / "m.engine").write_bytes(b"x")
-    with pytest.raises(BadInput, match="no sidecar m.engine.json"):  # engines: tests/test_engines.py
+    with pytest.raises(BadInput, match="no sidecar m.engine.json"):  # engines: tests/integration/test_engines.py
         resolve(tmp_path / "m.engine")
 
 

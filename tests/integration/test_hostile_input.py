@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_checkpoint
+from support.tiny_models import make_checkpoint
 
 import headfold.converter.conversion as conversion
 from headfold.cli import main

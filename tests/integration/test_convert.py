@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoint_edits import edit_attention, identical_heads
+from support.checkpoint_edits import edit_attention, identical_heads
 from safetensors import safe_open
-from tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
+from support.tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
 from headfold import convert
 from headfold.converter.modeling import load_model

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
-from tiny_models import HEADS, sample_batch
+from support.tiny_models import HEADS, sample_batch
 
 from headfold import convert
 from headfold.converter.modeling import load_model

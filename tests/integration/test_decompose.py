@@ -18,7 +18,7 @@ import onnx.helper as oh
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from tiny_models import sample_batch, tiny_config
+from support.tiny_models import sample_batch, tiny_config
 
 from headfold.cli import main
 from headfold.engines.env import Target

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_convert import read_tensors
-from tiny_models import FAMILIES, VOCAB
+from support.tiny_models import FAMILIES, VOCAB
 
 from headfold import convert
 from headfold.converter import calibration, layerwise

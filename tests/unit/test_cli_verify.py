@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from headfold.cli import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_commands_share_option_groups() -> None:
