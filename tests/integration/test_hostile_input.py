@@ -569,11 +569,11 @@ def test_quiet_silences_the_exporters_warnings() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from headfold.cli import _quiet_libraries
+    from headfold.options import quiet_libraries
 
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
     try:
-        _quiet_libraries()
+        quiet_libraries()
         assert not registration.isEnabledFor(logging.WARNING) and hf_logging.get_verbosity() == hf_logging.ERROR
     finally:
         logging.getLogger("torch.onnx").setLevel(logging.NOTSET)
