@@ -88,7 +88,18 @@ class Record:
             raise Malformed(f"no {' and '.join(map(repr, missing))}")
         if EXTRA in known:
             values[EXTRA] = {k: v for k, v in data.items() if k not in known}
-        return cls(**values)
+        record = cls(**values)
+        _refuse_newer_format(record)
+        return record
+
+
+def _refuse_newer_format(record: Record) -> None:
+    """Malformed when the record's numeric `format` is above its field's default, the newest this
+    headfold writes: a newer headfold wrote the file."""
+    newest = next((f.default for f in dataclasses.fields(record) if f.name == "format"), None)
+    written = getattr(record, "format", None)
+    if isinstance(newest, int) and isinstance(written, int) and written > newest:
+        raise Malformed(f"format {written} is newer than this headfold's {newest}; upgrade headfold")
 
 
 def _required(f: dataclasses.Field) -> bool:

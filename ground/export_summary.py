@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headfold.ground.artifacts import EXPORT_SUMMARY, Malformed, Record, keep_unknown, load_record, optional
+from headfold.ground.artifacts import EXPORT_SUMMARY, Record, keep_unknown, load_record, optional
 
 FORMAT = 1
 
@@ -32,13 +32,6 @@ class ExportSummary(Record):
     graphs: dict[str, dict[str, Any]]  # graph file -> its export facts (nodes, fusions, …)
     genai: dict[str, Any] | None = optional()  # merged decoders: the onnxruntime-genai model folder
     extra: dict[str, Any] = keep_unknown()
-
-    @classmethod
-    def from_dict(cls, data: Any) -> ExportSummary:
-        summary = super().from_dict(data)
-        if summary.format > FORMAT:
-            raise Malformed(f"format {summary.format} is newer than this headfold's {FORMAT}; upgrade headfold")
-        return summary
 
     def save_in(self, folder: Path) -> None:
         self.save(Path(folder) / EXPORT_SUMMARY)

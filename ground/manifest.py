@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headfold.ground.artifacts import MANIFEST, Malformed, Record, keep_unknown, load_record, optional
+from headfold.ground.artifacts import MANIFEST, Record, keep_unknown, load_record, optional
 
 FORMAT = 1
 Counts = int | list[int]  # one value for every layer, or one per layer
@@ -53,13 +53,6 @@ class Manifest(Record):
     skipped_weight_files: list[str] = field(default_factory=list)
     distillation: dict[str, Any] | None = optional()  # headfold distill's record
     extra: dict[str, Any] = keep_unknown()
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Manifest:
-        manifest = super().from_dict(data)
-        if manifest.format > FORMAT:
-            raise Malformed(f"format {manifest.format} is newer than this headfold's {FORMAT}; upgrade headfold")
-        return manifest
 
     def save_in(self, folder: Path) -> None:
         self.save(Path(folder) / MANIFEST)

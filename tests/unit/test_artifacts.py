@@ -152,6 +152,7 @@ def test_corrupt_export_summary(tmp_path: Path, content: str, why: str) -> None:
         (lambda m: m["conversion"].update(kv_heads="two"), "'kv_heads' is a string"),
         (lambda m: m["source"].update(config_sha256=None), "'config_sha256' is null"),
         (lambda m: m.update(conversion=[1]), "'conversion' is a list"),
+        (lambda m: m.update(format=2), "format 2 is newer than this headfold's 1"),
     ],
 )
 def test_corrupt_manifest(tmp_path: Path, edit, why: str) -> None:
@@ -163,7 +164,7 @@ def test_corrupt_manifest(tmp_path: Path, edit, why: str) -> None:
     assert f"{MANIFEST} is corrupt (" in str(err.value) and why in str(err.value)
 
 
-@pytest.mark.parametrize("content", ["{", "[]", json.dumps({"convert": {"key": 1, "output": "convert"}}), json.dumps({"format": 1, "stages": []})])
+@pytest.mark.parametrize("content", ["{", "[]", json.dumps({"convert": {"key": 1, "output": "convert"}}), json.dumps({"format": 1, "stages": []}), json.dumps({"format": 2, "stages": {}})])
 def test_corrupt_ledger(tmp_path: Path, content: str) -> None:
     path = _write(tmp_path / LEDGER, content)
     with pytest.raises(BadInput) as err:
