@@ -27,9 +27,10 @@ import torch
 import transformers
 
 from headfold import convert
+from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.modeling import load_model
 from headfold.demo import default_model_path
-from headfold.graphs.export import attention_shape, decoder_graphs, export_graph
+from headfold.graphs.export import decoder_graphs, export_graph
 
 
 def synthetic_checkpoint(folder: Path, layers: int, heads: int, head_dim: int, vocab: int) -> Path:
@@ -48,8 +49,8 @@ def synthetic_checkpoint(folder: Path, layers: int, heads: int, head_dim: int, v
 
 def export_decode(checkpoint: Path, folder: Path) -> dict:
     """Export only the decode graph (the prefill graph is not timed); return export_graph's summary."""
-    model = load_model(checkpoint)
-    layers, _, kv_heads = attention_shape(model.config)
+    facts = CheckpointFacts.read(checkpoint)
+    model, layers, kv_heads = load_model(facts), facts.layers, facts.kv_heads
     folder.mkdir(parents=True)
     decode = next(spec for spec in decoder_graphs(model, layers, "split") if spec.file == "decode.onnx")
     return export_graph(decode, folder, opset=23, kv_heads=kv_heads, layers=layers)

@@ -30,7 +30,7 @@ from transformers.cache_utils import DynamicCache
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.modeling import load_model
-from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse
+from headfold.converter.per_layer import collapse
 from headfold.graphs.genai import write_model_folder
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
@@ -344,13 +344,6 @@ def export_graph(
     if decomposed:  # only when the version lacks an op a rule covers
         summary["decomposed_for_tensorrt"] = {"version": trt_version, **decomposed}
     return summary
-
-
-def attention_shape(config: transformers.PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
-    """(layers, heads, each layer's kv heads) from the config; load_model has validated them."""
-    heads, layers = config.num_attention_heads, config.num_hidden_layers
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return layers, heads, tuple(getattr(config, KV_HEADS_PER_LAYER, None) or [kv_heads] * layers)
 
 
 def export(
