@@ -1,11 +1,12 @@
 """`headfold distill TEACHER STUDENT OUT`: recover what pooling lost by distilling from the MHA original.
 
 Everything the request can get wrong is checked before a model loads (nothing is written on bad
-input). Training runs through 🤗 Accelerate: one process here, or data-parallel (DDP; FSDP from an
-Accelerate config) under `accelerate launch` / `torchrun`, where every process takes its slice of
-each global batch and only the main process writes. The teacher is frozen (eval, no grad); the
-student runs with dropout off, so distillation matches the teacher's deterministic function and a
-resumed run repeats an uninterrupted one exactly on CPU.
+input). Training runs through 🤗 Accelerate: one process here, or data-parallel (DDP, or FSDP2
+from `accelerate launch --use_fsdp` or an Accelerate config: sharding.py) under `accelerate
+launch` / `torchrun`, where every process takes its slice of each global batch and only the main
+process writes. The teacher is frozen (eval, no grad) and never sharded; the student runs with
+dropout off, so distillation matches the teacher's deterministic function and a resumed run
+repeats an uninterrupted one exactly on CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from headfold import corpus
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.distillation import output, state
+from headfold.distillation import output, sharding, state
 from headfold.distillation.budget import is_embedded, parse_tokens, pretraining_tokens
 from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, file_source
 from headfold.distillation.objective import Objective
@@ -95,7 +96,9 @@ def distill(
     gpu = torch.cuda.is_available()  # cpu=True: Accelerate's only way to data-parallel CPU processes (gloo)
     # an encoder's pooler never reaches the hidden-state loss: DDP must be told, or it waits for its gradients
     unused = DistributedDataParallelKwargs(find_unused_parameters=encoder_model)
+    sharding.check_request(save_every, resume)
     accelerator = Accelerator(cpu=not gpu, mixed_precision="bf16" if gpu else "no", kwargs_handlers=[unused])
+    sharding.shard_cpu_processes(accelerator)
     steps = total_steps(opts, accelerator.num_processes)
     identity = run_identity(teacher, student, plan, opts, accelerator.num_processes)
     folder = state.state_folder(out)
@@ -111,17 +114,18 @@ def distill(
     start = time.perf_counter()
     final, reached = trainer.train(folder, save_every, progress)
     seconds = time.perf_counter() - start
+    weights = trainer.checkpoint_state()  # every process: FSDP gathers the shards to the main one
     if accelerator.is_main_process:
         record = {"teacher": {"path": str(teacher.resolve()), "config_sha256": identity["teacher_config_sha256"]},
                   "student": {"path": str(student.resolve()), "manifest": manifest},
                   "data": {"train": plan.train.name, "train_sha256": plan.train.sha256,
                            "heldout": plan.heldout.name if plan.heldout else f"first {opts.eval_windows} windows of the training data",
                            "heldout_sha256": (plan.heldout or plan.train).sha256, "tokenizer": plan.encoder.name},
-                  "options": asdict(opts), "processes": accelerator.num_processes, "steps": trainer.progress.step,
+                  "options": asdict(opts), "processes": accelerator.num_processes, "fsdp": accelerator.is_fsdp2, "steps": trainer.progress.step,
                   "tokens": trainer.progress.tokens, "target_reached": reached, "final_eval": final,
                   "initial_eval": trainer.progress.log["eval"][0], "seconds": round(seconds, 1)}  # fmt: skip
         with atomic_output(out, overwrite=overwrite) as tmp:
-            files = output.write_checkpoint(student_ckpt, trainer.checkpoint_state(), tmp)
+            files = output.write_checkpoint(student_ckpt, weights, tmp)
             output.write_log(tmp, trainer.progress.log, trainer.metric)
             output.write_manifest(tmp, manifest, record, files)
         state.finish(folder)

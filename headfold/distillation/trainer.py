@@ -33,6 +33,7 @@ class Trainer:
         model, self.changed = select(model, student, self.names, opts.train)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+        # together: under FSDP2 Accelerate shards the model, then points the optimizer at the shards
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         # not accelerator.prepare'd: its wrapper would step once per process
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(steps, opts.warmup))

@@ -1,4 +1,4 @@
-"""headfold distill: exactness, recovery, what trains, resume after kill -9, 2 processes = 1, bad input."""
+"""headfold distill: exactness, recovery, what trains, resume after kill -9, 2 processes = 1 (DDP and FSDP), bad input."""
 
 from __future__ import annotations
 
@@ -210,6 +210,55 @@ def test_two_processes_give_the_single_process_result(teacher: Path, text_file: 
         # normalised steps carry into the weights (measured 1.9e-5 after 4 steps that moved them 1e-2+)
         assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4, name
         assert record(tmp_path / name)["processes"] == 2 and record(tmp_path / name)["tokens"] == record(tmp_path / "one")["tokens"]
+
+
+FSDP2_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+mixed_precision: 'no'
+dynamo_backend: 'NO'
+main_process_port: 29533
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_reshard_after_forward: true
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_processes_gives_the_single_process_result(teacher: Path, text_file: Path, tmp_path: Path) -> None:
+    """accelerate launch with an FSDP2 config (what `accelerate config` writes): 2 CPU processes (gloo), the student
+    sharded layer by layer, half the batch each = 1 process with the whole batch; kv = heads stays bit-identical."""
+    student, same = convert(teacher, tmp_path / "kv2", 2, progress=False), convert(teacher, tmp_path / "kv8", 8, progress=False)
+    one = weights(distill(teacher, student, tmp_path / "one", data=text_file, steps=4, seq_len=32, eval_windows=2, lr=1e-2, batch_size=4, progress=False))
+    (config := tmp_path / "fsdp.yaml").write_text(FSDP2_CONFIG)
+    options = ["--data", str(text_file), "--steps", "4", "--seq-len", "32", "--eval-windows", "2", "--lr", "1e-2", "--batch-size", "2"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    for source, name in ((student, "fsdp"), (same, "fsdp-kv8")):
+        subprocess.run([*launcher, *_cli(str(teacher), str(source), str(tmp_path / name), *options)[1:]], check=True, env=_env())
+        assert record(tmp_path / name)["fsdp"] is True and record(tmp_path / name)["processes"] == 2
+    two = weights(tmp_path / "fsdp")
+    moved = max(float((one[k] - weights(student)[k]).abs().max()) for k in one)
+    diff = max(float((one[k] - two[k]).abs().max()) for k in one)
+    print(f"FSDP 2 processes vs 1: max weight diff {diff:.2e} after moving {moved:.2e}")
+    assert moved > 1e-3 and diff < 1e-4  # the DDP test's tolerance: all-reduce order, carried by Adam
+    assert record(tmp_path / "fsdp")["tokens"] == record(tmp_path / "one")["tokens"]
+    before, after = weights(same), weights(tmp_path / "fsdp-kv8")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("version, extra, expected", [("1", [], "FSDP2 only"), ("2", ["--save-every", "2"], "--save-every"), ("2", ["--resume"], "--resume")])
+def test_fsdp1_and_resumable_checkpoints_under_fsdp_are_refused(version: str, extra: list[str], expected: str, teacher: Path, students, text_file: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch --use_fsdp [--fsdp_version 2] sets
+    monkeypatch.setenv("FSDP_VERSION", version)
+    args = [str(teacher), str(students["good"]), str(tmp_path / "out"), "--data", str(text_file), "--seq-len", "32", *extra, "--quiet"]
+    assert main(["distill", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- bad input: one line, exit 2, nothing written --------------------------------------------------

@@ -1,0 +1,45 @@
+"""FSDP for `headfold distill`, turned on the way Accelerate turns it on, on GPUs and on CPU processes.
+
+`accelerate launch --use_fsdp --fsdp_version 2 …`, or a config file with `distributed_type: FSDP`
+and `fsdp_version: 2`, sets ACCELERATE_USE_FSDP and FSDP_*. Accelerate 1.15 honours them only on
+accelerator devices: the switch to DistributedType.FSDP sits in AcceleratorState.__init__'s branch
+for MULTI_GPU/NPU/XPU/… (accelerate/state.py:1010), so CPU processes (MULTI_CPU, gloo) silently run
+DDP instead. `shard_cpu_processes` makes that same switch for them, with the plugin Accelerate
+itself builds from FSDP_*, so Accelerate's own FSDP2 preparation (torch `fully_shard`) runs there too.
+
+FSDP1 (Accelerate's default) is refused: on CPU Accelerate itself fails building its plugin
+(utils/dataclasses.py:2014, "There are currently no available devices found, must be one of 'XPU',
+'CUDA', …"), and forced past that, torch does (fsdp/_init_utils.py:1102, "Inconsistent compute device
+and `device_id` on rank 0: cpu vs cpu:0"), so it cannot be tested here. `--save-every` and
+`--resume` are refused under FSDP: a checkpoint holds whole tensors and optimizer state, which FSDP
+keeps sharded.
+"""
+
+from __future__ import annotations
+
+import os
+
+from headfold.ground.errors import BadInput
+
+
+def check_request(save_every: int | None, resume: bool) -> None:
+    """Before Accelerator() reads it: BadInput for an FSDP request headfold does not run (FSDP1, checkpoints)."""
+    from accelerate.utils import parse_flag_from_env
+
+    if not parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return
+    if os.environ.get("FSDP_VERSION", "1") != "2":  # Accelerate's own default is 1
+        raise BadInput("headfold distill shards with FSDP2 only (FSDP1 cannot run on CPU, so it is untested); pass --fsdp_version 2 to accelerate launch (or fsdp_version: 2 in its config)")
+    if save_every or resume:
+        raise BadInput("--save-every and --resume are not supported under FSDP (its tensors and optimizer state are sharded); drop them, or run data-parallel without --use_fsdp")
+
+
+def shard_cpu_processes(accelerator) -> None:
+    """Give CPU processes the FSDP their launcher asked for (Accelerate does so only on GPUs and the like)."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
+
+    if accelerator.distributed_type == DistributedType.MULTI_CPU and parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from FSDP_*, as Accelerator() builds it
+        # both states, as AcceleratorState.__init__ ends on GPUs (every later AcceleratorState() copies PartialState's)
+        accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
