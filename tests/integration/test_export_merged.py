@@ -208,3 +208,21 @@ def test_build_refuses_the_merged_graph_with_the_fix(merged, tmp_path: Path) -> 
     _, folder = merged("llama", 2)
     with pytest.raises(BadInput, match="--graphs split"):
         make_plan(folder, tmp_path / "engines", target_for("10.15", dry_run=True))
+
+
+def test_explicit_position_ids_on_fused_ort_gqa(merged) -> None:
+    """--attention ort-gqa --optimize ort --position-ids: GroupQueryAttention still takes the rotary
+    (its positions come from the past length and the mask, which the fed mask-derived position_ids
+    equal), and the graph gives the implicit-positions graph's logits (right-padded prompt, steps)."""
+    _, implicit = merged("llama", 2, WIDE, attention="ort-gqa", optimize="ort")
+    _, explicit = merged("llama", 2, WIDE, attention="ort-gqa", optimize="ort", explicit_positions=True)
+    graph = onnx.load(explicit / "model.onnx", load_external_data=False).graph
+    assert [i.name for i in graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
+    counts = json.loads((explicit / "export.json").read_text())["graphs"]["model.onnx"]["ort_fusions"]
+    assert counts["RotaryIntoGroupQueryAttention"] == LAYERS
+    ids = np.random.default_rng(1).integers(3, 160, (2, 12))
+    mask = np.ones_like(ids)
+    mask[1, 6:8] = 0
+    chunks = (8, 1, 1, 1, 1)
+    want, got = (run_chunks(f / "model.onnx", ids, mask, chunks) for f in (implicit, explicit))
+    assert np.abs(got - want)[mask.astype(bool)].max() <= 1e-5
