@@ -28,6 +28,19 @@ MODEL_GRAPH = "model.onnx"  # the one graph of a merged decoder export (prompt a
 ENGINE_SUFFIX = ".engine"  # headfold build names each engine after its graph: prefill.onnx -> prefill.engine
 ENGINE_SUFFIXES = (ENGINE_SUFFIX, ".plan")  # what build and verify take as an engine file
 SIDECAR_SUFFIX = ".json"  # model.engine -> model.engine.json, the engine sidecar
+REPORT = "report.json"  # headfold verify / run: the checks and their verdicts
+
+# What marks a folder as headfold's own output, which `--overwrite` may replace (DESIGN.md)
+OWN_RECORDS = (MANIFEST, EXPORT_SUMMARY, LEDGER, REPORT)
+
+
+def written_by_headfold(folder: Path) -> bool:
+    """An empty folder, or one holding a record that only headfold writes (or an engine sidecar)."""
+    return (
+        not any(folder.iterdir())
+        or any((folder / name).is_file() for name in OWN_RECORDS)
+        or any(folder.glob(f"*{ENGINE_SUFFIX}{SIDECAR_SUFFIX}"))
+    )
 
 
 def engine_name(graph: str) -> str:

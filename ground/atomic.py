@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from headfold.ground.artifacts import OWN_RECORDS, written_by_headfold
 from headfold.ground.errors import BadInput
 
 log = logging.getLogger("headfold")
@@ -87,7 +88,17 @@ def check_output(out: Path, *, overwrite: bool, sources: Iterable[Path] = ()) ->
         raise BadInput(f"output {out} already exists; pass --overwrite to replace it or choose another path")
     if out.exists() and not out.is_dir() and not out.is_file():
         raise BadInput(f"output {out} is neither a file nor a folder; remove it first")
+    _refuse_foreign(out)
     return out
+
+
+def _refuse_foreign(out: Path) -> None:
+    """`--overwrite` replaces only what headfold wrote: never a folder of the user's (a typo'd OUT)."""
+    if out.is_dir() and not out.is_symlink() and not written_by_headfold(out):
+        raise BadInput(
+            f"output {out} is a folder headfold did not write (none of {', '.join(OWN_RECORDS)} or an engine sidecar in it), "
+            "which --overwrite never replaces; choose another path, or empty it yourself"
+        )
 
 
 # -- SIGTERM -------------------------------------------------------------------------------
@@ -185,18 +196,21 @@ def _remove_leftovers(out: Path) -> None:
             log.warning(f"headfold: removed {path}, left by writer pid {m[1]}, which stopped before finishing")
 
 
-def _refuse_existing(out: Path, overwrite: bool, how: str) -> None:
+def _refuse_existing(out: Path, overwrite: bool, how: str, ours: bool) -> None:
     if (out.exists() or out.is_symlink()) and not overwrite:
         raise BadInput(f"output {out} {how}; pass --overwrite to replace it or choose another path")
+    if not ours:
+        _refuse_foreign(out)
 
 
 @contextmanager
-def staging_folder(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
+def staging_folder(out: Path, *, overwrite: bool = False, ours: bool = False) -> Iterator[Path]:
     """Under `out`'s lock, the hidden sibling folder `.OUT.partial-PID`, removed at the end, on any
     error and on SIGTERM. `atomic_output` builds on it; a writer that moves several files into place
-    itself (a graph and its `.onnx.data`) can use it directly."""
+    itself (a graph and its `.onnx.data`) can use it directly. `ours`: the caller knows an existing
+    `out` is headfold's (a state folder names it), so it need not carry one of its records."""
     with output_lock(out):
-        _refuse_existing(out, overwrite, "already exists")
+        _refuse_existing(out, overwrite, "already exists", ours)
         folder = out.with_name(f".{out.name}.partial-{os.getpid()}")
         try:
             _remove(folder)  # a dead process that had our pid
@@ -211,15 +225,16 @@ def staging_folder(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
 
 
 @contextmanager
-def atomic_output(out: Path, *, is_dir: bool = True, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output(out: Path, *, is_dir: bool = True, overwrite: bool = False, ours: bool = False) -> Iterator[Path]:
     """Yield a temporary path named like `out` in its staging folder; on success it becomes `out`
-    (replacing an existing one only with `overwrite`), on any error or signal it vanishes."""
-    with staging_folder(out, overwrite=overwrite) as folder:
+    (replacing an existing one only with `overwrite`, and a folder only when headfold wrote it),
+    on any error or signal it vanishes."""
+    with staging_folder(out, overwrite=overwrite, ours=ours) as folder:
         tmp = folder / out.name
         if is_dir:
             tmp.mkdir()
         yield tmp
-        _refuse_existing(out, overwrite, "appeared while this command ran")  # a writer that skipped the lock
+        _refuse_existing(out, overwrite, "appeared while this command ran", ours)  # a writer that skipped the lock
         try:
             _place(tmp, out)
         except OSError as e:

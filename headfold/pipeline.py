@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from headfold.engines.env import engine_support
 from headfold.ground import VERSION
-from headfold.ground.artifacts import LEDGER
+from headfold.ground.artifacts import LEDGER, REPORT
 from headfold.ground.atomic import atomic_output, check_disjoint, output_lock
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
@@ -36,7 +36,7 @@ from headfold.verification.report import Report
 if TYPE_CHECKING:
     from headfold.distillation.stage import DistillStage
 
-REPORT_FILES = {"json": "report.json", "markdown": "report.md", "junit": "junit.xml"}
+REPORT_FILES = {"json": REPORT, "markdown": "report.md", "junit": "junit.xml"}
 log = logging.getLogger(__name__)
 
 

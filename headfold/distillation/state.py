@@ -72,7 +72,7 @@ def begin(folder: Path, identity: dict[str, Any]) -> None:
 def save(folder: Path, progress: Progress, tensors: dict[str, torch.Tensor], optimizer: dict, schedule: dict) -> Path:
     """Write checkpoint `step-N` whole (or not at all), then drop the older ones."""
     target = folder / f"step-{progress.step:06d}"
-    with atomic_output(target, overwrite=True) as tmp:  # a resumed run may pass the same step again
+    with atomic_output(target, overwrite=True, ours=True) as tmp:  # a resumed run may pass the same step again
         save_file(tensors, str(tmp / "trainable.safetensors"))
         torch.save({"optimizer": optimizer, "schedule": schedule, "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
         (tmp / "progress.json").write_text(json.dumps(progress.__dict__) + "\n")

@@ -122,8 +122,12 @@ def test_existing_output_needs_overwrite(src: Path, tmp_path: Path, capsys) -> N
     (out / "keep.txt").write_text("mine")
     code, err = run_cli([str(src), str(out), "--kv-heads", "2"], capsys)
     assert code == 2 and "--overwrite" in err and (out / "keep.txt").read_text() == "mine"
-    assert run_cli([str(src), str(out), "--kv-heads", "2", "--overwrite"], capsys)[0] == 0
-    assert not (out / "keep.txt").exists() and (out / "headfold.json").is_file()
+    code, err = run_cli([str(src), str(out), "--kv-heads", "2", "--overwrite"], capsys)  # not headfold's folder
+    assert code == 2 and "headfold did not write" in err and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    assert run_cli([str(src), str(out), "--kv-heads", "2", "--overwrite"], capsys)[0] == 0  # empty: replaced
+    assert run_cli([str(src), str(out), "--kv-heads", "2", "--overwrite"], capsys)[0] == 0  # headfold's own: replaced
+    assert (out / "headfold.json").is_file()
 
 
 @pytest.mark.parametrize("where", ["inside", "same", "parent"])
