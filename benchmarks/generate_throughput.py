@@ -9,8 +9,8 @@ QKV, shared buffers, fused norms) and, when asked, plain `headfold export` ("hea
 Attention, separate past/present buffers). Each folder then generates --new-tokens greedy tokens
 after a --context-token random prompt at each --batch; tokens/s counts the generated tokens of every
 row over the generation steps only (the prompt step is timed apart). The exporters run back to back
-in --rounds interleaved rounds, and each round's ratio to the builder is reported, so a loaded
-machine slows both sides of a ratio alike. Prints a table and writes JSON to benchmarks/results/.
+in --rounds interleaved rounds (who goes first alternates), and each round's ratio to the builder
+is reported with the median over rounds, so a loaded machine slows both sides of a ratio alike. Prints a table and writes JSON to benchmarks/results/.
 
     python benchmarks/generate_throughput.py [--context 2048] [--new-tokens 128] [--batch 1 8] [--threads 2] [--rounds 2]
 """
@@ -137,6 +137,16 @@ def paired_ratios(rows: list[dict], exporters: list[str]) -> list[dict]:
     return pairs
 
 
+def median_ratios(pairs: list[dict]) -> list[dict]:
+    """Per (variant, batch, exporter): the median of the rounds' ratios, and their range."""
+    summary = []
+    for key in sorted({(p["variant"], p["batch"], p["exporter"]) for p in pairs}, key=str):
+        ratios = [p["vs_builder"] for p in pairs if (p["variant"], p["batch"], p["exporter"]) == key]
+        summary.append({"variant": key[0], "batch": key[1], "exporter": key[2], "rounds": len(ratios),
+                        "median_vs_builder": round(float(np.median(ratios)), 3), "min": min(ratios), "max": max(ratios)})  # fmt: skip
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=2048)
@@ -163,7 +173,8 @@ def main() -> None:
             folders = model_folders(checkpoint, root, args.exporters)
             for batch in args.batch:
                 for round_ in range(args.rounds):  # interleaved: the machine's load hits every exporter alike
-                    for exporter, folder in folders.items():
+                    order = list(folders.items())
+                    for exporter, folder in order if round_ % 2 == 0 else order[::-1]:  # who goes first alternates
                         result = tokens_per_second(folder, batch, args.context, args.new_tokens, args.vocab, args.threads)
                         row = {"variant": variant, "exporter": exporter, "batch": batch, "round": round_, **result}
                         rows.append({**row, "load_1min": round(os.getloadavg()[0], 1), **nodes_and_files(folder)})
@@ -174,8 +185,11 @@ def main() -> None:
         print(f"{r['variant']:8} {r['exporter']:12} {r['batch']:>5} {r['round']:>5} {r['tokens_per_s']:>9} {r['prompt_s']:>8} {r['nodes']:>5} {r['load_1min']:>5}")
     for p in pairs:
         print(f"{p['variant']:8} batch {p['batch']} round {p['round']}: {p['exporter']} / builder = {p['vs_builder']}")
+    medians = median_ratios(pairs)
+    for m in medians:
+        print(f"{m['variant']:8} batch {m['batch']}: {m['exporter']} / builder, median of {m['rounds']} rounds = {m['median_vs_builder']} ({m['min']}–{m['max']})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "rows": rows, "pairs": pairs}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "rows": rows, "pairs": pairs, "medians": medians}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
