@@ -305,7 +305,7 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
     spec("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens."),
     spec("--seq-len", type=int, default=256, help="Tokens per training window."),
     batch_size_spec(8),
-    spec("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0)."),
+    spec("--lr", type=float, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: 1e-3 for decoders, 1e-4 for encoders]"),
     spec("--train", type=click.Choice(("kv", "attention", "all", "lora")), default="all", help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end."),
     spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
     spec("--temperature", type=float, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),

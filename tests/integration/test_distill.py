@@ -55,6 +55,7 @@ def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: 
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["kl"] < 1e-6 and record(out)["final_eval"]["top1"] == 1.0
+    assert record(out)["options"]["lr"] == 1e-3  # a decoder's default
     before, after = weights(student), weights(out)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
@@ -66,6 +67,7 @@ def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, t
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["cosine"] > 1 - 1e-6 and record(out)["final_eval"]["mse"] < 1e-12
+    assert record(out)["options"]["lr"] == 1e-4  # an encoder's default
     before, after = weights(student), weights(out)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
