@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from support.fixtures import tiny_checkpoint, tiny_export  # noqa: F401  (fixtures are found by name)
+from support.fixtures import tiny_checkpoint, tiny_export, tmpfs  # noqa: F401  (fixtures are found by name)
 
 TIERS = ("unit", "integration")
 

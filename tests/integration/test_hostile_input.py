@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -395,25 +395,6 @@ def test_bad_output_paths(src: Path, tmp_path: Path, capsys) -> None:
     code, err = run(capsys, "convert", src, below_file, "--kv-heads", "2", "-q")
     assert_one_line(code, err, 2, "a-file")
     assert (tmp_path / "a-file").read_text() == "not a folder" and tree_digest(src) == before
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
-    """mount(options) → a fresh small tmpfs; skipped where this machine cannot mount one."""
-    mounted: list[Path] = []
-
-    def mount(options: str) -> Path:
-        point = tmp_path / f"mnt{len(mounted)}"
-        point.mkdir()
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True, text=True)
-        if result.returncode:
-            pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or 'mount failed'})")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in mounted:
-        subprocess.run(["umount", str(point)], check=False)
 
 
 def test_disk_full_and_read_only_destination(src: Path, tmpfs, capsys) -> None:

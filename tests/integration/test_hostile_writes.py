@@ -386,29 +386,9 @@ def test_scratch_folders_of_dead_processes_are_removed(tmp_path: Path, monkeypat
 # -- the disk and the mount table --------------------------------------------------------------
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path):
-    """mount(size) → a fresh tmpfs at a new folder, unmounted afterwards; skips where mounting fails."""
-    mounts: list[Path] = []
-
-    def mount(size: str, at: Path | None = None) -> Path:
-        point = at or tmp_path / f"tmpfs{len(mounts)}"
-        point.mkdir(exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", point], capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'}); needs root or CAP_SYS_ADMIN")
-        mounts.append(point)
-        return point
-
-    yield mount
-    for point in mounts:
-        if subprocess.run(["umount", point]).returncode:
-            subprocess.run(["umount", "-l", point])  # detach it anyway; the test has failed already
-
-
 def test_disk_full_is_one_line_and_leaves_nothing(wide, tmpfs, capsys) -> None:
     src, before = wide
-    disk = tmpfs("8m")
+    disk = tmpfs("size=8m")
     code, err = cli(["convert", src, disk / "out", "--kv-heads", "2", "-q"], capsys)
     assert code == 2 and "no space left on the device while writing" in err
     one_line(err)
@@ -417,7 +397,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(wide, tmpfs, capsys) -> None:
 
 
 def test_failing_final_rename_is_one_line_and_leaves_nothing(src: Path, tmp_path: Path, tmpfs, capsys) -> None:
-    out = tmpfs("1m", tmp_path / "out")  # a mount point cannot be renamed away: EBUSY
+    out = tmpfs("size=1m", tmp_path / "out")  # a mount point cannot be renamed away: EBUSY
     (out / "headfold.json").write_text("{}")  # an earlier output of headfold's, which --overwrite may replace
     before = digest(src)
     code, err = cli(["convert", src, out, "--kv-heads", "2", "--overwrite", "-q"], capsys)

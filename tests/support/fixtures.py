@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,24 @@ def tiny_export(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """mount(options, at=None) → a fresh tmpfs (mount -o OPTIONS) at `at` or a new folder, unmounted
+    afterwards; skips where this machine cannot mount one (needs root or CAP_SYS_ADMIN)."""
+    mounts: list[Path] = []
+
+    def mount(options: str, at: Path | None = None) -> Path:
+        point = at or tmp_path / f"tmpfs{len(mounts)}"
+        point.mkdir(exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", point], capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'}); needs root or CAP_SYS_ADMIN")
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        if subprocess.run(["umount", point]).returncode:
+            subprocess.run(["umount", "-l", point])  # detach it anyway; the test has failed already
