@@ -51,8 +51,8 @@ def one_run(source: Path, kv: int, start: str, tmp: Path, data: Path | None, eva
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     evals = {e["step"]: e for e in json.loads((out / "distill-log.json").read_text())["eval"]}
     points = [{"budget": b, "tokens": evals[s]["tokens"], **{k: v for k, v in evals[s].items() if k not in ("step", "tokens")}} for b, s in zip(budgets, steps)]
-    recipe = {k: getattr(args, k) for k in ("lr", "train", "loss", "temperature", "batch_size", "seq_len", "eval_windows")}
-    recipe["lr"] = json.loads((out / "headfold.json").read_text())["distillation"]["options"]["lr"]  # the kind's default without --lr
+    used = json.loads((out / "headfold.json").read_text())["distillation"]["options"]  # as run: lr is the kind's default without --lr
+    recipe = {k: used[k] for k in ("lr", "train", "loss", "temperature", "batch_size", "seq_len", "eval_windows")}
     return {"kv_heads": kv, "start": start, "points": points, "distill_s": round(seconds, 1), "cpu_s": round(cpu, 1), "steps": steps[-1], "recipe": recipe}
 
 
