@@ -78,6 +78,11 @@ class TensorInfo:
         return SAFETENSORS_DTYPES[self.code][1] * math.prod(self.shape)
 
 
+def dtype_code(dtype: Any) -> str:
+    """The safetensors code of a torch dtype (by name: torch is not imported) or of a code; KeyError for others."""
+    return dtype if isinstance(dtype, str) else CODE_OF_DTYPE[str(dtype).removeprefix("torch.")]
+
+
 def torch_dtype(code: str) -> torch.dtype:
     import torch
 
@@ -440,10 +445,10 @@ def _files_from_index(folder: Path, index: Path) -> tuple[list[Path], set[str]]:
 
 
 def _pickle_code(file: Path, name: str, tensor: torch.Tensor) -> str:
-    code = CODE_OF_DTYPE.get(str(tensor.dtype).removeprefix("torch."))
-    if code is None:
-        raise BadInput(f"{file.name}: tensor {name} has unsupported dtype {tensor.dtype}")
-    return code
+    try:
+        return dtype_code(tensor.dtype)
+    except KeyError:
+        raise BadInput(f"{file.name}: tensor {name} has unsupported dtype {tensor.dtype}") from None
 
 
 def _load_pickle(file: Path) -> dict[str, torch.Tensor]:

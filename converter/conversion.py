@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from headfold.converter import rawpool
-from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint
+from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, dtype_code
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.recipes import LayerContext, Recipe, contiguous_groups, get_method
 from headfold.converter.tokens import read_text
-from headfold.converter.writer import PlannedTensor, ShardedWriter, dtype_code
+from headfold.converter.writer import PlannedTensor, ShardedWriter
 from headfold.ground.artifacts import MANIFEST
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput

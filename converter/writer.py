@@ -29,20 +29,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from headfold.converter.checkpoint import SAFETENSORS_INDEX, FileRange
+from headfold.converter.checkpoint import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, FileRange, dtype_code
 from headfold.ground.hashing import update_from_file
 
-DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-TORCH_CODES = {
-    "torch.float64": "F64", "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
-    "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8",
-    "torch.uint8": "U8", "torch.bool": "BOOL", "torch.float8_e4m3fn": "F8_E4M3", "torch.float8_e5m2": "F8_E5M2",
-}  # fmt: skip
-
-
-def dtype_code(dtype: Any) -> str:
-    """The safetensors code of a torch dtype (by name: torch is not imported) or of a code."""
-    return dtype if isinstance(dtype, str) else TORCH_CODES[str(dtype)]
+DTYPE_SIZES = {code: size for code, (_, size) in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
