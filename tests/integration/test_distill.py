@@ -55,7 +55,7 @@ def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: 
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["kl"] < 1e-6 and record(out)["final_eval"]["top1"] == 1.0
-    assert record(out)["options"]["lr"] == 1e-3  # a decoder's default
+    assert record(out)["options"]["lr"] == 1e-3 and record(out)["options"]["hidden_weight"] == 10.0  # a decoder's defaults
     before, after = weights(student), weights(out)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
@@ -67,9 +67,11 @@ def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, t
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["cosine"] > 1 - 1e-6 and record(out)["final_eval"]["mse"] < 1e-12
-    assert record(out)["options"]["lr"] == 1e-4  # an encoder's default
-    before, after = weights(student), weights(out)
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert record(out)["options"]["lr"] == 1e-4 and record(out)["options"]["hidden_weight"] == 0.0  # an encoder's defaults
+    matched = distill(teacher, student, tmp_path / "matched", data=text_file, steps=3, hidden_weight=10.0, **FAST)  # every layer's state too
+    before = weights(student)
+    for after in (weights(out), weights(matched)):
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_until_stops_at_the_first_evaluation_that_meets_the_target(teacher: Path, text_file: Path, tmp_path: Path) -> None:
@@ -280,6 +282,7 @@ def students(teacher: Path, tiny_checkpoint, tmp_path_factory) -> dict[str, Path
         ("binary-data", "cannot be read as text"),
         ("no-text-field", "has no 'text' field (it has body)"),
         ("few-tokens", "--tokens 10 is below one batch"),
+        ("hidden-weight", "--hidden-weight must be 0 (off) or positive, got -1.0"),
         ("no-data", "--data is required"),
         ("exists", "already exists; pass --overwrite"),
     ],
@@ -307,6 +310,8 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case: str, expected: str, 
         data.write_text('{"body": "a row without text"}\n')
     elif case == "few-tokens":
         extra = ["--tokens", "10"]
+    elif case == "hidden-weight":
+        extra = ["--hidden-weight", "-1"]
     elif case == "exists":
         out.mkdir()
     args = [str(teacher), str(student), str(out), *([] if case == "no-data" else ["--data", str(data)]), "--seq-len", "32", *extra, "--quiet"]
