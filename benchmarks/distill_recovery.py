@@ -9,7 +9,7 @@ held-out split. MiniLM: the same text, trained on the training split, held out t
 `--quarter` also runs the best start once with ¼ of the 5 % budget, so that its
 LR schedule ends there (what a user asking for that budget gets), for the "¼ of the tokens" check.
 
-    python benchmarks/distill_recovery.py [--decoder-kv 4,2,1] [--encoder-kv 6,3,1] [--skip-encoder] [--quarter] [--lr 1e-3] [--train all]
+    python benchmarks/distill_recovery.py [--decoder-kv 4,2,1] [--encoder-kv 6,3,1] [--skip-encoder] [--quarter] [--lr 1e-3] [--hidden-weight 10] [--train all]
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ def one_run(source: Path, kv: int, start: str, tmp: Path, data: Path | None, eva
     steps = budget_steps(args.batch_size, args.seq_len, budgets)
     began, cpu = time.perf_counter(), time.process_time()
     out = distill(source, student, tmp / f"{name}-distilled", data=data, eval_data=eval_data, steps=steps[-1], batch_size=args.batch_size,
-                  seq_len=args.seq_len, lr=args.lr, train=args.train, loss=args.loss, temperature=args.temperature, eval_every=steps[-1],
+                  seq_len=args.seq_len, lr=args.lr, hidden_weight=args.hidden_weight, train=args.train, loss=args.loss, temperature=args.temperature, eval_every=steps[-1],
                   eval_at=tuple(steps[1:-1]), eval_windows=args.eval_windows, progress=False)  # fmt: skip
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     evals = {e["step"]: e for e in json.loads((out / "distill-log.json").read_text())["eval"]}
     points = [{"budget": b, "tokens": evals[s]["tokens"], **{k: v for k, v in evals[s].items() if k not in ("step", "tokens")}} for b, s in zip(budgets, steps)]
     used = json.loads((out / "headfold.json").read_text())["distillation"]["options"]  # as run: lr is the kind's default without --lr
-    recipe = {k: used[k] for k in ("lr", "train", "loss", "temperature", "batch_size", "seq_len", "eval_windows")}
+    recipe = {k: used[k] for k in ("lr", "hidden_weight", "train", "loss", "temperature", "batch_size", "seq_len", "eval_windows")}
     return {"kv_heads": kv, "start": start, "points": points, "distill_s": round(seconds, 1), "cpu_s": round(cpu, 1), "steps": steps[-1], "recipe": recipe}
 
 
@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--section", default="decoder", help="where the decoder rows go in the results file (another one for other --budgets)")
     parser.add_argument("--quarter", action="store_true", help="also run aligned+grouped+refit once with ¼ of the 5 %% budget (decoder kvs)")
     parser.add_argument("--lr", type=float, default=DistillOptions.lr)
+    parser.add_argument("--hidden-weight", type=float, default=DistillOptions.hidden_weight)
     parser.add_argument("--train", default=DistillOptions.train)
     parser.add_argument("--loss", default=DistillOptions.loss)
     parser.add_argument("--temperature", type=float, default=DistillOptions.temperature)
