@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS, help="JSON file to update (rows of other runs are kept)")
     args = parser.parse_args()
     starts = [s for s in args.starts.split(",") if s]  # --starts "" with --quarter: only the ¼-budget runs
-    print(f"{'model':10} {'kv':5} {'start':22}  " + "  ".join(f"{b:8.1%}" for b in BUDGETS) + "   (KL, then perplexity; MiniLM: cosine)")
+    print(f"{'model':10} {'kv':5} {'start':22}  " + "  ".join(f"{b:8.1%}" for b in args.budgets) + "   (KL, then perplexity; MiniLM: cosine)")
     with tempfile.TemporaryDirectory(prefix="distill-recovery-") as tmp:
         if not args.skip_decoder:
             for kv in map(int, args.decoder_kv.split(",")):
