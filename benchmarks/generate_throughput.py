@@ -10,7 +10,8 @@ Attention, separate past/present buffers). Each folder then generates --new-toke
 after a --context-token random prompt at each --batch; tokens/s counts the generated tokens of every
 row over the generation steps only (the prompt step is timed apart). The exporters run back to back
 in --rounds interleaved rounds (who goes first alternates), and each round's ratio to the builder
-is reported with the median over rounds, so a loaded machine slows both sides of a ratio alike. Prints a table and writes JSON to benchmarks/results/.
+is reported with the median over rounds, so a loaded machine slows both sides of a ratio alike.
+Prints a table and writes JSON to benchmarks/results/.
 
     python benchmarks/generate_throughput.py [--context 2048] [--new-tokens 128] [--batch 1 8] [--threads 2] [--rounds 2]
 """
