@@ -25,6 +25,7 @@ from headfold import convert, corpus
 from headfold.demo import default_model_path
 from headfold.distillation import DistillOptions, distill
 from headfold.distillation.budget import pretraining_tokens
+from headfold.distillation.run import default_batch_size
 
 PRETRAINING_TOKENS = pretraining_tokens(default_model_path())  # training.json: 800 steps of 16 × 256 bytes
 BUDGETS = (0.0, 0.005, 0.01, 0.02, 0.05)
@@ -43,9 +44,10 @@ def one_run(source: Path, kv: int, start: str, tmp: Path, data: Path | None, eva
     """One distillation of `budgets[-1]`, read at each of `budgets` on the way (one LR schedule over the whole run)."""
     name = f"{kv}-{start}-{budgets[-1]}"
     student = convert(source, tmp / name, kv, start, progress=False)
-    steps = budget_steps(args.batch_size, args.seq_len, budgets)
+    batch = args.batch_size or default_batch_size(round(budgets[-1] * PRETRAINING_TOKENS), args.seq_len)  # what --tokens gets
+    steps = budget_steps(batch, args.seq_len, budgets)
     began, cpu = time.perf_counter(), time.process_time()
-    out = distill(source, student, tmp / f"{name}-distilled", data=data, eval_data=eval_data, steps=steps[-1], batch_size=args.batch_size,
+    out = distill(source, student, tmp / f"{name}-distilled", data=data, eval_data=eval_data, steps=steps[-1], batch_size=batch,
                   seq_len=args.seq_len, lr=args.lr, hidden_weight=args.hidden_weight, train=args.train, loss=args.loss, temperature=args.temperature, eval_every=steps[-1],
                   eval_at=tuple(steps[1:-1]), eval_windows=args.eval_windows, progress=False)  # fmt: skip
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
@@ -107,7 +109,7 @@ def main() -> None:
     parser.add_argument("--train", default=DistillOptions.train)
     parser.add_argument("--loss", default=DistillOptions.loss)
     parser.add_argument("--temperature", type=float, default=DistillOptions.temperature)
-    parser.add_argument("--batch-size", type=int, default=DistillOptions.batch_size)
+    parser.add_argument("--batch-size", type=int, default=None, help="default: what `--tokens` of each run's budget gets")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--starts", default=",".join(STARTS), help="conversion methods to start from, comma-separated")

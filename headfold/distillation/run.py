@@ -50,6 +50,12 @@ DECODER_LR, ENCODER_LR = 1e-3, 1e-4
 # none; 3: 0.086, 100: 0.070). On MiniLM, whose loss already matches the last hidden state, 10 left
 # the cosine where it was (0.8925 against 0.8911 at kv 3), so encoders skip its memory by default.
 DECODER_HIDDEN_WEIGHT, ENCODER_HIDDEN_WEIGHT = 10.0, 0.0
+# Windows per step and process. 8 beat 16 at every budget on the recovery benchmark (more, smaller
+# steps for the same tokens), and what a small --tokens budget lacks is steps: at ¼ of the 5 % budget
+# batch 2 (80 steps) ended at KL 0.132 against 0.200 with batch 8 (20 steps) at kv 2, and 0.069
+# against 0.094 at kv 4 (batch 1, 160 steps: 0.069 again). So --tokens shrinks the default batch,
+# down to 1, until the run takes MIN_STEPS steps.
+DEFAULT_BATCH, MIN_STEPS = 8, 80
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class DistillOptions:
     tokens: int | None = None
     steps: int | None = None
     seq_len: int = 256
-    batch_size: int = 8  # 8 beat 16 at every budget on the recovery benchmark (more, smaller steps for the same tokens)
+    batch_size: int | None = None  # None: default_batch_size()
     lr: float | None = None  # None: DECODER_LR or ENCODER_LR, by the student's kind
     hidden_weight: float | None = None  # None: DECODER_HIDDEN_WEIGHT or ENCODER_HIDDEN_WEIGHT; 0: logits (or last state) only
     warmup: float = 0.1  # fraction of the steps with a linear LR ramp, then cosine to 0
@@ -112,6 +118,8 @@ def distill(
     sharding.check_request(save_every, resume)
     accelerator = Accelerator(cpu=not gpu, mixed_precision="bf16" if gpu else "no", kwargs_handlers=[unused])
     sharding.shard_cpu_processes(accelerator)
+    if opts.batch_size is None:
+        opts = replace(opts, batch_size=default_batch_size(opts.tokens, opts.seq_len, accelerator.num_processes))
     steps = total_steps(opts, accelerator.num_processes)
     identity = run_identity(teacher, student, plan, opts, accelerator.num_processes)
     folder = state.state_folder(out)
@@ -192,7 +200,7 @@ def check_options(opts: DistillOptions, student: SourceCheckpoint, encoder_model
         raise BadInput(f"--loss {opts.loss!r} is not one of {', '.join(LOSSES)}")
     if encoder_model and (opts.loss != "kl" or opts.until_kl is not None or opts.until_ppl_increase is not None):
         raise BadInput("an encoder has no next-token distribution: --loss kl+ce, --until-kl and --until-ppl-increase are for decoders")
-    positive = {"--seq-len": opts.seq_len, "--batch-size": opts.batch_size, "--lr": opts.lr, "--temperature": opts.temperature, "--eval-windows": opts.eval_windows}
+    positive = {"--seq-len": opts.seq_len, "--batch-size": DEFAULT_BATCH if opts.batch_size is None else opts.batch_size, "--lr": opts.lr, "--temperature": opts.temperature, "--eval-windows": opts.eval_windows}
     for option, value in positive.items():
         if not value > 0:
             raise BadInput(f"{option} must be positive, got {value}")
@@ -218,6 +226,13 @@ def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts:
     return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed)
 
 
+def default_batch_size(tokens: int | None, seq_len: int, processes: int = 1) -> int:
+    """DEFAULT_BATCH windows per process, or fewer (down to 1) where `tokens` would give under MIN_STEPS steps."""
+    if tokens is None:
+        return DEFAULT_BATCH
+    return max(1, min(DEFAULT_BATCH, tokens // (seq_len * processes * MIN_STEPS)))
+
+
 def total_steps(opts: DistillOptions, processes: int) -> int:
     per_step = opts.batch_size * opts.seq_len * processes
     if opts.tokens is None:
@@ -226,7 +241,7 @@ def total_steps(opts: DistillOptions, processes: int) -> int:
             raise BadInput(f"--steps must be at least 1, got {steps}")
         return steps
     if opts.tokens < per_step:
-        raise BadInput(f"--tokens {opts.tokens} is below one batch ({opts.batch_size} × {opts.seq_len} tokens × {processes} process(es) = {per_step}); give more tokens or a smaller batch")
+        raise BadInput(f"--tokens {opts.tokens} is below one batch ({opts.batch_size} × {opts.seq_len} tokens × {processes} process(es) = {per_step}); give more tokens, a smaller --batch-size or a shorter --seq-len")
     return opts.tokens // per_step
 
 
