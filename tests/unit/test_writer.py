@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,25 @@ def test_arrays_under_safetensors_codes(tmp_path: Path) -> None:
     with safe_open(tmp_path / "model.safetensors", framework="pt") as handle:
         assert torch.equal(handle.get_tensor("a"), bf16) and torch.equal(handle.get_tensor("b"), half)
     assert hashes["model.safetensors"] == hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_every_byte_written_is_sent_to_disk_at_once(tmp_path: Path, monkeypatch) -> None:
+    """start_writeback covers each file from its header to its end, in order, once."""
+    from headfold.converter import writer as module
+
+    if sys.platform == "linux":
+        assert module._SYNC_FILE_RANGE is not None  # libc has it: writing out is not left to the kernel's threshold
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(module, "_SYNC_FILE_RANGE", lambda fd, offset, nbytes, flags: calls.append((fd, offset, nbytes)) or 0)
+    with ShardedWriter(tmp_path, plan(TENSORS), 64, {"format": "pt"}) as writer:
+        for name, t in TENSORS.items():
+            writer.write(name, t)
+        writer.finish()
+    files = [f.stat().st_size for f in sorted(tmp_path.glob("*.safetensors"))]
+    covered: list[int] = []  # per file: where the last range ended, a new file starting at 0
+    for _, offset, nbytes in calls:
+        if offset == 0:
+            covered.append(0)
+        assert offset == covered[-1], "ranges leave a gap or overlap"
+        covered[-1] += nbytes
+    assert covered == files and len(files) > 1
