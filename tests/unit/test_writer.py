@@ -113,14 +113,15 @@ def test_every_byte_written_is_sent_to_disk_at_once(tmp_path: Path, monkeypatch)
     if sys.platform == "linux":
         assert module._SYNC_FILE_RANGE is not None  # libc has it: writing out is not left to the kernel's threshold
     calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(module, "_SYNC_FILE_RANGE", lambda fd, offset, nbytes, flags: calls.append((fd, offset, nbytes)) or 0)
+    monkeypatch.setattr(module, "_SYNC_FILE_RANGE", lambda fd, offset, nbytes, flags: calls.append((offset, nbytes, flags)) or 0)
     with ShardedWriter(tmp_path, plan(TENSORS), 64, {"format": "pt"}) as writer:
         for name, t in TENSORS.items():
             writer.write(name, t)
         writer.finish()
     files = [f.stat().st_size for f in sorted(tmp_path.glob("*.safetensors"))]
     covered: list[int] = []  # per file: where the last range ended, a new file starting at 0
-    for _, offset, nbytes in calls:
+    for offset, nbytes, flags in calls:
+        assert flags == module.SYNC_FILE_RANGE_WRITE  # start the writing, never wait for it
         if offset == 0:
             covered.append(0)
         assert offset == covered[-1], "ranges leave a gap or overlap"
