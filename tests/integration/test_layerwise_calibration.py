@@ -121,3 +121,17 @@ def test_calibration_does_not_import_graphs() -> None:
     code = "import sys, headfold.converter.calibration, headfold.converter.layerwise; print(sorted(m for m in sys.modules if m.startswith('headfold.graphs')))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_on_the_gpu_equals_whole_model(family: str, tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer moved to the GPU, run there and freed: the same inputs as the CPU oracle, back on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible to torch: layer-by-layer calibration on the GPU is not exercised")
+    monkeypatch.setenv("HEADFOLD_DEVICE", "cuda")
+    folder, batch = tiny_checkpoint(family), windows()
+    expected, got = whole_model_inputs(folder, batch), layerwise_inputs(folder, batch)
+    for layer, (x, y) in enumerate(zip(got, expected, strict=True)):
+        assert x.device.type == "cpu" and x.shape == y.shape
+        assert (x - y).abs().max().item() <= 1e-4, f"{family} layer {layer}"  # fp32 GEMMs, another summation order
