@@ -304,7 +304,7 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
     spec("--tokens", type=str, default=None, help="Training tokens over all processes: 200000, 200k, 1.5M, or 5% of the teacher's pre-training tokens (known only for the embedded model); rounded down to whole steps. [default: 40 steps]"),
     spec("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens."),
     spec("--seq-len", type=int, default=256, help="Tokens per training window."),
-    spec("--batch-size", type=int, default=None, help="Training windows per step and process. [default: 8, or fewer (down to 1) where --tokens would give under 80 steps]"),
+    batch_size_spec(None),  # None: default_batch_size()
     spec("--lr", type=float, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: 1e-3 for decoders, 1e-4 for encoders]"),
     spec("--train", type=click.Choice(("kv", "attention", "all", "lora")), default="all", help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end."),
     spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
