@@ -185,7 +185,8 @@ def check_copied_tensor(t: SourceCheckpoint, s: SourceCheckpoint, student: Path)
 
 
 def resolve_defaults(opts: DistillOptions, encoder_model: bool) -> DistillOptions:
-    """The options left unset get the measured best for the student's kind (and are recorded so)."""
+    """The options left unset get the measured best for the student's kind (and are recorded so);
+    the batch, which depends on the process count, follows once Accelerate knows it (default_batch_size)."""
     if opts.lr is None:
         opts = replace(opts, lr=ENCODER_LR if encoder_model else DECODER_LR)
     if opts.hidden_weight is None:
