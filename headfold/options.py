@@ -118,7 +118,7 @@ def method_spec(default: str = "mean") -> Spec:
 
 
 def batch_size_spec(default: int | None) -> Spec:
-    return spec("--batch-size", type=int, default=default, help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 80 steps).")
+    return spec("--batch-size", type=int, default=default, help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 640 steps).")
 
 
 SEED = spec("--seed", type=int, default=0, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")

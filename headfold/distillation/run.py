@@ -46,16 +46,18 @@ LOSSES = ("kl", "kl+ce")
 # first steps from a good start, where 1e-4 rose from the first evaluation and ended highest.
 DECODER_LR, ENCODER_LR = 1e-3, 1e-4
 # Weight of the per-layer hidden-state match (objective.hidden_distance), measured the same way: on
-# the embedded decoder at kv 2 after 5 %, 10 and 30 tied (KL 0.071 and 0.068, against 0.134 with
-# none; 3: 0.086, 100: 0.070). On MiniLM, whose loss already matches the last hidden state, 10 left
-# the cosine where it was (0.8925 against 0.8911 at kv 3), so encoders skip its memory by default.
-DECODER_HIDDEN_WEIGHT, ENCODER_HIDDEN_WEIGHT = 10.0, 0.0
-# Windows per step and process. 8 beat 16 at every budget on the recovery benchmark (more, smaller
-# steps for the same tokens), and what a small --tokens budget lacks is steps: at ¼ of the 5 % budget
-# batch 2 (80 steps) ended at KL 0.132 against 0.200 with batch 8 (20 steps) at kv 2, and 0.069
-# against 0.094 at kv 4 (batch 1, 160 steps: 0.069 again). So --tokens shrinks the default batch,
-# down to 1, until the run takes MIN_STEPS steps.
-DEFAULT_BATCH, MIN_STEPS = 8, 80
+# the embedded decoder at kv 2 after 5 % at batch 8, 10 and 30 tied (KL 0.071 and 0.068, against 0.134
+# with none; 3: 0.086, 100: 0.070); at batch 1 (640 steps) 30 beat 10 (0.042 against 0.052; at lr
+# 5e-4, 30 and 100 tied at 0.043). On MiniLM, whose loss already matches the last hidden state, 10
+# left the cosine where it was (0.8925 against 0.8911 at kv 3), so encoders skip its memory by default.
+DECODER_HIDDEN_WEIGHT, ENCODER_HIDDEN_WEIGHT = 30.0, 0.0
+# Windows per step and process. 8 beat 16 at every budget on the recovery benchmark, and for a small
+# budget more, smaller steps keep winning: at 5 % (163 840 tokens) kv 2 ended at KL 0.071 with batch 8
+# (80 steps), 0.052 with batch 1 (640 steps); at ¼ of that, 0.200 with batch 8 (20 steps) against
+# 0.132 with 2 (80). So --tokens shrinks the default batch, down to 1, until the run takes MIN_STEPS
+# steps. It costs time only on such small budgets (under 8 × 640 windows): 5 % took 130 s at batch 1
+# on 2 CPU cores against 61 s at batch 8; larger budgets keep batch 8.
+DEFAULT_BATCH, MIN_STEPS = 8, 640
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ from headfold.distillation.run import DEFAULT_BATCH, MIN_STEPS, default_batch_si
     "tokens, processes, expected",
     [
         (None, 1, DEFAULT_BATCH),  # --steps (or neither): the batch is not the budget's to choose
-        (163_840, 1, 8),  # 5 % of the embedded model's pre-training: 80 steps of 8 × 256
+        (1_310_720, 1, 8),  # 40 % of the embedded model's pre-training: 640 steps of 8 × 256
         (10_000_000, 1, 8),  # never above the default
-        (40_960, 1, 2),  # ¼ of that: 80 steps of 2 windows, not 20 of 8
-        (16_384, 1, 1),  # fewer than MIN_STEPS windows: one window a step
+        (655_360, 1, 4),  # 20 %: 640 steps of 4 windows, not 320 of 8
+        (163_840, 1, 1),  # 5 %: 640 steps of one window, not 80 of 8
         (10, 1, 1),
-        (163_840, 2, 4),  # per process: two processes of 4 take the same 80 steps
+        (1_310_720, 2, 4),  # per process: two processes of 4 take the same 640 steps
     ],
 )
 def test_a_tokens_budget_shrinks_the_batch_until_the_run_takes_min_steps(tokens, processes, expected) -> None:
