@@ -186,7 +186,7 @@ def _run_stages(
     stages = {"convert": _status(done)}
     if distill is not None:  # the distilled checkpoint replaces the converted one downstream
         student, converted = converted, out / "distill"
-        dist_inputs = {"checkpoint": conv_digest, **distill.key()}
+        dist_inputs = {"checkpoint": conv_digest, **distill.key(src, student)}
         conv_digest, done = _stage(ledger, "distill", dist_inputs, converted, lambda: distill(src, student, converted))
         stages["distill"] = _status(done)
     layout = "split" if engine_support() is None else "merged"  # TensorRT builds the split pair; onnxruntime-genai runs merged

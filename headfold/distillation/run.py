@@ -101,9 +101,7 @@ def distill(
     `options` are the fields of DistillOptions. Raises BadInput (nothing written) for a bad request.
     """
     teacher, student = Path(teacher), Path(student)
-    if isinstance(options.get("tokens"), str):  # 200k, 1.5M, 5% (the CLI passes the text as given)
-        options["tokens"] = parse_tokens(options["tokens"], pretraining_tokens(teacher))
-    opts = DistillOptions(**options)
+    opts = requested(teacher, options)
     teacher_ckpt, student_ckpt, manifest = check_pair(teacher, student)
     out = check_output(Path(out), overwrite=overwrite, sources=(teacher, student))
     encoder_model = student_ckpt.spec.kind == "encoder"
@@ -120,8 +118,7 @@ def distill(
     sharding.check_request(save_every, resume)
     accelerator = Accelerator(cpu=not gpu, mixed_precision="bf16" if gpu else "no", kwargs_handlers=[unused])
     sharding.shard_cpu_processes(accelerator)
-    if opts.batch_size is None:
-        opts = replace(opts, batch_size=default_batch_size(opts.tokens, opts.seq_len, accelerator.num_processes))
+    opts = resolve_defaults(opts, encoder_model, accelerator.num_processes)
     steps = total_steps(opts, accelerator.num_processes)
     identity = run_identity(teacher, student, plan, opts, accelerator.num_processes)
     folder = state.state_folder(out)
@@ -186,9 +183,18 @@ def check_copied_tensor(t: SourceCheckpoint, s: SourceCheckpoint, student: Path)
         raise BadInput(f"student {student} was not converted from teacher {t.folder}: its {name} differs (same config.json, other weights); pass the student's own original")
 
 
-def resolve_defaults(opts: DistillOptions, encoder_model: bool) -> DistillOptions:
+def requested(teacher: Path, options: dict[str, Any]) -> DistillOptions:
+    """`options` (DistillOptions fields) as DistillOptions; tokens may be text: 200k, 1.5M, 5% (the CLI passes it as given)."""
+    if isinstance(options.get("tokens"), str):
+        options = {**options, "tokens": parse_tokens(options["tokens"], pretraining_tokens(teacher))}
+    return DistillOptions(**options)
+
+
+def resolve_defaults(opts: DistillOptions, encoder_model: bool, processes: int | None = None) -> DistillOptions:
     """The options left unset get the measured best for the student's kind (and are recorded so);
-    the batch, which depends on the process count, follows once Accelerate knows it (default_batch_size)."""
+    the batch, which depends on the process count, once that is known (default_batch_size)."""
+    if opts.batch_size is None and processes is not None:
+        opts = replace(opts, batch_size=default_batch_size(opts.tokens, opts.seq_len, processes))
     if opts.lr is None:
         opts = replace(opts, lr=ENCODER_LR if encoder_model else DECODER_LR)
     if opts.hidden_weight is None:

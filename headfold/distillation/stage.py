@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from headfold import corpus
+from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.distillation.data import builtin_source, file_source
-from headfold.distillation.run import DistillOptions, distill
+from headfold.distillation.run import DistillOptions, distill, requested, resolve_defaults
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,13 @@ class DistillStage:
     def __post_init__(self) -> None:
         DistillOptions(**self.options)  # unknown option names fail before any stage runs
 
-    def key(self) -> dict[str, Any]:
-        """The stage's ledger inputs: the data's content hash and every option."""
+    def key(self, teacher: Path, student: Path) -> dict[str, Any]:
+        """The stage's ledger inputs: the data's content hash and every option as the run resolves it
+        (one process), so that a changed default re-runs the stage as a changed option does."""
         source = builtin_source(corpus.train_text(), "built-in") if self.data is None else file_source(Path(self.data))
-        return {"data_sha256": source.sha256, "options": self.options}
+        encoder_model = SourceCheckpoint(student).spec.kind == "encoder"
+        options = resolve_defaults(requested(teacher, self.options), encoder_model, processes=1)
+        return {"data_sha256": source.sha256, "options": asdict(options)}
 
     def __call__(self, teacher: Path, student: Path, out: Path) -> Path:
         return distill(teacher, student, out, data=self.data, overwrite=True, progress=False, **self.options)

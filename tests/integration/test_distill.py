@@ -55,7 +55,7 @@ def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: 
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["kl"] < 1e-6 and record(out)["final_eval"]["top1"] == 1.0
-    assert record(out)["options"]["lr"] == 1e-3 and record(out)["options"]["hidden_weight"] == 10.0  # a decoder's defaults
+    assert record(out)["options"]["lr"] == 1e-3 and record(out)["options"]["hidden_weight"] == 30.0  # a decoder's defaults
     before, after = weights(student), weights(out)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
@@ -341,6 +341,22 @@ def test_a_percentage_of_an_unknown_pretraining_is_refused_before_anything_is_wr
     assert list(tmp_path.iterdir()) == []
     assert main(["distill", str(teacher), str(students["good"]), str(tmp_path / "out"), "--data", str(text_file), "--tokens", "lots", "--quiet"]) == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_stage_key_holds_the_options_as_resolved(teacher: Path, students, text_file: Path, monkeypatch) -> None:
+    """`headfold run` re-runs distill when a default it used changes, as when an option changes."""
+    from headfold.distillation import run as distill_run
+    from headfold.distillation.stage import DistillStage
+
+    def key(**options):
+        return DistillStage(text_file, options).key(teacher, students["good"])
+
+    default = key(tokens="10k")
+    assert default["options"]["hidden_weight"] == distill_run.DECODER_HIDDEN_WEIGHT and default["options"]["lr"] == distill_run.DECODER_LR
+    assert default["options"]["tokens"] == 10_000 and default["options"]["batch_size"] == distill_run.default_batch_size(10_000, 256)
+    assert key(tokens=10_000, hidden_weight=distill_run.DECODER_HIDDEN_WEIGHT) == default  # the default, given: the same run
+    monkeypatch.setattr(distill_run, "DECODER_HIDDEN_WEIGHT", 1.0)
+    assert key(tokens="10k") != default
 
 
 @pytest.mark.slow
