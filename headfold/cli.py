@@ -249,7 +249,7 @@ def verify_cmd(reference: Path, candidate: Path, check: str, inputs: InputSpec, 
     _finish(report)
 
 
-DISTILL_TOKENS = spec("--distill-tokens", type=str, default=None, help="Tokens the distill stage trains on, as distill --tokens takes them (200k, 1.5M, 5%). [default: run 40 steps of 8 × 256; demo 24 steps of 8 × 256] In run without --distill-data, for the embedded model: its own training split.")
+DISTILL_TOKENS = spec("--distill-tokens", type=str, default=None, help="Tokens the distill stage trains on, as distill --tokens takes them (200k, 1.5M, 5%). [default: run 40 steps of 8 × 256; demo 1.5%] In run without --distill-data, for the embedded model: its own training split.")
 
 
 def _distill_stage(distill_data: Path | None, distill_tokens: str | None) -> DistillStage | None:
@@ -421,7 +421,7 @@ def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: str | Non
     if no_distill:
         refuse(("distill_tokens",), "with --no-distill")
     quiet_libraries()
-    distill = None if no_distill else DEMO_DISTILL if distill_tokens is None else DistillStage(None, {**DEMO_DISTILL.options, "steps": None, "tokens": distill_tokens})
+    distill = None if no_distill else DEMO_DISTILL if distill_tokens is None else DistillStage(None, {**DEMO_DISTILL.options, "tokens": distill_tokens})
     _finish(run_demo(kv_heads, method, distill=distill, thresholds=thresholds if thresholds.file else replace(thresholds, file=demo_budget())))
 
 
