@@ -56,7 +56,7 @@ DECODER_HIDDEN_WEIGHT, ENCODER_HIDDEN_WEIGHT = 30.0, 0.0
 # (80 steps), 0.052 with batch 1 (640 steps); at ¼ of that, 0.200 with batch 8 (20 steps) against
 # 0.132 with 2 (80). So --tokens shrinks the default batch, down to 1, until the run takes MIN_STEPS
 # steps. It costs time only on such small budgets (under 8 × 640 windows): 5 % took 130 s at batch 1
-# on 2 CPU cores against 61 s at batch 8; larger budgets keep batch 8.
+# on 2 CPU cores against about 62 s at batch 8; larger budgets keep batch 8.
 DEFAULT_BATCH, MIN_STEPS = 8, 640
 
 
