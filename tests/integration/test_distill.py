@@ -67,7 +67,7 @@ def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, t
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["cosine"] > 1 - 1e-6 and record(out)["final_eval"]["mse"] < 1e-12
-    assert record(out)["options"]["lr"] == 1e-4 and record(out)["options"]["hidden_weight"] == 0.0  # an encoder's defaults
+    assert record(out)["options"]["lr"] == 1e-4 and record(out)["options"]["hidden_weight"] == 0.0 and record(out)["options"]["train"] == "all"  # an encoder's defaults
     matched = distill(teacher, student, tmp_path / "matched", data=text_file, steps=3, hidden_weight=10.0, **FAST)  # every layer's state too
     before = weights(student)
     for after in (weights(out), weights(matched)):
@@ -353,6 +353,7 @@ def test_the_stage_key_holds_the_options_as_resolved(teacher: Path, students, te
 
     default = key(tokens="10k")
     assert default["options"]["hidden_weight"] == distill_run.DECODER_HIDDEN_WEIGHT and default["options"]["lr"] == distill_run.DECODER_LR
+    assert default["options"]["train"] == distill_run.DECODER_TRAIN == "attention"
     assert default["options"]["tokens"] == 10_000 and default["options"]["batch_size"] == distill_run.default_batch_size(10_000, 256)
     assert key(tokens=10_000, hidden_weight=distill_run.DECODER_HIDDEN_WEIGHT) == default  # the default, given: the same run
     monkeypatch.setattr(distill_run, "DECODER_HIDDEN_WEIGHT", 1.0)
