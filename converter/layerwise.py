@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.ground.errors import BadInput
+from headfold.ground.units import parse_size
 
 RAM_VARIABLE = "HEADFOLD_CALIBRATION_RAM"
 DEFAULT_RAM = "2GiB"
@@ -71,8 +72,6 @@ def return_freed_memory() -> None:
 
 def ram_limit() -> int:
     """Bytes of activations kept in RAM: $HEADFOLD_CALIBRATION_RAM (e.g. 8GiB), else 2 GiB."""
-    from headfold.converter.conversion import parse_size  # conversion imports calibration
-
     value = os.environ.get(RAM_VARIABLE) or DEFAULT_RAM
     try:
         return parse_size(value)

@@ -8,14 +8,13 @@ any other teacher `5%` is bad input, not a guess.
 from __future__ import annotations
 
 import json
-import math
 from importlib import resources
 from pathlib import Path
 
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
+from headfold.ground.units import parse_count, parse_fraction
 
-SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
 EXAMPLES = "e.g. 200000, 200k, 1.5M, or 5% (of the pre-training tokens, embedded model only)"
 
 
@@ -40,21 +39,9 @@ def pretraining_tokens(teacher: Path) -> int | None:
 def parse_tokens(value: str | int, pretraining: int | None) -> int:
     """A --tokens value as a token count; BadInput for anything else (zero, negative, unknown suffix,
     a percentage without a known pre-training count)."""
-    if isinstance(value, int):
-        count: float = value
-    else:
-        text = value.strip()
-        try:
-            if text.endswith("%"):
-                if pretraining is None:
-                    raise BadInput(f"--tokens {value}: a percentage needs the teacher's pre-training token count, known only for the embedded model; give a count, {EXAMPLES}")
-                count = float(text[:-1]) / 100 * pretraining
-            elif text[-1:].lower() in SUFFIXES:
-                count = float(text[:-1]) * SUFFIXES[text[-1].lower()]
-            else:
-                count = int(text)
-        except ValueError:
-            raise BadInput(f"--tokens {value!r} is not a token count; give one, {EXAMPLES}") from None
-    if not (math.isfinite(count) and count >= 1):
-        raise BadInput(f"--tokens must be at least 1 token, got {value!r}; {EXAMPLES}")
-    return int(count)
+    text = str(value).strip()
+    if not text.endswith("%"):
+        return parse_count(value, "--tokens", "token", EXAMPLES)
+    if pretraining is None:
+        raise BadInput(f"--tokens {value}: a percentage needs the teacher's pre-training token count, known only for the embedded model; give a count, {EXAMPLES}")
+    return parse_count(parse_fraction(text, "--tokens") * pretraining, "--tokens", "token", EXAMPLES)

@@ -31,8 +31,8 @@ from headfold.ground import export_summary
 from headfold.ground.artifacts import ENGINE_SUFFIXES, SIDECAR_SUFFIX, engine_name
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
+from headfold.ground.units import PRECISIONS, parse_size
 
-PRECISIONS = ("fp32", "fp16", "bf16")
 _IR_PRECISION = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}
 
 # Option name -> the dimension names exporters give it (headfold's torch.export Dims first).
@@ -352,8 +352,6 @@ def _graph_plan(path: Path, model: ir.Model, engine: Path, ranges: dict[str, Ran
 
 
 def parse_workspace(text: str | None) -> int | None:
-    from headfold.converter.conversion import parse_size
-
     if text is None:
         return None
     try:

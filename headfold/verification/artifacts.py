@@ -23,13 +23,13 @@ from headfold.ground import export_summary, manifest
 from headfold.ground.artifacts import DECODE_GRAPH, ENGINE_SUFFIXES, MODEL_GRAPH, PREFILL_GRAPH, engine_name
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
+from headfold.ground.units import PRECISIONS
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 
 GRAPHS = (PREFILL_GRAPH, MODEL_GRAPH)  # the full-sequence graph of a decoder / an encoder
 PREFILL_ENGINE, DECODE_ENGINE = engine_name(PREFILL_GRAPH), engine_name(DECODE_GRAPH)  # the pair after `headfold build`
 ENGINES = tuple(map(engine_name, GRAPHS))  # in a `headfold build` folder, like GRAPHS
 _TORCH_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-_LOOSENESS = ("fp32", "fp16", "bf16")  # bf16 keeps the fewest mantissa bits
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def resolve(path: Path) -> Artifact:
 
 
 def loosest(a: str, b: str) -> str:
-    return max(a, b, key=_LOOSENESS.index)
+    return max(a, b, key=PRECISIONS.index)  # PRECISIONS runs from most to fewest mantissa bits
 
 
 def _converted_from(reference: Path, candidate: Path) -> bool:

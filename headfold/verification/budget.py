@@ -15,8 +15,7 @@ from typing import Any
 import yaml
 
 from headfold.ground.errors import BadInput
-
-PRECISIONS = ("fp32", "fp16", "bf16")
+from headfold.ground.units import PRECISIONS, parse_fraction
 
 # atol/rtol follow Polygraphy: an element fails only when it exceeds both. The fp32 numbers
 # leave ~100× headroom over ORT-vs-torch errors measured on CPU (~1e-6 relative); the
@@ -49,18 +48,6 @@ class LossBudget:
     max_kl: float
     min_top1: float
     min_cosine: float
-
-
-def parse_fraction(value: Any, name: str) -> float:
-    """0.05, "0.05" or "5%" → 0.05; BadInput for anything else or a negative value."""
-    text = str(value).strip()
-    try:
-        number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise BadInput(f"{name} = {value!r} is not a number; write e.g. 0.05 or 5%") from None
-    if number < 0 or number != number:
-        raise BadInput(f"{name} = {value!r} must be a non-negative number")
-    return number
 
 
 def _apply(budget, table: dict[str, Any], where: str):

@@ -18,7 +18,8 @@ from headfold.graphs.export import export
 from headfold.ground.errors import BadInput
 from headfold.verification import InputSpec, verify
 from headfold.verification.artifacts import check_kind, resolve
-from headfold.verification.budget import fidelity_budget, load_budget_file, loss_budget, parse_fraction
+from headfold.ground.units import parse_fraction
+from headfold.verification.budget import fidelity_budget, load_budget_file, loss_budget
 from headfold.verification.checks import run_check
 from headfold.verification.inputs import cut_rows, make_inputs, pad_batch
 from headfold.verification.metrics import FidelityMeter, LossMeter, compare
@@ -35,7 +36,7 @@ def tiny(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
     """A byte-vocabulary tiny llama, its identity and 2-kv-head conversions, and the latter's ONNX export."""
     root = tmp_path_factory.mktemp("verify")
     src = tiny_checkpoint("llama", vocab_size=256)
-    paths = {"src": src, "kv8": convert(src, root / "kv8", 8, progress=False), "kv2": convert(src, root / "kv2", 2, progress=False)}
+    paths = {"src": src, "kv8": convert(src, root / "kv8", 8, method="mean", progress=False), "kv2": convert(src, root / "kv2", 2, method="mean", progress=False)}
     export(paths["kv2"], root / "kv2-onnx", progress=False, graphs="split")
     paths["onnx"] = root / "kv2-onnx"
     paths["other"] = tiny_checkpoint("llama", vocab_size=256, intermediate_size=64, seed=1)

@@ -1,0 +1,57 @@
+"""The units headfold reads from users, parsed in one place: sizes (2GB, 500MiB), fractions (0.05,
+5%), counts (200000, 200k, 1.5M) and the precision names."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from headfold.ground.errors import BadInput
+
+PRECISIONS = ("fp32", "fp16", "bf16")  # what export writes, build builds and verify budgets key on; most to fewest mantissa bits
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", re.IGNORECASE)
+COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+
+
+def parse_size(size: str | int, name: str = "size") -> int:
+    """'500MB', '2GiB', '5GB' or a byte count → bytes (positive)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = _SIZE.fullmatch(str(size))
+        if not m:
+            raise BadInput(f"{name} {size!r} is not a size; write e.g. 500MB or 2GiB")
+        unit = (m.group(2) or "B").upper()
+        base = 1024 if "I" in unit else 1000
+        value = int(float(m.group(1)) * base ** "BKMGT".index(unit[0]))
+    if value <= 0:
+        raise BadInput(f"{name} {size!r} must be positive")
+    return value
+
+
+def parse_fraction(value: Any, name: str) -> float:
+    """0.05, "0.05" or "5%" → 0.05; BadInput for anything else, a negative or a non-finite value."""
+    text = str(value).strip()
+    try:
+        number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise BadInput(f"{name} = {value!r} is not a number; write e.g. 0.05 or 5%") from None
+    if not (math.isfinite(number) and number >= 0):
+        raise BadInput(f"{name} = {value!r} must be a finite, non-negative number")
+    return number
+
+
+def parse_count(value: Any, name: str, unit: str, examples: str = "e.g. 200000, 200k or 1.5M") -> int:
+    """200000, '200k', '1.5M', '2B' (of `unit`s) → a whole count of at least 1, rounded down."""
+    text = str(value).strip()
+    try:
+        if text[-1:].lower() in COUNT_SUFFIXES:
+            count = float(text[:-1]) * COUNT_SUFFIXES[text[-1].lower()]
+        else:
+            count = float(value) if isinstance(value, float) else int(text)
+    except ValueError:
+        raise BadInput(f"{name} {value!r} is not a {unit} count; give one, {examples}") from None
+    if not (math.isfinite(count) and count >= 1):
+        raise BadInput(f"{name} must be at least 1 {unit}, got {value!r}; {examples}")
+    return int(count)
