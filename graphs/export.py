@@ -31,6 +31,7 @@ from transformers.cache_utils import DynamicCache
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.modeling import load_model
 from headfold.converter.per_layer import collapse
+from headfold.converter.sources import checkpoint_folder
 from headfold.graphs.genai import write_model_folder
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
@@ -353,6 +354,7 @@ def export(
     opset: int = 23,
     dtype: str = "fp32",
     attention: AttentionKind = "onnx",
+    revision: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
     trt_version: str | None = None,
@@ -360,7 +362,8 @@ def export(
     optimize: str | None = None,
     explicit_positions: bool = False,
 ) -> dict:
-    """Export the checkpoint folder `src` to ONNX graphs in `out_dir` (atomically); return the summary.
+    """Export the checkpoint `src` (a folder, or a hub id ORG/NAME at `revision`) to ONNX graphs in
+    `out_dir` (atomically); return the summary.
 
     graphs="merged" (decoders) writes model.onnx, genai_config.json and the tokenizer files: an
     onnxruntime-genai model folder; graphs="split" writes prefill.onnx + decode.onnx instead.
@@ -390,7 +393,7 @@ def export(
     if attention not in ATTENTION_OPS:
         raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
     torch_dtype = _torch_dtype(dtype)
-    src, out = Path(src), Path(out_dir)
+    src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)
     model = load_model(facts, dtype=torch_dtype)

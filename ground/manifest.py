@@ -26,6 +26,8 @@ class ManifestSource(Record):
     head_dim: int | None = None
     config_sha256: str  # identifies the source model: verify and distill compare it
     manifest: dict[str, Any] | None = None  # the source's own headfold.json when it was a conversion
+    repo_id: str | None = optional()  # a source given as a hub id: the repo, and the commit it resolved to
+    revision: str | None = optional()
     extra: dict[str, Any] = keep_unknown()
 
 

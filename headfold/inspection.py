@@ -30,6 +30,8 @@ from tqdm.auto import tqdm
 from headfold import corpus
 from headfold.converter.calibration import WINDOW, calibrate, check_settings, sample_windows, token_ids, window_starts
 from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.recipes import DEFAULT_METHOD
+from headfold.converter.sources import checkpoint_folder
 from headfold.converter.conversion import calibration_text, layer_contexts
 from headfold.converter.layout import AttentionCodec, AttentionWeights
 from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, get_method, head_activations
@@ -38,7 +40,6 @@ from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
 from headfold.verification.metrics import log_probs
 
-DEFAULT_METHOD = "aligned+grouped+refit"
 METRICS = {
     "decoder": "KL(original ‖ converted) of next-token distributions, nats per token",
     "encoder": "1 − cosine of mean-pooled last hidden states, mean over windows",
@@ -310,10 +311,11 @@ def inspect_checkpoint(
     json_path: Path | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    revision: str | None = None,
 ) -> Inspection:
     """Measure SOURCE (see the module doc), plan for `kv_budget` (a fraction of the source cache, or
     a total of kv heads), write the heatmap / JSON atomically. BadInput before any work for bad requests."""
-    source = Path(source)
+    source = checkpoint_folder(source, revision=revision)
     recipe = get_method(method)
     check_settings()  # $HEADFOLD_DEVICE, $HEADFOLD_CALIBRATION_RAM
     outputs = [p for p in (heatmap, json_path) if p is not None]

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from headfold.converter.checkpoint import CheckpointFacts
+from headfold.converter.sources import checkpoint_folders
 from headfold.ground.errors import BadInput
 from headfold.verification.artifacts import Artifact, check_kind, loosest, resolve
 from headfold.verification.budget import FidelityBudget, LossBudget, Thresholds
@@ -93,15 +94,17 @@ def verify(
     inputs: InputSpec = InputSpec(),
     thresholds: Thresholds = Thresholds(),
     check: str = "auto",
+    revision: str | None = None,
 ) -> Report:
     """Compare CANDIDATE with REFERENCE; the report says what passed (`report.passed`).
 
-    `check` is "auto" (same model → fidelity, converted from REFERENCE → loss), "fidelity" or
-    "loss". Raises BadInput for paths, texts or budgets headfold cannot use.
+    Each side is a checkpoint (a folder, or a hub id ORG/NAME at `revision`), an export folder, a
+    .onnx file or an engine. `check` is "auto" (same model → fidelity, converted from REFERENCE →
+    loss), "fidelity" or "loss". Raises BadInput for paths, texts or budgets headfold cannot use.
     """
     if check not in ("auto", *CHECK_NAMES):
         raise BadInput(f"unknown check {check!r}; use auto, fidelity or loss")
-    ref, cand = resolve(Path(reference)), resolve(Path(candidate))
+    ref, cand = (resolve(path) for path in checkpoint_folders(reference, candidate, revision=revision))
     kind = check_kind(ref, cand, check)
     precision = loosest(ref.precision, cand.precision)
     budget = thresholds.fidelity(precision, floors=True) if kind == "fidelity" else thresholds.loss(precision)
