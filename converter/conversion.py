@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,18 +20,21 @@ from headfold.converter import rawpool
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, dtype_code
 from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
-from headfold.converter.recipes import LayerContext, Recipe, contiguous_groups, get_method
-from headfold.converter.tokens import read_text
+from headfold.converter.recipes import DEFAULT_METHOD, LayerContext, Recipe, contiguous_groups, get_method
+from headfold.converter.sources import checkpoint_folder, hub_origin
+from headfold.converter.tokens import can_tokenize, read_text
 from headfold.converter.writer import PlannedTensor, ShardedWriter
 from headfold.ground.artifacts import MANIFEST
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import copy_hashed, sha256_file, versions
 from headfold.ground.manifest import Conversion, Manifest, ManifestSource, load_raw
+from headfold.ground.units import parse_size
 
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
 SKIPPED_DIRS = {".git", ".cache", "__pycache__"}
 PACKAGES = ("headfold", "torch", "transformers", "safetensors", "numpy")  # versions the manifest records
 
@@ -40,8 +43,9 @@ def convert(
     source: str | Path,
     output: str | Path,
     kv_heads: int | Sequence[int],
-    method: str = "mean",
+    method: str = DEFAULT_METHOD,
     *,
+    revision: str | None = None,
     overwrite: bool = False,
     max_shard_size: str | int | None = None,
     allow_pickle: bool = False,
@@ -53,14 +57,16 @@ def convert(
 ) -> Path:
     """Convert the checkpoint folder `source` to `kv_heads` K/V heads; return the output path.
 
+    `source` is a checkpoint folder or a hub id ORG/NAME (at `revision`, converter/sources.py).
     `kv_heads` is one count for every layer or one per layer; equal counts are the single count.
 
     Data-aware methods (grouped, aligned, refit) read activations on `calibration`: a text
     file, None for `builtin_text` (the caller's default text: `headfold.convert` and the CLI pass
-    the embedded corpus), or "weights" to work on the weights alone.
+    the embedded corpus; a checkpoint without tokenizer files, or no `builtin_text`, calibrates on the
+    weights alone, with a warning), or "weights" to work on the weights alone.
     Raises BadInput (nothing written) for anything wrong with the request or the source.
     """
-    source = Path(source)
+    source = checkpoint_folder(source, revision=revision, allow_pickle=allow_pickle)
     recipe = get_method(method)
     if recipe.data_aware:
         from headfold.converter.calibration import check_settings  # torch: data-aware methods only
@@ -70,8 +76,8 @@ def convert(
         targets = target_shapes(ckpt, kv_heads)
         text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
         out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
-        shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else default_shard_bytes(ckpt)
-        text = calibration_text(calibration, builtin_text) if recipe.data_aware else None
+        shard_bytes = parse_size(max_shard_size, "shard size") if max_shard_size is not None else default_shard_bytes(ckpt)
+        text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware else None
         contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)
         with atomic_output(out, overwrite=overwrite) as tmp:
             files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress)
@@ -104,22 +110,6 @@ def target_shapes(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int]) -> list
     return [target_shape(src, kv, i if by_layer else None) for i, (src, kv) in enumerate(zip(ckpt.layer_shapes, per_layer))]
 
 
-def parse_size(size: str | int) -> int:
-    """'500MB', '2GiB', '5GB' or a byte count → bytes."""
-    if isinstance(size, int):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", size, re.IGNORECASE)
-        if not m:
-            raise BadInput(f"shard size {size!r} is not a size; write e.g. 500MB or 2GiB")
-        unit = (m.group(2) or "B").upper()
-        base = 1024 if "I" in unit else 1000
-        value = int(float(m.group(1)) * base ** "BKMGT".index(unit[0]))
-    if value <= 0:
-        raise BadInput(f"shard size {size!r} must be positive")
-    return value
-
-
 def default_shard_bytes(ckpt: SourceCheckpoint) -> int:
     """Mirror the source: one file stays one file, shards keep the source's largest shard size."""
     if len(ckpt.weight_files) == 1:
@@ -144,10 +134,11 @@ def plan_outputs(ckpt: SourceCheckpoint, targets: list[HeadShape]) -> list[Plann
 
 
 def calibration_text(calibration: str | Path | None, builtin: str | None) -> str | None:
-    """None → `builtin`, the caller's default text; "weights" → no activations (weight-space methods)."""
+    """None → `builtin`, the caller's default text (None: the weights alone, said in a warning);
+    "weights" → no activations (weight-space methods); else the text file."""
     if calibration is None:
         if builtin is None:
-            raise BadInput("this method calibrates on text: pass calibration=TEXT_FILE, or \"weights\" for the weights alone")
+            log.warning("headfold: no text to calibrate on (the checkpoint has no tokenizer files): the method works on the weights alone; pass --calibration TEXT_FILE with a tokenizer to calibrate on text")
         return builtin
     if str(calibration) == "weights":
         return None
@@ -278,6 +269,7 @@ def build_manifest(
             path=str(ckpt.folder.resolve()), model_type=ckpt.config.get("model_type"), family=ckpt.spec.family, heads=src.heads,
             kv_heads=collapse([s.kv_heads for s in ckpt.layer_shapes]), head_dim=src.head_dim,
             config_sha256=sha256_file(ckpt.folder / "config.json"), manifest=parent,
+            **({"repo_id": hub.repo_id, "revision": hub.commit} if (hub := hub_origin(ckpt.folder)) else {}),
         ),
         conversion=Conversion(
             method=recipe.name,

@@ -13,8 +13,12 @@ if TYPE_CHECKING:
     from headfold.converter.methods import LayerResult
 
 POOLS = ("mean", "first")
-MODIFIERS = ("grouped", "aligned", "refit")
+MODIFIERS = ("aligned", "grouped", "refit")  # a method's name lists them in this order
 METHODS = ("mean", "first", "aligned", "grouped", "refit", "aligned+grouped", "aligned+grouped+refit")
+# The one default of every command and of the Python API: the best training-free start measured
+# (benchmarks/results/conversion_quality.json, distill_recovery.json; docs/methods.md). It calibrates
+# on the built-in text, or on the weights alone when a checkpoint has no tokenizer to read text with.
+DEFAULT_METHOD = "aligned+grouped+refit"
 
 
 @dataclass(frozen=True)

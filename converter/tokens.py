@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from headfold.converter.checkpoint import TOKENIZER_FILES, check_links, tokenizer_location
+from headfold.converter.checkpoint import TOKENIZER_FILES, CheckpointFacts, check_links, tokenizer_location
 from headfold.ground.errors import BadInput
 
 BYTE_VOCAB = 256  # a byte-level model: token = UTF-8 byte
@@ -29,6 +29,11 @@ class Tokenizer:
 def encode_bytes(text: str) -> list[int]:
     """Byte-level tokenization: one token per UTF-8 byte."""
     return list(text.encode("utf-8"))
+
+
+def can_tokenize(facts: CheckpointFacts) -> bool:
+    """The checkpoint has tokenizer files, or is byte-level: text can become its token ids."""
+    return facts.tokenizer is not None or facts.vocab_size == BYTE_VOCAB
 
 
 def find_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer | None:

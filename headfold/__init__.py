@@ -6,12 +6,13 @@ The rooms are importable as ``headfold.converter``, ``headfold.graphs`` and
 
 from __future__ import annotations
 
+from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.ground import VERSION as __version__
 
 __all__ = ["convert", "distill", "load_model", "verify", "run", "__version__"]
 
 
-def convert(source, output, kv_heads, method: str = "mean", **options):
+def convert(source, output, kv_heads, method: str = DEFAULT_METHOD, **options):
     """`headfold.converter.convert`, with the embedded corpus as the calibration text when
     `calibration` is None (as `headfold convert` does); the options are the same."""
     from headfold import corpus

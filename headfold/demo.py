@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.distillation.stage import DistillStage
 from headfold.ground.atomic import scratch_dir
 from headfold.pipeline import run
@@ -31,11 +33,20 @@ def demo_budget() -> Path:
 
 
 def demo(
-    kv_heads: int | tuple[int, ...] = 4, method: str = "aligned+grouped+refit", distill: DistillStage | None = DEMO_DISTILL, **options: Any
+    kv_heads: int | tuple[int, ...] = 4,
+    method: str = DEFAULT_METHOD,
+    distill: DistillStage | None = DEMO_DISTILL,
+    *,
+    keep: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    **options: Any,
 ) -> Report:
-    """`run` on the embedded model in a temporary folder, removed afterwards (also on SIGTERM, and
-    by the next demo after a kill -9); the verify report. `distill=None` skips distillation."""
+    """`run` on the embedded model; the verify report. In a temporary folder, removed afterwards (also
+    on SIGTERM, and by the next demo after a kill -9), or in `keep`, kept (a run folder: a second demo
+    into it skips the stages whose inputs did not change). `distill=None` skips distillation;
+    `options` are run's."""
+    options.setdefault("inputs", DEMO_INPUTS)
+    if keep is not None:
+        return run(default_model_path(), keep, kv_heads, method=method, distill=distill, overwrite=overwrite, **options)
     with scratch_dir("headfold-demo") as tmp:
-        options.setdefault("inputs", DEMO_INPUTS)
-        options["distill"] = distill
-        return run(default_model_path(), tmp / "run", kv_heads, method=method, **options)
+        return run(default_model_path(), tmp / "run", kv_heads, method=method, distill=distill, **options)

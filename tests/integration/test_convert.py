@@ -45,7 +45,7 @@ def with_identical_heads(src: Path, dst: Path, group: int) -> Path:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_identity_is_lossless(family: str, tiny_checkpoint, tmp_path: Path) -> None:
     src = tiny_checkpoint(family)
-    out = convert(src, tmp_path / "out", kv_heads=HEADS, progress=False)
+    out = convert(src, tmp_path / "out", kv_heads=HEADS, method="mean", progress=False)
     before, after = read_tensors(src), read_tensors(out)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -127,7 +127,7 @@ def test_pooled_tensors_match_reference(family: str, method: str, tiny_checkpoin
 def test_sharded_bf16_stays_sharded_bf16(tmp_path: Path) -> None:
     src = make_checkpoint("llama", tmp_path / "src", dtype=torch.bfloat16, max_shard_size="40KB")
     assert len(list(src.glob("*.safetensors"))) > 1
-    out = convert(src, tmp_path / "out", kv_heads=2, progress=False)
+    out = convert(src, tmp_path / "out", kv_heads=2, method="mean", progress=False)
     shards = sorted(out.glob("model-*-of-*.safetensors"))
     assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -141,16 +141,16 @@ def test_sharded_bf16_stays_sharded_bf16(tmp_path: Path) -> None:
 
 def test_explicit_shard_size_and_single_file(tiny_checkpoint, tmp_path: Path) -> None:
     src = tiny_checkpoint("gpt2")
-    single = convert(src, tmp_path / "one", kv_heads=4, progress=False)
+    single = convert(src, tmp_path / "one", kv_heads=4, method="mean", progress=False)
     assert [f.name for f in single.glob("*.safetensors")] == ["model.safetensors"]
-    many = convert(src, tmp_path / "many", kv_heads=4, max_shard_size="30KB", progress=False)
+    many = convert(src, tmp_path / "many", kv_heads=4, max_shard_size="30KB", method="mean", progress=False)
     assert len(list(many.glob("*.safetensors"))) > 2
     assert torch.equal(outputs(single), outputs(many))
 
 
 @pytest.mark.parametrize("family", NATIVE_GQA)
 def test_llama_family_loads_in_plain_transformers(family: str, tiny_checkpoint, tmp_path: Path) -> None:
-    out = convert(tiny_checkpoint(family), tmp_path / "out", kv_heads=2, progress=False)
+    out = convert(tiny_checkpoint(family), tmp_path / "out", kv_heads=2, method="mean", progress=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert model.config.num_key_value_heads == 2
     assert model.model.layers[0].self_attn.config.num_key_value_heads == 2
@@ -162,7 +162,7 @@ def test_llama_family_loads_in_plain_transformers(family: str, tiny_checkpoint, 
 def test_already_gqa_source_converts_further(tmp_path: Path) -> None:
     src = make_checkpoint("llama", tmp_path / "src", num_key_value_heads=4)
     src = with_identical_heads(src, tmp_path / "same", 2)
-    out = convert(src, tmp_path / "out", kv_heads=2, progress=False)
+    out = convert(src, tmp_path / "out", kv_heads=2, method="mean", progress=False)
     manifest = json.loads((out / "headfold.json").read_text())
     assert manifest["conversion"]["source_kv_heads_of_kv_head"] == [[0, 1], [2, 3]]
     assert (outputs(src) - outputs(out)).abs().max().item() <= 1e-5
@@ -178,7 +178,7 @@ def test_manifest_and_copied_files(tiny_checkpoint, tmp_path: Path) -> None:
     (src / "1_Pooling").mkdir()
     (src / "1_Pooling" / "config.json").write_text("{}")
     (src / "pytorch_model.bin").write_bytes(b"stale MHA pickle")
-    out = convert(src, tmp_path / "out", kv_heads=2, progress=False)
+    out = convert(src, tmp_path / "out", kv_heads=2, method="mean", progress=False)
     manifest = json.loads((out / "headfold.json").read_text())
     assert (out / "tokenizer.json").read_text() == '{"tokenizer": true}'
     assert (out / "1_Pooling" / "config.json").is_file()
@@ -196,8 +196,8 @@ def test_manifest_and_copied_files(tiny_checkpoint, tmp_path: Path) -> None:
 
 
 def test_chained_conversion_records_its_parent(tiny_checkpoint, tmp_path: Path) -> None:
-    first = convert(tiny_checkpoint("llama"), tmp_path / "four", kv_heads=4, progress=False)
-    second = convert(first, tmp_path / "one", kv_heads=1, progress=False)
+    first = convert(tiny_checkpoint("llama"), tmp_path / "four", kv_heads=4, method="mean", progress=False)
+    second = convert(first, tmp_path / "one", kv_heads=1, method="mean", progress=False)
     manifest = json.loads((second / "headfold.json").read_text())
     assert manifest["source"]["kv_heads"] == 4
     assert manifest["source"]["manifest"]["conversion"]["kv_heads"] == 4
@@ -205,5 +205,5 @@ def test_chained_conversion_records_its_parent(tiny_checkpoint, tmp_path: Path) 
 
 @pytest.mark.parametrize("family", sorted(ENCODERS))
 def test_encoder_output_shape(family: str, tiny_checkpoint, tmp_path: Path) -> None:
-    out = convert(tiny_checkpoint(family), tmp_path / "out", kv_heads=1, progress=False)
+    out = convert(tiny_checkpoint(family), tmp_path / "out", kv_heads=1, method="mean", progress=False)
     assert outputs(out).shape == outputs(tiny_checkpoint(family)).shape

@@ -50,7 +50,7 @@ def exported(tiny_checkpoint, tmp_path_factory):
     def get(family: str, dtype: str = "fp32") -> tuple[Path, Path]:
         if (family, dtype) not in cache:
             folder = tmp_path_factory.mktemp(f"{family}-{dtype}")
-            checkpoint = cache[(family, "fp32")][0] if (family, "fp32") in cache else convert(tiny_checkpoint(family), folder / "kv2", KV, progress=False)
+            checkpoint = cache[(family, "fp32")][0] if (family, "fp32") in cache else convert(tiny_checkpoint(family), folder / "kv2", KV, method="mean", progress=False)
             export(checkpoint, folder / "onnx", dtype=dtype, progress=False, graphs="split")  # TensorRT builds the split pair
             cache[(family, dtype)] = checkpoint, folder / "onnx"
         return cache[(family, dtype)]

@@ -131,7 +131,7 @@ def test_unsupported_opsets_are_refused(tmp_path: Path, opset: int) -> None:
 
 def test_missing_fusion_fails_and_writes_nothing(tiny_checkpoint, tmp_path: Path, monkeypatch) -> None:
     """Without the repeat_kv rule a GQA graph keeps MHA-shaped K/V: exit-1 error, no output."""
-    checkpoint = convert(tiny_checkpoint("bert"), tmp_path / "kv2", 2, progress=False)
+    checkpoint = convert(tiny_checkpoint("bert"), tmp_path / "kv2", 2, method="mean", progress=False)
     monkeypatch.setattr(rewrite, "RULES", ())
     with pytest.raises(CheckFailed, match=r"model.onnx: K/V heads ≠ 2 in layer\(s\) 0 \(8\), 1 \(8\)"):
         export(checkpoint, tmp_path / "out", progress=False)
@@ -140,7 +140,7 @@ def test_missing_fusion_fails_and_writes_nothing(tiny_checkpoint, tmp_path: Path
 
 def test_fp16_typed_weights_fp32_normalisation(tiny_checkpoint, tmp_path: Path) -> None:
     """fp16: half weights, norms computed in fp32 (stash_type=1); ORT within 1e-2 of fp32 torch."""
-    checkpoint = convert(tiny_checkpoint("bert"), tmp_path / "kv2", 2, progress=False)
+    checkpoint = convert(tiny_checkpoint("bert"), tmp_path / "kv2", 2, method="mean", progress=False)
     export(checkpoint, tmp_path / "onnx", dtype="fp16", progress=False)
     graph = onnx.load(tmp_path / "onnx" / "model.onnx", load_external_data=False).graph
     floats = {t.data_type for t in graph.initializer} - {onnx.TensorProto.INT64, onnx.TensorProto.BOOL}

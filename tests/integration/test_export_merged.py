@@ -39,7 +39,7 @@ def merged(tiny_checkpoint, tmp_path_factory):
         if key not in cache:
             folder = tmp_path_factory.mktemp(f"{family}-merged")
             source = tiny_checkpoint(family, **(config or {}))
-            checkpoint = convert(source, folder / "checkpoint", kv, progress=False) if kv != HEADS else source
+            checkpoint = convert(source, folder / "checkpoint", kv, method="mean", progress=False) if kv != HEADS else source
             export(checkpoint, folder / "onnx", progress=False, **options)
             cache[key] = checkpoint, folder / "onnx"
         return cache[key]

@@ -32,7 +32,7 @@ NEW_TOKENS = 16
 
 def _export(src: Path, folder: Path, kv: int | None) -> tuple[Path, Path]:
     """(checkpoint, onnx folder): `src` converted to `kv` heads (None: as is), then exported."""
-    checkpoint = src if kv is None else convert(src, folder / "checkpoint", kv_heads=kv, progress=False)
+    checkpoint = src if kv is None else convert(src, folder / "checkpoint", kv_heads=kv, method="mean", progress=False)
     export(checkpoint, folder / "onnx", progress=False, graphs="split")
     return checkpoint, folder / "onnx"
 

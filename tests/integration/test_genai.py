@@ -36,10 +36,10 @@ def folders(tiny_checkpoint, tmp_path_factory):
     """folders(name) → (checkpoint, export folder), converted and exported once per module."""
     root = tmp_path_factory.mktemp("genai")
     sources = {
-        "default-kv4": lambda: convert(DEFAULT, root / "default-kv4", 4, progress=False),
-        "default-4,2,1,1": lambda: convert(DEFAULT, root / "default-plan", (4, 2, 1, 1), progress=False),
-        "qwen2-kv2": lambda: convert(tiny_checkpoint("qwen2"), root / "qwen2-kv2", 2, progress=False),
-        "gpt2-kv2": lambda: convert(tiny_checkpoint("gpt2"), root / "gpt2-kv2", 2, progress=False),
+        "default-kv4": lambda: convert(DEFAULT, root / "default-kv4", 4, method="mean", progress=False),
+        "default-4,2,1,1": lambda: convert(DEFAULT, root / "default-plan", (4, 2, 1, 1), method="mean", progress=False),
+        "qwen2-kv2": lambda: convert(tiny_checkpoint("qwen2"), root / "qwen2-kv2", 2, method="mean", progress=False),
+        "gpt2-kv2": lambda: convert(tiny_checkpoint("gpt2"), root / "gpt2-kv2", 2, method="mean", progress=False),
     }
     cache: dict[str, tuple[Path, Path]] = {}
 

@@ -209,7 +209,7 @@ def test_overwrite_replaces_outputs(tiny_checkpoint, tmp_path: Path) -> None:
 def test_per_layer_source_is_refused(tiny_checkpoint, tmp_path: Path, capsys) -> None:
     from headfold import convert
 
-    mixed = convert(byte_level(tiny_checkpoint, "llama"), tmp_path / "mixed", (4, 2), progress=False)
+    mixed = convert(byte_level(tiny_checkpoint, "llama"), tmp_path / "mixed", (4, 2), method="mean", progress=False)
     code, err = run_inspect(mixed, capsys=capsys)
     assert code == 2 and "already has per-layer kv heads" in err
 

@@ -76,7 +76,7 @@ def test_partial_rotary(tiny_checkpoint) -> None:
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
 def test_per_layer_kv_source(family: str, tiny_checkpoint, tmp_path: Path) -> None:
     """A per-layer conversion, calibrated again (a chained conversion): each layer at its own kv heads."""
-    source = convert(tiny_checkpoint(family), tmp_path / "per-layer", kv_heads=(4, 2), progress=False)
+    source = convert(tiny_checkpoint(family), tmp_path / "per-layer", kv_heads=(4, 2), method="mean", progress=False)
     assert_equal_inputs(source)
 
 

@@ -38,7 +38,7 @@ def graphs(tiny_checkpoint, tmp_path_factory):
     def get(family: str) -> dict[str, Path]:
         if family not in cache:
             folder = tmp_path_factory.mktemp(f"{family}-gqa")
-            checkpoint = convert(tiny_checkpoint(family), folder / "checkpoint", KV, progress=False)
+            checkpoint = convert(tiny_checkpoint(family), folder / "checkpoint", KV, method="mean", progress=False)
             export(checkpoint, folder / "onnx", progress=False, graphs="split")
             (folder / "ort-gqa").mkdir()
             for name in ("prefill.onnx", "decode.onnx"):

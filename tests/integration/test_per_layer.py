@@ -81,8 +81,8 @@ def test_parse_kv_heads_refuses(text: str) -> None:
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_uniform_list_is_the_single_count(family: str, tiny_checkpoint, tmp_path: Path) -> None:
     src = tiny_checkpoint(family)
-    single = convert(src, tmp_path / "int", 2, progress=False)
-    listed = convert(src, tmp_path / "list", [2, 2], progress=False)
+    single = convert(src, tmp_path / "int", 2, method="mean", progress=False)
+    listed = convert(src, tmp_path / "list", [2, 2], method="mean", progress=False)
     assert file_digests(single) == file_digests(listed)  # weights, config.json and headfold.json
     config = json.loads((listed / "config.json").read_text())
     assert config["num_key_value_heads"] == 2 and "num_key_value_heads_per_layer" not in config
@@ -91,7 +91,7 @@ def test_uniform_list_is_the_single_count(family: str, tiny_checkpoint, tmp_path
 @pytest.mark.parametrize("family", LOSSLESS_FAMILIES)
 def test_mixed_list_with_identical_heads_is_lossless(family: str, tiny_checkpoint, tmp_path: Path) -> None:
     src = edit_attention(tiny_checkpoint(family), tmp_path / "src", identical_heads(HEADS // min(MIXED)))
-    out = convert(src, tmp_path / "out", MIXED, progress=False)
+    out = convert(src, tmp_path / "out", MIXED, method="mean", progress=False)
     config = json.loads((out / "config.json").read_text())
     assert (config["num_key_value_heads"], config["num_key_value_heads_per_layer"]) == (4, [4, 2])
     conversion = json.loads((out / "headfold.json").read_text())["conversion"]
@@ -122,7 +122,7 @@ def test_mixed_list_equals_per_layer_single_counts(family: str, method: str, tin
 
 def test_kv_cache_shrinks_as_predicted(tiny_checkpoint, tmp_path: Path) -> None:
     src = tiny_checkpoint("llama")
-    out = convert(src, tmp_path / "out", MIXED, progress=False)
+    out = convert(src, tmp_path / "out", MIXED, method="mean", progress=False)
     before, after = attention_info(src, "fp32"), attention_info(out, "fp32")
     assert before == {"heads": 8, "kv_heads": 8, "kv_cache_bytes_per_token": 2 * 2 * 8 * HEAD_DIM * 4}  # 1024
     assert after == {"heads": 8, "kv_heads": [4, 2], "kv_cache_bytes_per_token": 2 * (4 + 2) * HEAD_DIM * 4}  # 384
@@ -136,7 +136,7 @@ def test_kv_cache_shrinks_as_predicted(tiny_checkpoint, tmp_path: Path) -> None:
 
 
 def test_plain_transformers_refuses_the_smaller_layers(tiny_checkpoint, tmp_path: Path) -> None:
-    out = convert(tiny_checkpoint("llama"), tmp_path / "out", MIXED, progress=False)
+    out = convert(tiny_checkpoint("llama"), tmp_path / "out", MIXED, method="mean", progress=False)
     manifest = json.loads((out / "headfold.json").read_text())
     assert manifest["loader"] == "headfold.load_model"
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
@@ -149,7 +149,7 @@ def test_plain_transformers_refuses_the_smaller_layers(tiny_checkpoint, tmp_path
      ([2, 2], "num_key_value_heads=4 must be the largest"), ([4, 4], "k_proj.weight has shape [16, 64]")],
 )  # fmt: skip
 def test_loader_checks_the_per_layer_list(per_layer: list[int], words: str, tiny_checkpoint, tmp_path: Path) -> None:
-    out = convert(tiny_checkpoint("llama"), tmp_path / "out", MIXED, progress=False)
+    out = convert(tiny_checkpoint("llama"), tmp_path / "out", MIXED, method="mean", progress=False)
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(config | {"num_key_value_heads_per_layer": per_layer}))
     with pytest.raises(BadInput, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")) as err:
@@ -159,18 +159,18 @@ def test_loader_checks_the_per_layer_list(per_layer: list[int], words: str, tiny
 
 def test_chained_per_layer_conversion(tiny_checkpoint, tmp_path: Path) -> None:
     src = tiny_checkpoint("gpt_neox")
-    mid = convert(src, tmp_path / "mid", MIXED, progress=False)
-    chained = convert(mid, tmp_path / "chained", (2, 1), progress=False)
-    direct = convert(src, tmp_path / "direct", (2, 1), progress=False)
+    mid = convert(src, tmp_path / "mid", MIXED, method="mean", progress=False)
+    chained = convert(mid, tmp_path / "chained", (2, 1), method="mean", progress=False)
+    direct = convert(src, tmp_path / "direct", (2, 1), method="mean", progress=False)
     a, b = read_tensors(chained), read_tensors(direct)
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= 1e-6, f"mean of means vs mean: {worst}"  # contiguous equal groups: the same pooling
     manifest = json.loads((chained / "headfold.json").read_text())
     assert manifest["source"]["kv_heads"] == [4, 2] and manifest["source"]["manifest"]["conversion"]["kv_heads"] == [4, 2]
-    uniform = json.loads((convert(mid, tmp_path / "uniform", 2, progress=False) / "config.json").read_text())
+    uniform = json.loads((convert(mid, tmp_path / "uniform", 2, method="mean", progress=False) / "config.json").read_text())
     assert uniform["num_key_value_heads"] == 2 and "num_key_value_heads_per_layer" not in uniform
     with pytest.raises(BadInput, match="--kv-heads 4 for layer 1 is impossible .* and 2 kv heads; choose one of: 1, 2"):
-        convert(mid, tmp_path / "bad", 4, progress=False)
+        convert(mid, tmp_path / "bad", 4, method="mean", progress=False)
     assert not (tmp_path / "bad").exists()
 
 
@@ -193,7 +193,7 @@ def test_cli_refuses_bad_lists(command: str, kv_heads: str, words: str, tiny_che
 
 
 def test_cli_converts_a_list(tiny_checkpoint, tmp_path: Path, capsys) -> None:
-    code = main(["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "4,2", "-q"])
+    code = main(["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "4,2", "--method", "mean", "-q"])
     assert code == 0 and "(4,2 kv heads, method mean)" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_key_value_heads_per_layer"] == [4, 2]
 
@@ -213,7 +213,7 @@ def torch_greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_export_mixed_matches_torch(family: str, tiny_checkpoint, tmp_path: Path) -> None:
-    checkpoint = convert(tiny_checkpoint(family), tmp_path / "checkpoint", MIXED, progress=False)
+    checkpoint = convert(tiny_checkpoint(family), tmp_path / "checkpoint", MIXED, method="mean", progress=False)
     summary = export(checkpoint, tmp_path / "onnx", progress=False, graphs="split")
     assert summary["kv_heads"] == [4, 2]
     assert all(graph["attention_kv_heads"] == [4, 2] for graph in summary["graphs"].values())
@@ -238,7 +238,7 @@ def test_export_mixed_matches_torch(family: str, tiny_checkpoint, tmp_path: Path
 
 @pytest.mark.slow
 def test_export_mixed_ort_gqa_sets_kv_num_heads_per_node(tiny_checkpoint, tmp_path: Path) -> None:
-    checkpoint = convert(tiny_checkpoint("llama"), tmp_path / "checkpoint", MIXED, progress=False)
+    checkpoint = convert(tiny_checkpoint("llama"), tmp_path / "checkpoint", MIXED, method="mean", progress=False)
     export(checkpoint, tmp_path / "onnx", attention="ort-gqa", progress=False, graphs="split")
     for name in ("prefill.onnx", "decode.onnx"):
         graph = onnx.load(tmp_path / "onnx" / name, load_external_data=False).graph
@@ -257,7 +257,7 @@ def test_onnx_convert_takes_a_list(tiny_checkpoint, tmp_path: Path) -> None:
     export(src, tmp_path / "mha", progress=False, graphs="split")
     summary = convert_onnx(tmp_path / "mha" / "prefill.onnx", tmp_path / "gqa.onnx", MIXED)
     assert (summary["kv_heads"], summary["source_kv_heads"]) == ([4, 2], [HEADS])
-    model = load_model(convert(src, tmp_path / "checkpoint", MIXED, progress=False))
+    model = load_model(convert(src, tmp_path / "checkpoint", MIXED, method="mean", progress=False))
     batch = sample_batch(model.config, batch=3, seq=9)
     logits, *present = session(tmp_path / "gqa.onnx").run(None, {k: v.numpy() for k, v in batch.items()})
     with torch.no_grad():

@@ -174,7 +174,7 @@ def eager_llama_gqa(tiny_checkpoint, tmp_path_factory):
     """A kv-2 tiny llama prefill exported with eager attention: decomposed, with repeat_kv."""
     from headfold import convert
 
-    folder = convert(tiny_checkpoint("llama"), tmp_path_factory.mktemp("llama") / "kv2", KV, progress=False)
+    folder = convert(tiny_checkpoint("llama"), tmp_path_factory.mktemp("llama") / "kv2", KV, method="mean", progress=False)
     model = load_model(folder)
     model.set_attn_implementation("eager")
     return lambda: torch_export(decoder_graphs(model, 2, "split")[0], 23)

@@ -175,7 +175,7 @@ EXPECTED = {"10.13": False, "10.14": False, "10.15": True, "11.0": True}
 @pytest.fixture(scope="module")
 def llama_export(tiny_checkpoint, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("trt-lint")
-    checkpoint = convert(tiny_checkpoint("llama"), folder / "kv2", 2, progress=False)
+    checkpoint = convert(tiny_checkpoint("llama"), folder / "kv2", 2, method="mean", progress=False)
     export(checkpoint, folder / "onnx", progress=False, graphs="split")
     return folder / "onnx"
 

@@ -48,8 +48,8 @@ class Exports(dict):
             return self[name]
         llama = lambda: self.tiny_checkpoint("llama", vocab_size=256)  # noqa: E731
         make = {
-            "llama-kv2": lambda: convert(llama(), self.root / name, 2, progress=False),
-            "llama-kv4,2": lambda: convert(llama(), self.root / "llama-kv4-2", (4, 2), progress=False),
+            "llama-kv2": lambda: convert(llama(), self.root / name, 2, method="mean", progress=False),
+            "llama-kv4,2": lambda: convert(llama(), self.root / "llama-kv4-2", (4, 2), method="mean", progress=False),
             "gpt2": lambda: self.tiny_checkpoint("gpt2", vocab_size=256),
             "bert": lambda: self.tiny_checkpoint("bert", vocab_size=256),
         }

@@ -53,7 +53,7 @@ def tiny_export(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
             folder = tmp_path_factory.mktemp(f"{model_type}-kv{kv_heads or 'mha'}-export")
             source = tiny_checkpoint(model_type, **checkpoint)
             if kv_heads is not None:
-                source = convert(source, folder / "checkpoint", kv_heads, progress=False)
+                source = convert(source, folder / "checkpoint", kv_heads, method="mean", progress=False)
             export(source, folder / "onnx", progress=False, **export_options)
             cache[key] = source, folder / "onnx"
         return cache[key]

@@ -239,8 +239,8 @@ def test_convert_writes_exactly_what_the_manifest_record_reads(tiny_checkpoint, 
     """convert and a chained convert: the file is the record's JSON byte for byte, the parent nested whole."""
     from headfold import convert
 
-    first = convert(tiny_checkpoint("llama"), tmp_path / "kv2", 2, progress=False)
-    second = convert(first, tmp_path / "kv1", 1, progress=False)
+    first = convert(tiny_checkpoint("llama"), tmp_path / "kv2", 2, method="mean", progress=False)
+    second = convert(first, tmp_path / "kv1", 1, method="mean", progress=False)
     for folder in (first, second):
         assert manifest.load(folder).to_json() == (folder / MANIFEST).read_text()
     chained = manifest.load(second)

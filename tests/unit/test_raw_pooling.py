@@ -69,7 +69,7 @@ def test_raw_path_decodes_no_tensor(dtype: str, tiny_checkpoint, tmp_path: Path,
         raise AssertionError(f"{name} was decoded")
 
     monkeypatch.setattr(SourceCheckpoint, "get", refuse)
-    convert(tiny_checkpoint("gpt2", dtype=DTYPES[dtype]), tmp_path / "out", kv_heads=2, progress=False)
+    convert(tiny_checkpoint("gpt2", dtype=DTYPES[dtype]), tmp_path / "out", kv_heads=2, method="mean", progress=False)
 
 
 def test_bf16_rounding_matches_torch_bit_for_bit() -> None:
@@ -100,7 +100,7 @@ def test_mean_conversion_imports_no_torch(tiny_checkpoint, tmp_path: Path) -> No
     code = (
         "import sys\n"
         "from headfold.converter import convert\n"
-        f"convert({str(src)!r}, {str(out)!r}, kv_heads=2, progress=False)\n"
+        f"convert({str(src)!r}, {str(out)!r}, kv_heads=2, method='mean', progress=False)\n"
         "loaded = [m for m in ('torch', 'transformers', 'onnx') if m in sys.modules]\n"
         "assert not loaded, f'a mean conversion imported {loaded}'\n"
     )
