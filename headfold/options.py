@@ -22,10 +22,13 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.ground.errors import BadInput, HeadfoldError
+from headfold.ground.units import PRECISIONS, parse_fraction
 
 log = logging.getLogger(__name__)
 OPTIONS = "Options"  # the heading of a command's own options, listed first
+CONVERSION, EXPORT = "Conversion options", "Export options"
 PATH = click.Path(path_type=Path)
 
 
@@ -86,26 +89,35 @@ class KvHeads(click.ParamType):
 
 
 class Fraction(click.ParamType):
-    """0.05 or 5%."""
+    """0.05 or 5% (finite, not negative)."""
 
     name = "FRACTION"
 
     def convert(self, value, param, ctx):
-        from headfold.verification.budget import parse_fraction
-
         try:
-            return parse_fraction(value, f"--{param.name.replace('_', '-')}") if isinstance(value, str) else value
+            return parse_fraction(value, param.opts[0] if param else "value") if isinstance(value, str) else value
         except HeadfoldError as err:
             self.fail(str(err), param, ctx)
+
+
+class Nats(Fraction):
+    """A KL divergence in nats: a finite, non-negative number (no percent sign)."""
+
+    name = "NATS"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.strip().endswith("%"):
+            self.fail(f"{value!r}: a KL divergence is in nats, not a percentage; write e.g. 0.05", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 KV_HEADS_HELP = "one value for every layer, or one per layer comma-separated (8,4,4,2); each must divide the attention heads"
 METHOD_HELP = (
     "How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
-    "or combine with '+': grouped (pick groups by activation similarity), aligned (rotate heads to a common basis "
-    "first, function-preserving), refit (least-squares fit of W_Q/W_O to the pooled K/V). Best: aligned+grouped+refit."
+    "or combine with '+': aligned (rotate heads to a common basis first, function-preserving), grouped (pick groups "
+    "by activation similarity), refit (least-squares fit of W_Q/W_O to the pooled K/V). The default is the best "
+    "training-free method measured; an ONNX source pools with mean."
 )
-BEST_METHOD = "aligned+grouped+refit"
 
 
 def kv_heads_spec(default: str | None = None) -> Spec:
@@ -113,8 +125,8 @@ def kv_heads_spec(default: str | None = None) -> Spec:
     return spec("--kv-heads", type=KvHeads(), required=default is None, default=default, help=help)
 
 
-def method_spec(default: str = "mean") -> Spec:
-    return spec("--method", default=default, metavar="METHOD", help=METHOD_HELP)
+def method_spec() -> Spec:
+    return spec("--method", default=DEFAULT_METHOD, metavar="METHOD", help=METHOD_HELP)
 
 
 def batch_size_spec(default: int | None) -> Spec:
@@ -122,12 +134,15 @@ def batch_size_spec(default: int | None) -> Spec:
 
 
 SEED = spec("--seed", type=int, default=0, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
-OVERWRITE = spec("--overwrite", is_flag=True, help="Write where outputs exist: they are replaced atomically, only once the command succeeded (run: other files in OUT_DIR stay).")
-QUIET = spec("--quiet", "-q", is_flag=True, help="No progress bars or progress lines; the same as `headfold -q`.")
-JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"), default=None, metavar="[FILE]", help="Write the result as JSON to FILE (atomically); without FILE, or '-', print it instead of the table.")
+OVERWRITE = spec("--overwrite", is_flag=True, help="Write where outputs exist: they are replaced atomically, only once the command succeeded, and only outputs headfold wrote (run: other files in OUT_DIR stay).")
+QUIET = spec("--quiet", "-q", is_flag=True, help="Only results, warnings and errors: no progress bars or progress lines (the same as `headfold -q`).")
+VERBOSE = spec("--verbose", "-v", is_flag=True, help="Also debug lines and the libraries' own warnings, on stderr (the same as `headfold -v`).")
+JSON_HELP = "Write the result as JSON to FILE (atomically); without FILE, or with '-', print it to stdout instead of the table, and nothing else."
+JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"), default=None, metavar="[FILE]", help=JSON_HELP)
+REVISION = spec("--revision", default=None, metavar="REV", help="Branch, tag or commit of the hub ids (ORG/NAME) given as checkpoints; they are read from the Hugging Face cache (HF_HOME), fetched when online.")
 TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")
 OPSET = spec("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25 (Attention exists from 23; torch writes invalid models above 25).")
-DTYPE = spec("--dtype", type=click.Choice(("fp32", "fp16", "bf16")), default="fp32", help="Exported weight dtype (normalisations stay fp32 inside); picks the fidelity defaults.")
+DTYPE = spec("--dtype", type=click.Choice(PRECISIONS), default="fp32", help="Exported weight dtype (normalisations stay fp32 inside); picks the fidelity defaults.")
 
 
 # -- groups: options under one heading that become one argument --------------------------------
@@ -136,26 +151,45 @@ DTYPE = spec("--dtype", type=click.Choice(("fp32", "fp16", "bf16")), default="fp
 @dataclass(frozen=True)
 class OptionGroup:
     """Options under the help heading `title`; `build(**values)` becomes the command's argument
-    `into` (without `build` the values pass through as they are)."""
+    `into` (without `build` the values pass through as they are).
+
+    Two groups of one command may share an option (one `--seed` for calibration and evaluation in
+    `run`): it is declared once and each group reads it. With `prefix="distill"` every flag is
+    spelled `--distill-…`: another command's options, in a command that runs its stage (run)."""
 
     title: str
     specs: tuple[Spec, ...]
     into: str | None = None
     build: Callable[..., Any] | None = None
+    prefix: str = ""
 
     def __call__(self, f: Callable) -> Callable:
-        params = [Option(decls, section=self.title, **kwargs) for decls, kwargs in self.specs]
-        names = [p.name for p in params]
+        declared = {p.name for p in getattr(f, "__click_params__", [])}  # by groups applied before (inner)
+        params = [Option(decls, section=self.title, **kwargs) for decls, kwargs in self._specs()]
+        names = {p.name: p.name.removeprefix(f"{self.prefix}_" if self.prefix else "") for p in params}  # param → field
 
         @functools.wraps(f)
         def command(*args: Any, **values: Any) -> Any:
-            if self.build is not None:
-                values[self.into] = self.build(**{name: values.pop(name) for name in names})
+            if self.build is not None:  # an option an inner group declared too stays for that group
+                given = {field: values[name] if name in declared else values.pop(name) for name, field in names.items()}
+                values[self.into] = self.build(**given)
                 log.debug(f"{self.into}: {values[self.into]!r}")  # -v shows what the options became
             return f(*args, **values)
 
-        command.__click_params__ = [*getattr(f, "__click_params__", []), *reversed(params)]  # click lists them reversed
+        fresh = [p for p in params if p.name not in declared]
+        command.__click_params__ = [*getattr(f, "__click_params__", []), *reversed(fresh)]  # click lists them reversed
         return command
+
+    def _specs(self) -> tuple[Spec, ...]:
+        """The specs, with --flag → --PREFIX-flag and a named destination → PREFIX_name (short flags dropped)."""
+        if not self.prefix:
+            return self.specs
+        renamed = []
+        for decls, kwargs in self.specs:
+            flag = next(d for d in decls if d.startswith("--"))
+            dest = [f"{self.prefix}_{d}" for d in decls if not d.startswith("-")]
+            renamed.append(((f"--{self.prefix}-{flag[2:]}", *dest), kwargs))
+        return tuple(renamed)
 
 
 def options(*specs: Spec, title: str = OPTIONS) -> OptionGroup:
@@ -163,39 +197,71 @@ def options(*specs: Spec, title: str = OPTIONS) -> OptionGroup:
     return OptionGroup(title, specs)
 
 
-# Output: --overwrite and --quiet (and --json where a command writes JSON)
-@dataclass(frozen=True)
-class Output:
-    overwrite: bool = False
-    quiet: bool = False
+def stacked(*groups: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
+    """Several groups as one decorator, applied in the order listed (the first one's options first)."""
 
-    @property
-    def progress(self) -> bool:
-        return not self.quiet
-
-
-def _output(overwrite: bool = False, quiet: bool = False) -> Output:
-    quiet = quiet or verbosity() < 0
-    if quiet:
-        configure_logging(-1)
-    return Output(overwrite, quiet)
-
-
-def output_options(*extra: Spec, quiet: bool = True) -> OptionGroup:
-    """--overwrite [--quiet] as an Output; `extra` (e.g. --json) pass through beside it."""
-    group = OptionGroup("Output", (OVERWRITE, *((QUIET,) if quiet else ())), "output", _output)
-    if not extra:
-        return group
-    return _stacked(options(*extra, title="Output"), group)
-
-
-def _stacked(*groups: OptionGroup) -> Callable[[Callable], Callable]:
     def apply(f: Callable) -> Callable:
         for group in reversed(groups):
             f = group(f)
         return f
 
     return apply
+
+
+# Output: the same options on every command
+@dataclass(frozen=True)
+class Output:
+    """-q, -v, --json and --overwrite as one command took them."""
+
+    overwrite: bool = False
+    quiet: bool = False
+    verbose: bool = False
+    json_path: Path | None = None  # None: print the table; "-": the JSON on stdout instead; else a file
+
+    @property
+    def progress(self) -> bool:
+        return not self.quiet
+
+    @property
+    def json_to_stdout(self) -> bool:
+        return self.json_path is not None and str(self.json_path) == "-"
+
+    def emit(self, table: str, as_json: str) -> None:
+        """The result: the table, or with --json - the JSON alone, or with --json FILE both (the
+        file written atomically, the table printed)."""
+        if self.json_to_stdout:
+            click.echo(as_json, nl=not as_json.endswith("\n"))
+            return
+        if self.json_path is not None:
+            from headfold.ground.atomic import atomic_output
+
+            with atomic_output(self.json_path, is_dir=False, overwrite=self.overwrite) as tmp:
+                tmp.write_text(as_json if as_json.endswith("\n") else as_json + "\n")
+        click.echo(table)
+        if self.json_path is not None:
+            click.echo(f"wrote JSON {self.json_path}")
+
+    def say(self, line: str) -> None:
+        """A line beside the result: on stdout, or on stderr when stdout carries the JSON alone."""
+        click.echo(line, err=self.json_to_stdout)
+
+
+def _output(quiet: bool = False, verbose: bool = False, overwrite: bool = False, json_path: Path | None = None) -> Output:
+    level = verbosity() + int(verbose) - int(quiet)
+    configure_logging(level)
+    if level <= 0:
+        quiet_libraries()
+    return Output(overwrite, level < 0, level > 0, json_path)
+
+
+def output_options(*, writes: bool = True, result: bool = True, extra: tuple[Spec, ...] = (), json_alias: str | None = None) -> OptionGroup:
+    """-q, -v, and --json where the command has a result, --overwrite where it writes, as an Output;
+    `extra` (verify's --markdown, inspect's --heatmap) pass through beside it; `json_alias` is a
+    second name of --json (verify's --report, from the command-line contract)."""
+    json_spec = (("--json", json_alias, *JSON[0][1:]), JSON[1]) if json_alias else JSON
+    specs = (QUIET, VERBOSE, *((json_spec,) if result else ()), *((OVERWRITE,) if writes else ()))
+    group = OptionGroup("Output", specs, "output", _output)
+    return stacked(options(*extra, title="Output"), group) if extra else group
 
 
 # Calibration of the data-aware methods (convert, inspect)
@@ -258,7 +324,7 @@ threshold_options = OptionGroup(
     (
         spec("--budget", "budget_file", type=PATH, default=None, help="TOML/YAML/JSON file with [fidelity] and [loss] budgets (options below override it)."),
         spec("--max-ppl-increase", type=Fraction(), default=None, help="Loss: largest relative perplexity increase, e.g. 5% or 0.05. [default: 5%]"),
-        spec("--max-kl", type=Fraction(), default=None, help="Loss: largest mean per-token KL(original || converted), nats. [default: 0.05]"),
+        spec("--max-kl", type=Nats(), default=None, help="Loss: largest mean per-token KL(original || converted), in nats. [default: 0.05]"),
         spec("--min-top1", type=Fraction(), default=None, help="Smallest top-1 agreement (loss check; in verify, whichever check runs). [default: loss 90%, fidelity fp32 99.9%]"),
         spec("--min-cosine", type=Fraction(), default=None, help="Smallest cosine (loss: encoder embeddings; in verify, whichever check runs). [default: loss 0.99, fidelity fp32 0.99999]"),
         spec("--atol", type=Fraction(), default=None, help="Fidelity: an element fails when it exceeds both atol and rtol. [default fp32: 1e-4, fp16: 1e-2]"),
@@ -268,12 +334,93 @@ threshold_options = OptionGroup(
     _thresholds,
 )  # fmt: skip
 
-report_options = options(
-    spec("--report", "json_path", type=PATH, default=None, help="Write every metric, budget, verdict, version and input hash as JSON."),
+REPORTS = (
     spec("--markdown", "markdown_path", type=PATH, default=None, help="Write the tables as Markdown (for a PR comment)."),
     spec("--junit", "junit_path", type=PATH, default=None, help="Write JUnit XML: one testcase per check."),
-    title="Output",
 )  # fmt: skip
+
+
+# Conversion (convert, run, demo)
+def conversion_options(*, kv_default: str | None = None, written: bool = True) -> OptionGroup:
+    """--kv-heads and --method, and where a checkpoint is written (convert, run) --shard-size and --allow-pickle."""
+    checkpoint = (
+        spec("--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file)."),
+        spec("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin pickles (loaded with weights_only=True; from the hub only when the repo has no safetensors). Off by default: pickles can run code."),
+    )  # fmt: skip
+    return options(kv_heads_spec(kv_default), method_spec(), *(checkpoint if written else ()), title=CONVERSION)
+
+
+# Export (export, run)
+@dataclass(frozen=True)
+class ExportOptions:
+    opset: int = 23
+    dtype: str = "fp32"
+    attention: str = "onnx"
+    graphs: str | None = None  # None: split for a TensorRT target, else merged (run: split where TensorRT builds)
+    optimize: str | None = None
+    position_ids: bool = False
+    trt_version: str | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        """As headfold.graphs.export.export takes them; graphs None: the caller's layout (export: split
+        for a TensorRT target, else merged; run: split where TensorRT builds)."""
+        return {"opset": self.opset, "dtype": self.dtype, "attention": self.attention, "graphs": self.graphs, "optimize": self.optimize,
+                "explicit_positions": self.position_ids, "trt_version": self.trt_version}  # fmt: skip
+
+
+export_options = OptionGroup(
+    EXPORT,
+    (
+        OPSET, DTYPE,
+        spec("--attention", type=click.Choice(("onnx", "ort-gqa")), default="onnx", help="Fused node: onnx = standard Attention (ORT, TensorRT); ort-gqa = com.microsoft.GroupQueryAttention for ONNX Runtime CUDA decoding (decoders only; unpadded or right-padded batches; CUDA runs it in fp16/bf16)."),
+        spec("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split for a TensorRT target]"),
+        spec("--optimize", type=click.Choice(("ort",)), default=None, help="ort = ONNX Runtime's fusions (onnxscript ort_fusions: simplified/skip layer norm, fused matmuls), counted in export.json; the graph then runs in ONNX Runtime only."),
+        spec("--position-ids", is_flag=True, help="Merged decoder graph: take a position_ids [B, S] input (named in genai_config.json) instead of counting positions over the mask's real tokens."),
+        TRT_VERSION,
+    ),
+    "export",
+    ExportOptions,
+)  # fmt: skip
+
+
+# Distillation (distill; run and demo as --distill-…)
+DISTILL_DATA = spec("--data", type=PATH, default=None, help="Training text: a text file, .jsonl/.parquet with a 'text' field, or a datasets save_to_disk folder. Default only for the embedded model: its training split.")
+DISTILL_TOKENS = spec("--tokens", type=str, default=None, help="Training tokens over all processes: 200000, 200k, 1.5M, or 5% of the teacher's pre-training tokens (known only for the embedded model); rounded down to whole steps.")
+DISTILL_TRAINING = (
+    DISTILL_DATA,
+    spec("--eval-data", type=PATH, default=None, help="Held-out text (same formats). Default: the first --eval-windows windows of --data, never trained on."),
+    DISTILL_TOKENS,
+    spec("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens. [default without --tokens: 40]"),
+    spec("--seq-len", type=int, default=256, help="Tokens per training window."),
+    batch_size_spec(None),  # None: the run's default_batch_size()
+    spec("--lr", type=float, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: by the student's kind, docs/distill.md]"),
+    spec("--train", type=click.Choice(("kv", "attention", "all", "lora")), default=None, help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end. [default: attention for decoders, all for encoders]"),
+    spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
+    spec("--temperature", type=float, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
+    spec("--hidden-weight", type=float, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: by the student's kind, docs/distill.md]"),
+    spec("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, slower."),
+    SEED,
+)  # fmt: skip
+DISTILL_EVALUATION = (
+    spec("--eval-every", type=int, default=None, help="Evaluate on the held-out windows every N steps. [default: 8 evaluations per run]"),
+    spec("--eval-windows", type=int, default=32, help="Held-out windows of --seq-len tokens."),
+    spec("--until-kl", type=Nats(), default=None, help="Stop once the held-out KL (nats per token) is at most this (checked at each evaluation)."),
+    spec("--until-ppl-increase", type=Fraction(), default=None, help="Stop once the held-out perplexity is within this of the teacher's, e.g. 2%."),
+)  # fmt: skip
+
+
+def _distill_stage(data: Path | None = None, eval_data: Path | None = None, **values: Any):
+    """The distill stage `run` adds when any --distill-… option is given (None: convert → export directly)."""
+    ctx = click.get_current_context()
+    asked = {name for name in ctx.params if name.startswith("distill_") and ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)}
+    if not asked:
+        return None
+    from headfold.distillation.stage import DistillStage
+
+    return DistillStage(data, {name: value for name, value in values.items() if f"distill_{name}" in asked}, eval_data)
+
+
+distill_stage_options = OptionGroup("Distill stage", DISTILL_TRAINING + DISTILL_EVALUATION, "distill", _distill_stage, prefix="distill")
 
 
 # The TensorRT build profile (build)
@@ -292,11 +439,11 @@ class Profile:
 
 
 TENSORRT = "TensorRT options"
-profile_options = _stacked(
+profile_options = stacked(
     OptionGroup(
         TENSORRT,
         (
-            spec("--precision", type=click.Choice(("fp32", "fp16", "bf16")), default=None, help="Engine precision. Default: the graph's own. TensorRT 11 takes only that (re-export with --dtype); 10.x builds an fp32 graph in fp16/bf16 with builder flags."),
+            spec("--precision", type=click.Choice(PRECISIONS), default=None, help="Engine precision. Default: the graph's own. TensorRT 11 takes only that (re-export with --dtype); 10.x builds an fp32 graph in fp16/bf16 with builder flags."),
             spec("--batch", default=None, metavar="MIN:OPT:MAX", help="Batch sizes of the optimization profile, e.g. 1:4:8 (one number: fixed). [default: 1:4:8]"),
             spec("--seq", default=None, metavar="MIN:OPT:MAX", help="Sequence lengths (prefill / encoder graphs). [default: 1:limit/2:limit, limit = the model's max positions]"),
             spec("--past", default=None, metavar="MIN:OPT:MAX", help="KV-cache lengths (decode graph). [default: 0:limit/2:limit-1]"),
@@ -333,16 +480,21 @@ LOGGER = "headfold"
 
 
 class EchoHandler(logging.Handler):
-    """Prints a record as click.echo did: info and debug on stdout, warnings and errors on stderr."""
+    """Prints every record on stderr: stdout carries results only (a table, a JSON, "wrote …")."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            click.echo(self.format(record), err=record.levelno >= logging.WARNING)
+            click.echo(self.format(record), err=True)
         except Exception:  # a closed pipe must not turn a log line into a failure
             self.handleError(record)
 
 
 _handler = EchoHandler()
+
+
+def color_allowed() -> bool | None:
+    """Colours on a terminal only (click strips them elsewhere), and never with NO_COLOR set (no-color.org)."""
+    return False if os.environ.get("NO_COLOR") else None
 
 
 def configure_logging(level: int) -> None:

@@ -16,10 +16,11 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.engines.env import engine_support
 from headfold.ground import VERSION
 from headfold.ground.artifacts import LEDGER, REPORT
@@ -138,88 +139,131 @@ def run(
     out_dir: str | os.PathLike,
     kv_heads: int | Sequence[int],
     *,
-    method: str = "mean",
-    opset: int = 23,
-    dtype: str = "fp32",
+    method: str = DEFAULT_METHOD,
+    revision: str | None = None,
+    shard_size: str | int | None = None,
+    allow_pickle: bool = False,
+    calibration: dict[str, Any] | None = None,
+    distill: DistillStage | None = None,
+    export: dict[str, Any] | None = None,
+    build: dict[str, Any] | None = None,
     inputs: InputSpec = InputSpec(),
     thresholds: Thresholds = Thresholds(),
     overwrite: bool = False,
-    distill: DistillStage | None = None,
+    progress: bool = False,
 ) -> Report:
-    """The whole pipeline on the checkpoint folder `src`; outputs under `out_dir`; the verify report.
+    """The whole pipeline on the checkpoint `src` (a folder or hub id ORG/NAME at `revision`); outputs
+    under `out_dir`; the verify report.
 
-    `out_dir` must be new, empty or a run folder (its ledger); `overwrite` also accepts a folder of
-    other files, which stay: run only ever replaces the stage folders its ledger records."""
+    Each stage takes its command's options: `shard_size`, `allow_pickle` and `calibration`
+    (calibration, calibration_tokens, seed) as convert takes them, `distill` (None: no distill
+    stage), `export` as headfold export's keywords (opset, dtype, attention, graphs, optimize,
+    explicit_positions, trt_version), `build` as the TensorRT profile (precision, batch, seq, past,
+    workspace, timing_cache), `inputs` and `thresholds` as verify's. `out_dir` must be new, empty or a
+    run folder (its ledger); `overwrite` also accepts a folder of other files, which stay: run only
+    ever replaces the stage folders its ledger records. `progress` shows each stage's own progress."""
+    from headfold.converter.sources import checkpoint_folder
     from headfold.graphs.export import check_opset
 
-    src, out = Path(src).resolve(), Path(out_dir).resolve()
+    src = checkpoint_folder(src, revision=revision, allow_pickle=allow_pickle).resolve()
+    out = Path(out_dir).resolve()
     if resolve(src).kind != "checkpoint":
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
     check_disjoint(out, (src,))
-    check_opset(opset)
-    budgets = {"loss": asdict(thresholds.loss(dtype)), "fidelity": asdict(thresholds.fidelity(dtype))}  # bad budgets fail first
+    settings = Settings(kv_heads, method, shard_size, allow_pickle, calibration or {}, distill, export or {}, build or {}, inputs, thresholds, progress)
+    check_opset(settings.export.get("opset", 23))
     text, _ = read_text(inputs.text)
     with output_lock(out):  # one run per OUT_DIR
         created = not out.exists()
         ledger = Ledger(out, overwrite=overwrite)
         try:
-            return _run_stages(src, out, ledger, kv_heads, method, opset, dtype, inputs, thresholds, budgets, text, distill)
+            return _run_stages(src, out, ledger, settings, text)
         except BaseException:
             if created and not any(entry.key for entry in ledger.stages.values()):
                 shutil.rmtree(out, ignore_errors=True)  # no stage finished: a failed first run leaves nothing
             raise
 
 
-def _run_stages(
-    src: Path, out: Path, ledger: Ledger, kv_heads: int | Sequence[int], method: str, opset: int, dtype: str,
-    inputs: InputSpec, thresholds: Thresholds, budgets: dict, text: str, distill: DistillStage | None = None,
-) -> Report:  # fmt: skip
+@dataclass(frozen=True)
+class Settings:
+    """What run was asked for, stage by stage."""
+
+    kv_heads: int | Sequence[int]
+    method: str
+    shard_size: str | int | None
+    allow_pickle: bool
+    calibration: dict[str, Any]
+    distill: DistillStage | None
+    export: dict[str, Any]
+    build: dict[str, Any]
+    inputs: InputSpec
+    thresholds: Thresholds
+    progress: bool
+
+    @property
+    def dtype(self) -> str:
+        return self.export.get("dtype") or "fp32"
+
+    def budgets(self) -> dict[str, Any]:
+        """The gates as run applies them (a bad budget file fails before any stage runs)."""
+        return {"loss": asdict(self.thresholds.loss(self.dtype)), "fidelity": asdict(self.thresholds.fidelity(self.dtype))}
+
+
+def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, text: str) -> Report:
     from headfold import corpus
     from headfold.converter import convert
     from headfold.graphs.export import export
 
+    budgets = settings.budgets()
+    stages: dict[str, str] = {}
+    total = 4 + (settings.distill is not None)
+
+    def stage(name: str, inputs: dict[str, Any], output: Path, work: Callable[[], Any]) -> tuple[str, Any]:
+        log.info(f"[{len(stages) + 1}/{total}] {name} → {output}")
+        digest, done = _stage(ledger, name, inputs, output, work)
+        stages[name] = _status(done)
+        return digest, done
+
     converted, onnx_dir, engines, verified = (out / s for s in ("convert", "export", "build", "verify"))
-    conv_inputs = {"source": tree_digest(src), "kv_heads": kv_heads, "method": method}
-    conv_digest, done = _stage(
-        ledger, "convert", conv_inputs, converted, lambda: convert(src, converted, kv_heads, method, overwrite=True, progress=False, builtin_text=corpus.calibration_text())
-    )
-    stages = {"convert": _status(done)}
-    if distill is not None:  # the distilled checkpoint replaces the converted one downstream
-        student, converted = converted, out / "distill"
-        dist_inputs = {"checkpoint": conv_digest, **distill.key(src, student)}
-        conv_digest, done = _stage(ledger, "distill", dist_inputs, converted, lambda: distill(src, student, converted))
-        stages["distill"] = _status(done)
-    layout = "split" if engine_support() is None else "merged"  # TensorRT builds the split pair; onnxruntime-genai runs merged
-    exp_inputs = {"checkpoint": conv_digest, "opset": opset, "dtype": dtype, "graphs": layout}
-    exp_digest, done = _stage(
-        ledger, "export", exp_inputs, onnx_dir,
-        lambda: export(converted, onnx_dir, opset=opset, dtype=dtype, overwrite=True, progress=False, graphs=layout),
+    conversion = {"kv_heads": settings.kv_heads, "method": settings.method, "max_shard_size": settings.shard_size, "allow_pickle": settings.allow_pickle, **settings.calibration}
+    conv_digest, _ = stage(
+        "convert", {"source": tree_digest(src), **conversion}, converted,
+        lambda: convert(src, converted, overwrite=True, progress=settings.progress, builtin_text=corpus.calibration_text(), **conversion),
     )  # fmt: skip
-    stages["export"] = _status(done)
-    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines)
+    if settings.distill is not None:  # the distilled checkpoint replaces the converted one downstream
+        student, converted, distill = converted, out / "distill", settings.distill
+        conv_digest, _ = stage("distill", {"checkpoint": conv_digest, **distill.key(src, student)}, converted, lambda: distill(src, student, converted, progress=settings.progress))
+    layout = "split" if engine_support() is None else "merged"  # TensorRT builds the split pair; onnxruntime-genai runs merged
+    exporting = {"graphs": layout, **{k: v for k, v in settings.export.items() if v is not None}}
+    exp_digest, _ = stage(
+        "export", {"checkpoint": conv_digest, **exporting}, onnx_dir,
+        lambda: export(converted, onnx_dir, overwrite=True, progress=settings.progress, **exporting),
+    )  # fmt: skip
+    log.info(f"[{len(stages) + 1}/{total}] build → {engines}")
+    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines, settings.build)
 
     verify_inputs = {
         "export": exp_digest,
         "build": build_digest,
         "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
-        "inputs": {k: v for k, v in asdict(inputs).items() if k != "text"},
+        "inputs": {k: v for k, v in asdict(settings.inputs).items() if k != "text"},
         "budgets": budgets,
     }
 
     def verify_stage() -> Report:
-        report = _verify(src, converted, onnx_dir, inputs, thresholds, dtype, engines if build_digest else None)
+        report = _verify(src, converted, onnx_dir, settings.inputs, settings.thresholds, settings.dtype, engines if build_digest else None)
         report.stages = {**stages, "verify": "ran"}
         _write_report(report, verified)
         return report
 
-    _, report = _stage(ledger, "verify", verify_inputs, verified, verify_stage)
+    _, report = stage("verify", verify_inputs, verified, verify_stage)
     if report is None:  # skipped: the stored report is intact and still current
         report = Report.load(verified / REPORT_FILES["json"])
-        report.stages = {**stages, "verify": "skipped"}
+        report.stages = {**stages}
     return report
 
 
-def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path) -> tuple[str | None, str]:
+def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path, profile: dict[str, Any]) -> tuple[str | None, str]:
     """(engines' sha256, status) when the engines are current, else (None, "skipped: why they were not built")."""
     from headfold.engines.build import build_export
     from headfold.engines.plan import Unparsable
@@ -228,9 +272,9 @@ def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path)
     if why_not is None:
         import tensorrt
 
-        inputs = {"export": exp_digest, "tensorrt": tensorrt.__version__, "gpu": _gpu_name()}
+        inputs = {"export": exp_digest, "tensorrt": tensorrt.__version__, "gpu": _gpu_name(), **{k: v for k, v in profile.items() if v is not None}}
         try:
-            digest, done = _stage(ledger, "build", inputs, engines, lambda: build_export(onnx_dir, engines))
+            digest, done = _stage(ledger, "build", inputs, engines, lambda: build_export(onnx_dir, engines, **profile))
             return digest, _status(done)
         except Unparsable as err:  # this TensorRT is too old for the graph: like no TensorRT at all
             why_not = str(err)

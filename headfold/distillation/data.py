@@ -190,6 +190,12 @@ class WindowPlan:
 
         return islice(epochs(), skip, None)
 
+    def repeated(self, needed: int) -> int | None:
+        """How many training windows the data holds when `needed` windows would repeat them (None:
+        it holds more; at most `needed` + 1 are read to tell)."""
+        available = sum(1 for _ in islice(windows(self.train, self.encoder, self.seq_len), self.skip, self.skip + needed + 1))
+        return available if available <= needed else None
+
     def check(self) -> None:
         """BadInput when the data gives no window, or no training window after the held-out ones."""
         first = list(islice(windows(self.train, self.encoder, self.seq_len), self.skip + 1))

@@ -23,6 +23,7 @@ import torch
 
 from headfold import corpus
 from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.sources import checkpoint_folders
 from headfold.distillation import output, sharding, state
 from headfold.distillation.budget import is_embedded, parse_tokens, pretraining_tokens
 from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, file_source
@@ -100,13 +101,15 @@ def distill(
     resume: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    revision: str | None = None,
     **options: Any,
 ) -> Path:
     """Distill STUDENT (a headfold conversion of TEACHER) towards TEACHER on `data`; the output folder.
 
-    `options` are the fields of DistillOptions. Raises BadInput (nothing written) for a bad request.
+    TEACHER and STUDENT are checkpoint folders or hub ids ORG/NAME (at `revision`). `options` are the
+    fields of DistillOptions. Raises BadInput (nothing written) for a bad request.
     """
-    teacher, student = Path(teacher), Path(student)
+    teacher, student = checkpoint_folders(teacher, student, revision=revision)
     opts = requested(teacher, options)
     teacher_ckpt, student_ckpt, manifest = check_pair(teacher, student)
     out = check_output(Path(out), overwrite=overwrite, sources=(teacher, student))
@@ -126,6 +129,8 @@ def distill(
     sharding.shard_cpu_processes(accelerator)
     opts = resolve_defaults(opts, encoder_model, accelerator.num_processes)
     steps = total_steps(opts, accelerator.num_processes)
+    if accelerator.is_main_process:
+        log.info(budget_line(plan, opts, steps, accelerator.num_processes))
     identity = run_identity(teacher, student, plan, opts, accelerator.num_processes)
     folder = state.state_folder(out)
     checkpoint = state.open_run(folder, identity, resume)
@@ -260,6 +265,14 @@ def total_steps(opts: DistillOptions, processes: int) -> int:
     if opts.tokens < per_step:
         raise BadInput(f"--tokens {opts.tokens} is below one batch ({opts.batch_size} × {opts.seq_len} tokens × {processes} process(es) = {per_step}); give more tokens, a smaller --batch-size or a shorter --seq-len")
     return opts.tokens // per_step
+
+
+def budget_line(plan: WindowPlan, opts: DistillOptions, steps: int, processes: int) -> str:
+    """What the token budget means for the data: how many passes over --data it makes."""
+    needed = steps * opts.batch_size * processes
+    available = plan.repeated(needed)
+    over = f"{needed / available:.1f} passes over the {available} windows of" if available else "less than one pass over"
+    return f"distill: {steps} steps × {opts.batch_size * processes} windows × {opts.seq_len} tokens = {needed * opts.seq_len:,} tokens, {over} {plan.train.name}"
 
 
 def run_identity(teacher: Path, student: Path, plan: WindowPlan, opts: DistillOptions, processes: int) -> dict[str, Any]:

@@ -72,11 +72,15 @@ class Report:
             }
         )
 
-    def write(self, json_path: Path | None = None, markdown_path: Path | None = None, junit_path: Path | None = None) -> None:
+    def write(self, json_path: Path | None = None, markdown_path: Path | None = None, junit_path: Path | None = None, *, overwrite: bool = False) -> None:
+        """The reports asked for, each written atomically; an existing one replaced only with `overwrite`."""
+        from headfold.ground.atomic import atomic_output
+
         for path, text in ((json_path, self.to_json), (markdown_path, self.markdown), (junit_path, self.junit)):
             if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text())
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                with atomic_output(Path(path), is_dir=False, overwrite=overwrite) as tmp:
+                    tmp.write_text(text())
 
     @classmethod
     def load(cls, path: Path) -> Report:
@@ -137,15 +141,20 @@ class Report:
         ET.indent(root)
         return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
-    def table(self) -> str:
-        """The terminal summary: one block per check, failed gates in red (click.unstyle for plain)."""
-        paint = {"PASS": "green", "FAIL": "red"}
+    def table(self, color: bool = False) -> str:
+        """The terminal summary: one block per check; with `color`, verdicts in green and red (the CLI
+        asks for them; click drops them off a terminal and with NO_COLOR)."""
+        colours = {"PASS": "green", "FAIL": "red"}
+
+        def paint(verdict: str, bold: bool = False) -> str:
+            return click.style(verdict, fg=colours[verdict], bold=bold) if color and verdict else verdict
+
         lines = []
         for check in self.checks:
-            status = click.style("PASS" if check.passed else "FAIL", fg=paint["PASS" if check.passed else "FAIL"], bold=True)
+            status = paint("PASS" if check.passed else "FAIL", bold=True)
             lines += [f"{status} {self._title(check)}  [{check.seconds:.1f} s]", f"  {'metric':<22} {'value':>12}  {'budget':<12} result"]
             for metric, value, budget, verdict in self.rows(check):
-                mark = click.style(verdict, fg=paint[verdict]) if verdict else ""
+                mark = paint(verdict)
                 lines.append(f"  {metric:<22} {value:>12}  {budget:<12} {mark}".rstrip())
             lines += [f"  note: {note}" for note in check.notes]
         return "\n".join(lines)

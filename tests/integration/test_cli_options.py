@@ -60,7 +60,7 @@ def test_groups_build_the_objects_their_commands_take() -> None:
 
     decorated = input_options(token_ids=True)(threshold_options(spy))
     probe = click.Command("probe", callback=decorated, params=list(reversed(decorated.__click_params__)))
-    probe.main(["--window", "64", "--max-rows", "0", "--seed", "3", "--max-kl", "5%"], standalone_mode=False)
+    probe.main(["--window", "64", "--max-rows", "0", "--seed", "3", "--max-kl", "0.05"], standalone_mode=False)
     assert seen["inputs"] == InputSpec(window=64, max_rows=None, seed=3)
     assert isinstance(seen["thresholds"], Thresholds) and seen["thresholds"].max_kl == 0.05
 
@@ -72,9 +72,8 @@ def test_groups_build_the_objects_their_commands_take() -> None:
         (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--shard-size", "1GB"], "--shard-size does not apply to an ONNX source"),
         (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--allow-pickle"], "--allow-pickle does not apply to an ONNX source"),
         (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--calibration", "{d}/t.txt", "--seed", "1"], "--calibration and --seed do not apply to an ONNX source"),
-        (["convert", "{d}/src", "{d}/out", "--kv-heads", "2", "--calibration", "{d}/t.txt"], "--calibration does not apply to --method mean"),
+        (["convert", "{d}/src", "{d}/out", "--kv-heads", "2", "--method", "mean", "--calibration", "{d}/t.txt"], "--calibration does not apply to --method mean"),
         (["convert", "{d}/src", "{d}/out", "--kv-heads", "2", "--method", "first", "--seed", "3"], "--seed does not apply to --method first"),
-        (["build", "{d}/m.onnx", "{d}/m.engine", "--json"], "--json does not apply without --dry-run"),
         (["inspect", "{d}/src", "--overwrite"], "--overwrite does not apply without --heatmap or --json FILE"),
         (["demo", "--no-distill", "--distill-tokens", "1000"], "--distill-tokens does not apply with --no-distill"),
         (["verify", "{d}/src", "{d}/src", "--text", "{d}/t.txt", "--token-ids", "{d}/ids.txt"], "--text and --token-ids both name the inputs"),
@@ -127,20 +126,20 @@ def test_group_verbosity_sets_the_headfold_logger(flags: list[str], level: int, 
     logging.getLogger("headfold.pipeline").info("convert: done")
     logging.getLogger("headfold.ground").warning("headfold: removed a leftover")
     out, err = capsys.readouterr()
-    assert out == ("" if level == logging.WARNING else "convert: done\n")  # progress lines: stdout, as click.echo printed them
-    assert err == "headfold: removed a leftover\n"  # warnings: stderr, whatever the verbosity
+    assert out == ""  # stdout carries results only
+    assert err == ("" if level == logging.WARNING else "convert: done\n") + "headfold: removed a leftover\n"  # progress and warnings: stderr
     main(["build", str(tmp_path / "m.onnx"), str(tmp_path / "e"), "--json"])  # back to the default for other tests
 
 
 def test_verbose_shows_what_the_options_became(capsys) -> None:
     assert main(["-v", "demo", "--no-distill", "--distill-tokens", "9", "--max-kl", "0.5"]) == 2  # refused after the groups ran
-    out = capsys.readouterr().out
-    assert "thresholds: Thresholds(" in out and "max_kl=0.5" in out
-    assert main(["demo", "--no-distill", "--distill-tokens", "9"]) == 2 and "thresholds:" not in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "thresholds: Thresholds(" in err and "max_kl=0.5" in err and out == ""  # debug lines: stderr
+    assert main(["demo", "--no-distill", "--distill-tokens", "9"]) == 2 and "thresholds:" not in capsys.readouterr().err
 
 
 def test_command_quiet_is_the_group_quiet(tiny_checkpoint, tmp_path: Path, capsys) -> None:
-    assert main(["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "-q"]) == 0
+    assert main(["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "--method", "mean", "-q"]) == 0
     assert logging.getLogger("headfold").level == logging.WARNING
     assert "wrote" in capsys.readouterr().out  # the result still prints
     main(["build", str(tmp_path / "m.onnx"), str(tmp_path / "e"), "--json"])
@@ -163,7 +162,91 @@ def test_python_dash_m_headfold_is_the_command() -> None:
 
 
 def test_mean_conversion_runs_without_torch(tiny_checkpoint, tmp_path: Path) -> None:
-    argv = ["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "-q"]
+    argv = ["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "--method", "mean", "-q"]
     probe = f"import sys; from headfold.cli import main; code = main({argv!r}); print('LOADED', code, [m for m in {HEAVY!r} if m in sys.modules])"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.stdout.splitlines()[-1] == "LOADED 0 []", result.stderr
+
+
+# -- one set of output options ------------------------------------------------------------------
+
+WRITES = {"convert", "export", "build", "verify", "run", "distill", "inspect", "demo"}  # demo: with --keep; verify: its reports
+
+
+@pytest.mark.parametrize("command", sorted(cli.commands))
+def test_every_command_takes_the_same_output_options(command: str) -> None:
+    help_text = CliRunner().invoke(cli, [command, "-h"]).output
+    for flag in ("-q, --quiet", "-v, --verbose", "--json [FILE]" if command != "verify" else "--json, --report [FILE]"):
+        assert flag in help_text, (command, flag)
+    assert ("--overwrite" in help_text) == (command in WRITES)
+    assert ("--revision REV" in help_text) == (command in {"convert", "export", "verify", "run", "distill", "inspect"})
+
+
+def test_run_takes_the_options_of_every_stage_it_runs() -> None:
+    help_text = CliRunner().invoke(cli, ["run", "-h"]).output
+    for flag in ("--calibration", "--shard-size", "--attention", "--optimize", "--graphs", "--position-ids", "--precision", "--timing-cache",
+                 "--distill-data", "--distill-lr", "--distill-train", "--distill-until-kl", "--text", "--budget"):  # fmt: skip
+        assert f"{flag} " in help_text, flag
+
+
+def test_one_default_method_everywhere() -> None:
+    import inspect
+
+    import headfold
+    from headfold.converter import convert as converter_convert
+    from headfold.converter.recipes import DEFAULT_METHOD, get_method
+    from headfold.demo import demo
+    from headfold.inspection import inspect_checkpoint
+    from headfold.pipeline import run
+
+    for command in ("convert", "inspect", "run", "demo"):
+        assert f"[default: {DEFAULT_METHOD}]" in " ".join(CliRunner().invoke(cli, [command, "-h"]).output.split()), command
+    for function in (headfold.convert, converter_convert, inspect_checkpoint, run, demo):
+        assert inspect.signature(function).parameters["method"].default == DEFAULT_METHOD, function
+    assert get_method(DEFAULT_METHOD).name == DEFAULT_METHOD == "aligned+grouped+refit"  # named back as it is written
+
+
+def test_the_default_calibrates_on_the_weights_when_there_is_no_tokenizer(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    assert main(["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)  # --json -: stdout is the JSON alone
+    assert result["conversion"]["method"] == "aligned+grouped+refit" and result["conversion"]["calibration"]["text"] == "weights"
+    assert "no tokenizer files" in err and "--calibration TEXT_FILE" in err
+
+
+@pytest.fixture(scope="module")
+def byte_llama(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("llama", vocab_size=256)
+
+
+def test_verify_json_dash_is_the_report_alone(byte_llama: Path, tmp_path: Path, capsys) -> None:
+    args = ["verify", str(byte_llama), str(byte_llama), "--max-rows", "2", "--window", "16"]
+    assert main([*args, "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["passed"] and report["checks"][0]["name"] == "fidelity" and "all checks passed" in err
+    assert main([*args, "--report", str(tmp_path / "r.json"), "--junit", str(tmp_path / "j.xml")]) == 0  # --report: the contract's name
+    out = capsys.readouterr().out
+    assert json.loads((tmp_path / "r.json").read_text())["checks"][0]["metrics"] == report["checks"][0]["metrics"]
+    assert "PASS fidelity" in out and "\x1b[" not in out
+
+
+@pytest.mark.parametrize("no_color", [False, True])
+def test_colours_only_on_a_terminal_and_never_with_no_color(no_color: bool, byte_llama: Path) -> None:
+    env = {"NO_COLOR": "1"} if no_color else {}
+    result = CliRunner().invoke(cli, ["verify", str(byte_llama), str(byte_llama), "--max-rows", "2", "--window", "16"], color=True, env=env)
+    assert result.exit_code == 0, result.output
+    assert ("\x1b[" in result.output) == (not no_color)
+
+
+def test_the_python_api_report_has_no_colours(byte_llama: Path) -> None:
+    from headfold.verification import InputSpec, verify
+
+    report = verify(byte_llama, byte_llama, inputs=InputSpec(max_rows=2, window=16))
+    assert "\x1b[" not in report.table() and "\x1b[" not in report.markdown()
+
+
+def test_a_kl_budget_is_in_nats_not_a_percentage(capsys) -> None:
+    assert main(["verify", "a", "b", "--max-kl", "5%"]) == 2
+    assert "a KL divergence is in nats, not a percentage" in capsys.readouterr().err
+    assert "--max-kl NATS" in CliRunner().invoke(cli, ["verify", "-h"]).output

