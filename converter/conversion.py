@@ -77,7 +77,8 @@ def convert(
         text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
         out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
         shard_bytes = parse_size(max_shard_size, "shard size") if max_shard_size is not None else default_shard_bytes(ckpt)
-        text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware else None
+        pools = targets != list(ckpt.layer_shapes)  # kv heads = heads everywhere: byte-identical, nothing to calibrate
+        text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware and pools else None
         contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)
         with atomic_output(out, overwrite=overwrite) as tmp:
             files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress)
@@ -85,7 +86,7 @@ def convert(
             copied, skipped = copy_other_files(ckpt, tmp)
             files |= copied
             manifest = build_manifest(ckpt, targets, recipe, groups, files, skipped)
-            if recipe.data_aware:
+            if recipe.data_aware and pools:
                 used = "weights" if text is None else str(calibration or "built-in")
                 manifest.conversion.calibration = {"text": used, "tokens": calibration_tokens, "seed": seed}
             manifest.save_in(tmp)
@@ -203,7 +204,9 @@ def write_weights(
     with bar, ShardedWriter(folder, plan, shard_bytes, metadata={"format": "pt"}) as writer:
         for t in plan:
             if (layer := owner.get(t.name)) is not None and not groups[layer]:
-                if raw:
+                if targets[layer] == ckpt.layer_shapes[layer]:  # nothing to pool: every method keeps the layer as it is
+                    converted, groups[layer] = {}, contiguous_groups(targets[layer].kv_heads, targets[layer].kv_heads)
+                elif raw:
                     converted = rawpool.convert_layer(ckpt, layer, targets[layer], recipe.pool)
                     groups[layer] = contiguous_groups(ckpt.layer_shapes[layer].kv_heads, targets[layer].kv_heads)
                 else:

@@ -52,6 +52,15 @@ def test_identity_is_lossless(family: str, tiny_checkpoint, tmp_path: Path) -> N
     assert torch.equal(outputs(src), outputs(out))
 
 
+@pytest.mark.parametrize("method", ["first", "aligned+grouped+refit", "grouped"])
+def test_identity_is_byte_identical_whatever_the_method(method: str, tiny_checkpoint, tmp_path: Path) -> None:
+    """kv heads = heads pools nothing: no method rotates, regroups or refits a layer it keeps."""
+    src = tiny_checkpoint("llama")
+    out = convert(src, tmp_path / "out", kv_heads=HEADS, method=method, progress=False)
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert "calibration" not in json.loads((out / "headfold.json").read_text())["conversion"]
+
+
 @pytest.mark.parametrize("method", ["mean", "first"])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("family", FAMILIES)
