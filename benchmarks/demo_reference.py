@@ -51,7 +51,7 @@ def main() -> None:
     result = {
         "what": "the conversion-loss check of `headfold demo` (embedded model → 4 kv heads, distilled as the demo does, verified on held-out text) "
         "and of its training-free variants, against demo-budget.toml",
-        "machine": f"{os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads, load average {load:.1f} at the end",
+        "machine": f"{os.cpu_count()} CPU cores, torch threads: {torch.get_num_threads()}, load average {load:.1f} at the end",
         "rows": rows,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

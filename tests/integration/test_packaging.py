@@ -68,8 +68,10 @@ def test_plain_install_runs_convert_export_verify(wheel: Path, tmp_path: Path) -
     assert {"polygraphy", "onnxruntime", "transformers"} <= names and "pytest" not in names
     subprocess.run([python, "-m", "pip", "check"], check=True, capture_output=True)
 
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}  # beside the other test worker on 2 cores: no oversubscription
+
     def headfold(*args: str) -> str:
-        done = subprocess.run([headfold_cmd, *args], cwd=tmp_path, capture_output=True, text=True)  # cwd: not the source tree
+        done = subprocess.run([headfold_cmd, *args], cwd=tmp_path, env=one_thread, capture_output=True, text=True)  # cwd: not the source tree
         assert done.returncode == 0, f"headfold {' '.join(args)}: exit {done.returncode}\n{done.stderr}"
         return done.stdout
 
