@@ -98,17 +98,23 @@ def per_layer_plans(data: list[dict]) -> str:
 
 def decode_latency(data: dict) -> str:
     """benchmarks/decode_latency.py: one ONNX Runtime decode step, MHA against its conversions."""
-    rows = data["rows"]
-    kvs = sorted({r["kv_heads"] for r in rows}, reverse=True)
-    keys = list(dict.fromkeys((r["model"], r["batch"], r["past"]) for r in rows))
-    cell = {(r["model"], r["batch"], r["past"], r["kv_heads"]): r for r in rows}
-    body = []
-    for model, batch, past in keys:
-        here = [cell.get((model, batch, past, kv)) for kv in kvs]
-        heads = next(r["heads"] for r in here if r)
-        body.append([model, batch, past, *(f"{r['ms_per_token']:.3g} ms" + ("" if kv == heads else f" ({r['speedup_vs_mha']:.2f}×)") if r else "" for kv, r in zip(kvs, here))])
-    load = f"load average {data['load_avg_before'][0]:.2f} before, {data['load_avg_after'][0]:.2f} after, {data['cpus']} CPUs; {data['args']['threads']} intra-op threads, median of {data['args']['runs']} steps"
-    return f"Milliseconds per generated token (speed-up over MHA); {load}.\n\n" + table(["model", "batch", "past", *(f"kv {kv}" for kv in kvs)], body)
+    args = data["args"]
+    parts = [f"Milliseconds per generated token (speed-up over MHA); load average {data['load_avg_before'][0]:.2f} before, "
+             f"{data['load_avg_after'][0]:.2f} after, {data['cpus']} CPUs; {args['threads']} intra-op threads, median of {args['runs']} steps."]  # fmt: skip
+    for model in dict.fromkeys(r["model"] for r in data["rows"]):
+        rows = [r for r in data["rows"] if r["model"] == model]
+        kvs = sorted({r["kv_heads"] for r in rows}, reverse=True)
+        cell = {(r["batch"], r["past"], r["kv_heads"]): r for r in rows}
+        body = []
+        for batch, past in dict.fromkeys((r["batch"], r["past"]) for r in rows):
+            here = [cell.get((batch, past, kv)) for kv in kvs]
+            body.append([batch, past, *(_step(r) if r else "" for r in here)])
+        parts.append(f"**{model}** ({rows[0]['heads']} heads)\n\n" + table(["batch", "past", *(f"kv {kv}" for kv in kvs)], body))
+    return "\n\n".join(parts)
+
+
+def _step(row: dict) -> str:
+    return f"{row['ms_per_token']:.3g} ms" + ("" if row["kv_heads"] == row["heads"] else f" ({row['speedup_vs_mha']:.2f}×)")
 
 
 def distill_recovery(data: dict) -> str:
