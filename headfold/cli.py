@@ -310,7 +310,7 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
     spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
     spec("--temperature", type=float, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
     spec("--hidden-weight", type=float, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: 30 for decoders, 0 for encoders]"),
-    spec("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, ~30 % slower."),
+    spec("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, more time."),
     SEED,
     title="Training options",
 )  # fmt: skip
