@@ -102,7 +102,7 @@ HASH_BYTES_PER_S = 1.43e9  # sha256 on one core of the measuring machine (SHA-NI
 
 
 def scaling_plan(cpu_flops: float, conversion_s_per_layer: float, tokens: int) -> list[dict[str, object]]:
-    """Extrapolated from the measured per-layer figures (README "Scaling plan" states the formulas)."""
+    """Extrapolated from the measured per-layer figures (docs/scaling.md states the formulas)."""
     rows = []
     for name, (layers, hidden, mlp, vocab) in LAYOUTS.items():
         params = 4 * hidden * hidden + 3 * hidden * mlp  # one layer's matmul weights

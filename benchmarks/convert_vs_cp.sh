@@ -1,5 +1,5 @@
 #!/bin/sh
-# One timed run of `headfold convert` or `cp -r`, for farm-bench to pair (README, "Conversion speed"):
+# One timed run of `headfold convert` or `cp -r`, for farm-bench to pair (benchmarks/results/convert_vs_cp.json):
 #
 #   farm-bench -n 3 --timeout 600 --vs "sh benchmarks/convert_vs_cp.sh cp SRC /tmp/b/cp" \
 #       -- sh benchmarks/convert_vs_cp.sh convert SRC /tmp/b/out

@@ -59,10 +59,10 @@ class ActivationStore:
 def return_freed_memory() -> None:
     """Map every allocation of 8 MiB or more on its own, so freeing it returns it to the OS at once.
 
-    glibc raises its mmap threshold to 32 MB after the first large free and then serves the
-    ~16 MB activation blocks from a heap it rarely shrinks: calibrating the 1.29 GB checkpoint
-    peaked at 1997 MB RSS that way. Smaller blocks (the methods' per-head maths) stay on the
-    heap: mapping those too (64 KiB) made the conversion maths several times slower.
+    glibc raises its mmap threshold after the first large free and then serves the activation
+    blocks from a heap it rarely shrinks, so calibration's peak memory grew by about the
+    activations again. Smaller blocks (the methods' per-head maths) stay on the heap: mapping
+    those too made the conversion maths several times slower.
     """
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 8 << 20)  # M_MMAP_THRESHOLD

@@ -115,8 +115,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Have the kernel start writing bytes just written to disk now. Left alone, it waits until dirty
     pages reach its background threshold (~10 % of memory): an output smaller than that is still all
     in memory when the conversion ends, and the user's `sync` (or the next job's memory pressure)
-    waits for all of it. Paired on the README's checkpoints, convert + sync is 1.23-1.27x faster
-    with it (1.29 and 4.37 GB, 2 cores). posix_fadvise(DONTNEED) also starts writeback, but drains
+    waits for all of it. benchmarks/results/convert_vs_cp.json has convert + sync with and without it.
+    posix_fadvise(DONTNEED) also starts writeback, but drains
     every core's page lists and evicts the pages: slower. This returns without waiting for the disk."""
     if _SYNC_FILE_RANGE is not None and nbytes:
         _SYNC_FILE_RANGE(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)  # a failure only leaves it to the kernel
@@ -128,7 +128,7 @@ class ShardedWriter:
     Writing runs on one background thread and hashing on one per shard (both release the GIL),
     so the hash of one tensor overlaps the write of the next while the caller reads and converts
     the one after, and the shards of a sharded output hash side by side, as many at once as
-    there are cores: sha256 (~0.8 s/GB on one core) is the slowest step of a plain conversion.
+    there are cores: sha256 is the slowest step of a plain conversion.
     The hash reads the bytes the writer is given (arrays, or the source's page cache for copied
     ranges), never the output file. At most ``IN_FLIGHT`` converted tensors wait in memory; byte
     ranges copied from the source hold none, so they queue freely and no thread waits for the caller.

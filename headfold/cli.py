@@ -268,7 +268,7 @@ def run_cmd(
 
     (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
     report = run(
-        src, out_dir, kv_heads, method=method, shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration.kwargs(),
+        src, out_dir, kv_heads, method=method, max_shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration.kwargs(),
         distill=distill, export=export.kwargs(), build=profile.kwargs(), inputs=inputs, thresholds=thresholds,
         overwrite=output.overwrite, progress=output.progress,
     )  # fmt: skip

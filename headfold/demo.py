@@ -14,11 +14,10 @@ from headfold.pipeline import run
 from headfold.verification.inputs import InputSpec
 from headfold.verification.report import Report
 
-# 32 rows (~6k bytes of held-out text) keep the demo under 2 minutes on 2 CPU cores.
+# Enough held-out rows for stable figures, few enough to keep the demo short on a laptop CPU.
 DEMO_INPUTS = InputSpec(max_rows=32)
-# Distillation on the model's own training split: 1.5 % of its pre-training tokens (49 152 bytes,
-# 192 steps of one 256-byte window by distill's defaults), about half a minute on 2 cores: what
-# demo-budget.toml's gates were set from.
+# Distillation on the model's own training split, by distill's defaults: what demo-budget.toml's gates
+# were set from (benchmarks/demo_reference.py measures it; benchmarks/results/demo_reference.json).
 DEMO_DISTILL = DistillStage(None, {"tokens": "1.5%", "eval_windows": 16})
 
 

@@ -395,37 +395,64 @@ def _plan_report(plan: Plan, converter: LayerConverter, live: LiveAttention, ref
 
 
 def heatmap_png(report: Inspection) -> bytes:
-    """The PNG: two panels, layers down: nearest-head similarity per kv head, predicted loss per candidate."""
+    """The heatmap (heatmap_figure) as PNG bytes."""
+    buffer = io.BytesIO()
+    heatmap_figure(report).savefig(buffer, format="png", dpi=110)
+    return buffer.getvalue()
+
+
+def heatmap_figure(report: Inspection):
+    """Two panels, layers down: nearest-head similarity per kv head, predicted loss per candidate.
+
+    The plan's choice is outlined in every layer; a layer it keeps whole gets a column of its own
+    ("kept", no loss). Colour bars sit under their panels, so no label reaches the next panel."""
     import numpy as np
-    from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas
 
+    columns = _loss_columns(report)
     sim = np.array([r.similarity.nearest.numpy() for r in report.layers])
-    loss = np.array([[r.loss[k] for k in report.candidates] for r in report.layers])
+    widths = [sim.shape[1], 1.5 * max(len(columns), 3)]  # loss cells carry numbers: wider than similarity cells
+    fig = Figure(figsize=(2 + 0.45 * sum(widths), 2.6 + 0.4 * len(report.layers)), layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=widths)
+    image = left.imshow(sim, cmap="viridis", vmin=min(0.0, float(sim.min())), vmax=1.0, aspect="auto")
+    fig.colorbar(image, ax=left, location="bottom", shrink=0.8, label="similarity to the nearest other head")
+    left.set(title="K/V head similarity (aligned)", xlabel="kv head", ylabel="layer", yticks=range(len(report.layers)))
+    _loss_panel(fig, right, report, columns)
+    return fig
+
+
+def _loss_panel(fig, axes, report: Inspection, columns: list[int]) -> None:
+    """Predicted loss per layer and kv-head count on a log scale, the values written in, the plan outlined."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+    from matplotlib.ticker import NullFormatter
+
+    loss = np.array([[r.loss.get(k, 0.0) for k in columns] for r in report.layers])
     positive = loss[loss > 0]
     floor = positive.min() if positive.size else 1e-12
-    fig = Figure(figsize=(3 + 0.45 * (sim.shape[1] + loss.shape[1]), 1.8 + 0.4 * len(report.layers)), layout="constrained")
-    left, right = fig.subplots(1, 2, width_ratios=[sim.shape[1], max(loss.shape[1], 2)])
-    image = left.imshow(sim, cmap="viridis", vmin=min(0.0, float(sim.min())), vmax=1.0, aspect="auto")
-    fig.colorbar(image, ax=left, label="similarity to nearest other head")
-    left.set(title="K/V head similarity (aligned)", xlabel="kv head", ylabel="layer")
-    image = right.imshow(np.maximum(loss, floor), cmap="magma_r", norm=LogNorm(floor, max(floor * 10, float(loss.max()))), aspect="auto")
-    fig.colorbar(image, ax=right, label=f"predicted {report.metric}")
-    right.set(title=f"predicted loss ({report.method})", xlabel="kv heads", xticks=range(len(report.candidates)), xticklabels=report.candidates)
-    for axes in (left, right):
-        axes.set_yticks(range(len(report.layers)))
+    norm = LogNorm(floor, max(floor * 10, float(loss.max())))
+    image = axes.imshow(np.maximum(loss, floor), cmap="magma_r", norm=norm, aspect="auto")
+    bar = fig.colorbar(image, ax=axes, location="bottom", shrink=0.8, label=f"predicted {report.metric}, one layer converted")
+    ticks = np.geomspace(norm.vmin, norm.vmax, 4)  # a log bar labels its minor ticks too, into each other
+    bar.set_ticks(ticks, labels=[f"{t:.2g}" for t in ticks])
+    bar.ax.xaxis.set_minor_formatter(NullFormatter())
+    labels = [f"{k} (kept)" if k == report.kv_heads else str(k) for k in columns]
+    axes.set(title=f"predicted loss\n{report.method}", xlabel="kv heads", xticks=range(len(columns)), xticklabels=labels, yticks=range(len(report.layers)))
     for (y, x), value in np.ndenumerate(loss):
-        right.text(x, y, f"{value:.2g}", ha="center", va="center", fontsize=7, color="gray")
-    if report.plan is not None:  # outline the plan's choice where it is one of the candidates
+        dark = norm(max(value, floor)) > 0.6  # magma_r: high values are dark
+        axes.text(x, y, f"{value:.2g}", ha="center", va="center", fontsize=7, color="white" if dark else "black")
+    if report.plan is not None:
         for i, k in enumerate(report.plan.plan.kv_heads):
-            if k in report.candidates:
-                right.add_patch(_outline(report.candidates.index(k), i))
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    return buffer.getvalue()
+            axes.add_patch(_outline(columns.index(k), i))
+
+
+def _loss_columns(report: Inspection) -> list[int]:
+    """The candidates, and the source's own count where the plan keeps a layer whole (a choice of no loss)."""
+    kept = report.plan is not None and report.kv_heads in report.plan.plan.kv_heads
+    return [report.kv_heads, *report.candidates] if kept and report.kv_heads not in report.candidates else report.candidates
 
 
 def _outline(x: int, y: int):
     from matplotlib.patches import Rectangle
 
-    return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="cyan", linewidth=2)
+    return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="deepskyblue", linewidth=3)  # visible on light and dark cells alike

@@ -141,7 +141,7 @@ def run(
     *,
     method: str = DEFAULT_METHOD,
     revision: str | None = None,
-    shard_size: str | int | None = None,
+    max_shard_size: str | int | None = None,
     allow_pickle: bool = False,
     calibration: dict[str, Any] | None = None,
     distill: DistillStage | None = None,
@@ -155,7 +155,7 @@ def run(
     """The whole pipeline on the checkpoint `src` (a folder or hub id ORG/NAME at `revision`); outputs
     under `out_dir`; the verify report.
 
-    Each stage takes its command's options: `shard_size`, `allow_pickle` and `calibration`
+    Each stage takes its command's options: `max_shard_size`, `allow_pickle` and `calibration`
     (calibration, calibration_tokens, seed) as convert takes them, `distill` (None: no distill
     stage), `export` as headfold export's keywords (opset, dtype, attention, graphs, optimize,
     explicit_positions, trt_version), `build` as the TensorRT profile (precision, batch, seq, past,
@@ -170,7 +170,7 @@ def run(
     if resolve(src).kind != "checkpoint":
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
     check_disjoint(out, (src,))
-    settings = Settings(kv_heads, method, shard_size, allow_pickle, calibration or {}, distill, export or {}, build or {}, inputs, thresholds, progress)
+    settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration or {}, distill, export or {}, build or {}, inputs, thresholds, progress)
     check_opset(settings.export.get("opset", 23))
     text, _ = read_text(inputs.text)
     with output_lock(out):  # one run per OUT_DIR

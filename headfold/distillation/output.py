@@ -56,12 +56,16 @@ def write_manifest(folder: Path, student_manifest: dict[str, Any], distillation:
 def write_log(folder: Path, log: dict[str, list], metric: str) -> None:
     """distill-log.json (every training step and evaluation) and distill-curve.png against tokens."""
     (folder / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
-    import matplotlib
+    curve_figure(log, metric).savefig(folder / PLOT_FILE, dpi=110)
 
-    matplotlib.use("Agg")  # no display; also safe in worker processes
-    from matplotlib import pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+def curve_figure(log: dict[str, list], metric: str):
+    """Training loss and the held-out metric against training tokens."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas, safe in worker processes
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
     losses = [r["loss"] for r in log["train"]]
     left.plot([r["tokens"] for r in log["train"]], losses, lw=1)
     left.set(xlabel="training tokens", ylabel="training loss", yscale="log" if losses and min(losses) > 0 else "linear", title="distillation loss")
@@ -69,6 +73,6 @@ def write_log(folder: Path, log: dict[str, list], metric: str) -> None:
     right.set(xlabel="training tokens", ylabel=f"held-out {metric}", title=f"held-out {metric}")
     for ax in (left, right):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(folder / PLOT_FILE, dpi=110)
-    plt.close(fig)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))  # token counts run to millions:
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, 1.5M, not 200000 running into its neighbour
+    return fig

@@ -42,28 +42,24 @@ DEFAULT_STEPS = 40
 LOSSES = ("kl", "kl+ce")
 
 
-# Peak learning rates measured best on the recovery benchmark (benchmarks/distill_recovery.py):
-# 1e-3 beat 5e-4 and 3e-3 on the embedded decoder, but on MiniLM it drove the cosine *down* for the
-# first steps from a good start, where 1e-4 rose from the first evaluation and ended highest.
+# The defaults for each kind of student are the best measured on the recovery benchmark
+# (benchmarks/distill_recovery.py; the figures are in benchmarks/results/, rendered in docs/benchmarks.md).
+# Peak learning rate: the decoder's best drove MiniLM's cosine down for the first steps from a good
+# start, where a tenth of it rose from the first evaluation and ended highest (`encoder_lr_sweep`).
 DECODER_LR, ENCODER_LR = 1e-3, 1e-4
-# Weight of the per-layer hidden-state match (objective.hidden_distance), measured the same way: on
-# the embedded decoder at kv 2 after 5 % at batch 8, 10 and 30 tied (KL 0.071 and 0.068, against 0.134
-# with none; 3: 0.086, 100: 0.070); at batch 1 (640 steps) 30 beat 10 (0.042 against 0.052; at lr
-# 5e-4, 30 and 100 tied at 0.043). On MiniLM, whose loss already matches the last hidden state, 10
-# left the cosine where it was (0.8925 against 0.8911 at kv 3), so encoders skip its memory by default.
+# Weight of the per-layer hidden-state match (objective.hidden_distance): it cut a decoder's held-out KL
+# for the same tokens, most at this weight once steps were small (distill_recipe_sweep_batch1.json).
+# An encoder's loss already matches its last hidden state, and the match left MiniLM's cosine where it
+# was (`encoder_hidden_weight`), so encoders skip its memory by default.
 DECODER_HIDDEN_WEIGHT, ENCODER_HIDDEN_WEIGHT = 30.0, 0.0
-# What trains, measured the same way over the embedded decoder's whole held-out split: Q/K/V/O alone
-# ended below every tensor in KL at every kv and start after 5 % (kv 2: 0.049 against 0.059 from the
-# best start, 0.075 against 0.089 from the mean start) and after ¼ of that (kv 2: 0.111 against
-# 0.139), with optimizer state for 46 % of its weights (about a third of a Llama-2-7B's); free MLPs
-# fit the training text more than the teacher. Encoders keep `all`, what MiniLM was measured with.
+# What trains: Q/K/V/O alone ended below every tensor in KL at every kv and start (`decoder` against
+# `decoder_train_all`), with optimizer state for the attention weights only; free MLPs fit the training
+# text more than the teacher. Encoders keep `all`, what MiniLM was measured with.
 DECODER_TRAIN, ENCODER_TRAIN = "attention", "all"
-# Windows per step and process. 8 beat 16 at every budget on the recovery benchmark, and for a small
-# budget more, smaller steps keep winning: at 5 % (163 840 tokens) kv 2 ended at KL 0.071 with batch 8
-# (80 steps), 0.052 with batch 1 (640 steps); at ¼ of that, 0.200 with batch 8 (20 steps) against
-# 0.132 with 2 (80). So --tokens shrinks the default batch, down to 1, until the run takes MIN_STEPS
-# steps. It costs time only on such small budgets (under 8 × 640 windows): 5 % took 130 s at batch 1
-# on 2 CPU cores against about 62 s at batch 8; larger budgets keep batch 8.
+# Windows per step and process. 8 beat 16 (distill_recipe_sweep.json), and for a small budget more,
+# smaller steps keep winning (distill_recipe_sweep_batch1.json, `decoder_quarter_batch8`): so --tokens
+# shrinks the default batch, down to 1, until the run takes MIN_STEPS steps. That costs wall time only
+# on such small budgets; larger ones keep batch 8, which uses a GPU better.
 DEFAULT_BATCH, MIN_STEPS = 8, 640
 
 

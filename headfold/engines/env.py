@@ -62,7 +62,7 @@ def engine_support() -> str | None:
     if _missing("tensorrt"):
         return "TensorRT is not installed"
     if _missing("polygraphy"):
-        return "Polygraphy is not installed (pip install 'headfold[trt]')"
+        return "Polygraphy is not installed (a headfold dependency: pip install polygraphy)"
     import torch
 
     if not torch.cuda.is_available():

@@ -165,7 +165,7 @@ def test_multi_turn_append_equals_torch(folders) -> None:
     og leaves the last generated token pending (in the sequence, not yet run); append_tokens feeds
     only the new tokens, so the pending one is rewound and fed first. With separate past/present
     buffers (the standard-Attention graph) og 0.18 can neither rewind nor append after generating:
-    it sizes present by the mask, which counts the pending token (README).
+    it sizes present by the mask, which counts the pending token (docs/deploying.md).
     """
     checkpoint, folder = folders("default-kv4", "ort-gqa+ort")
     turns = [list(b'Q: what does "pass" do?\nA:'), list(b"\nQ: and a while loop?\nA:")]

@@ -1,9 +1,11 @@
-"""Both installs work: the suite itself runs on the editable install; this builds the wheel
-(`pip install .` installs exactly that) and checks its import names and data files."""
+"""Both installs work: the suite itself runs on the editable install; the wheel (`pip install .`
+installs exactly that) has the right import names and data files, and installed with its declared
+dependencies alone into a fresh environment it runs convert → export → verify."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -24,10 +26,16 @@ def test_suite_runs_on_the_editable_install() -> None:
         assert Path(module.__file__).resolve().parent == ROOT / room
 
 
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", folder, ROOT], check=True)
+    (built,) = folder.glob("headfold-*.whl")
+    return built
+
+
 @pytest.mark.slow
-def test_wheel_installs_namespaced_packages(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", tmp_path, ROOT], check=True)
-    (wheel,) = tmp_path.glob("headfold-*.whl")
+def test_wheel_installs_namespaced_packages(wheel: Path, tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "headfold/converter/specs/llama.json" in names
     assert "headfold/graphs/export.py" in names and "headfold/plugins/__init__.py" in names
@@ -41,3 +49,36 @@ def test_wheel_installs_namespaced_packages(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
     path, count = done.stdout.split()
     assert Path(path).is_relative_to(site) and int(count) >= 10
+
+
+@pytest.mark.slow
+def test_plain_install_runs_convert_export_verify(wheel: Path, tmp_path: Path) -> None:
+    """`pip install headfold` as a new user runs it: the wheel with its declared dependencies (resolved
+    by pip, no extras) into a fresh venv holding only torch's CPU build, installed first the way
+    scripts/setup does; then the installed `headfold` command on the embedded model."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    python, headfold_cmd = venv / "bin" / "python", venv / "bin" / "headfold"
+    quick = {**os.environ, "PIP_NO_COMPILE": "1"}  # no .pyc for all of torch up front: Python compiles what it imports
+    subprocess.run(["bash", ROOT / "scripts" / "install-torch", python], check=True, env=quick)
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", wheel], check=True, env=quick)
+    listed = subprocess.run([python, "-m", "pip", "list", "--format", "json"], capture_output=True, text=True, check=True).stdout
+    names = {p["name"].lower() for p in json.loads(listed)}
+    assert not {n for n in names if n.startswith("nvidia-")} and "tensorrt" not in names  # the CPU build stayed; no extra
+    assert {"polygraphy", "onnxruntime", "transformers"} <= names and "pytest" not in names
+    subprocess.run([python, "-m", "pip", "check"], check=True, capture_output=True)
+
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}  # beside the other test worker on 2 cores: no oversubscription
+
+    def headfold(*args: str) -> str:
+        done = subprocess.run([headfold_cmd, *args], cwd=tmp_path, env=one_thread, capture_output=True, text=True)  # cwd: not the source tree
+        assert done.returncode == 0, f"headfold {' '.join(args)}: exit {done.returncode}\n{done.stderr}"
+        return done.stdout
+
+    where = "from headfold.demo import default_model_path as p; print(p())"
+    model = subprocess.run([python, "-c", where], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(model).is_relative_to(venv)  # the model shipped inside the wheel
+    headfold("convert", model, "gqa", "--kv-heads", "4", "-q")
+    headfold("export", "gqa", "onnx", "-q")
+    out = headfold("verify", "gqa", "onnx", "--max-rows", "4", "--decode-steps", "4")
+    assert "fidelity-decode" in out and "all checks passed" in out  # ONNX Runtime through Polygraphy's runner, KV cache too

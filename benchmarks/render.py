@@ -1,0 +1,346 @@
+"""Render benchmarks/results/*.json into docs/benchmarks.md and the marked figures of README.md and docs/.
+
+    python benchmarks/render.py            # write the pages
+    python benchmarks/render.py --check    # exit 1 when a page differs from what the results give (CI)
+
+Figures are never typed into the pages by hand: docs/benchmarks.md is written whole from the results
+files, and README.md / docs/*.md carry figures only between markers this script fills:
+
+    <!-- results:NAME -->  …  <!-- /results:NAME -->      (NAME: a function of SNIPPETS)
+
+Every results file must render. Its name picks its renderer in RENDERERS: the benchmark script that
+writes it, e.g. `generate_throughput_idle.json` → `generate_throughput`. A file no renderer claims
+renders as one table when it has the standard shape {"what": text, "rows": [objects of numbers and
+text]} (a new benchmark can start there); anything else is an error naming the file, never skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+MARKED = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+class RenderError(Exception):
+    """A results file or marker this script cannot render (one line naming it)."""
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+
+def fmt(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list) and all(isinstance(v, int | float | str) for v in value):
+        return ",".join(map(fmt, value))
+    if isinstance(value, int | str):
+        return str(value)
+    raise TypeError(f"a value that is not a number, text or list of them: {value!r}")
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell if isinstance(cell, str) else fmt(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def about(data: dict, *keys: str) -> str:
+    """The file's own description lines (what was measured, on which machine)."""
+    return "\n\n".join(f"*{key}*: {data[key]}" for key in keys if key in data)
+
+
+def pct(fraction: float) -> str:
+    return f"{fraction:+.0%}" if abs(fraction) >= 1 else f"{fraction:+.1%}"
+
+
+# -- renderers, one per benchmark script ------------------------------------------------------------
+
+
+def conversion_quality(data: list[dict]) -> str:
+    """benchmarks/conversion_quality.py: every method at every kv-head count, no training."""
+    parts = []
+    for model in dict.fromkeys(r["model"] for r in data):
+        rows = [r for r in data if r["model"] == model]
+        kvs = list(dict.fromkeys(r["kv_heads"] for r in rows))
+        cell = {(r["method"], r["kv_heads"]): r for r in rows}
+        decoder = "kl" in rows[0]
+        if decoder:
+            intro = f"**{model}**: KL(original ‖ converted) per token / perplexity on held-out text (original perplexity {rows[0]['reference_ppl']:.4g}); lower is better."
+            show = lambda r: f"{r['kl']:.4g} / {r['ppl']:.4g}"  # noqa: E731
+        else:
+            intro = f"**{model}**: cosine of the sentence embeddings to the original's (mean over held-out paragraphs); higher is better."
+            show = lambda r: f"{r['cosine']:.4g}"  # noqa: E731
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        body = [[f"`{m}`", *(show(cell[m, kv]) if (m, kv) in cell else "" for kv in kvs)] for m in methods]
+        parts.append(intro + "\n\n" + table(["method", *(f"kv {kv}" for kv in kvs)], body))
+    return "\n\n".join(parts)
+
+
+def per_layer_plans(data: list[dict]) -> str:
+    """benchmarks/per_layer_plans.py: inspect's per-layer plan against the best uniform count, equal KV cache."""
+    body = []
+    for r in data:
+        held_out = f"KL {r['kl']:.4g}" if "kl" in r else f"cosine {r['cosine']:.4g}"
+        body.append([r["model"], f"{r['budget']:.0%}", r["choice"], f"`{fmt(r['kv_heads'])}`", f"{r['cache_fraction']:.1%}", r["predicted"], r["calibration_measured"], held_out, r["inspect_s"]])
+    header = ["model", "budget", "choice", "--kv-heads", "cache", "predicted (sum of layers)", "measured (calibration)", "held-out", "inspect s"]
+    return "Predicted and measured losses are on the calibration text's held-out windows; *held-out* on the evaluation text.\n\n" + table(header, body)
+
+
+def decode_latency(data: dict) -> str:
+    """benchmarks/decode_latency.py: one ONNX Runtime decode step, MHA against its conversions."""
+    args = data["args"]
+    parts = [f"Milliseconds per generated token (speed-up over MHA); load average {data['load_avg_before'][0]:.2f} before, "
+             f"{data['load_avg_after'][0]:.2f} after, {data['cpus']} CPUs; {args['threads']} intra-op threads, median of {args['runs']} steps."]  # fmt: skip
+    for model in dict.fromkeys(r["model"] for r in data["rows"]):
+        rows = [r for r in data["rows"] if r["model"] == model]
+        kvs = sorted({r["kv_heads"] for r in rows}, reverse=True)
+        cell = {(r["batch"], r["past"], r["kv_heads"]): r for r in rows}
+        body = []
+        for batch, past in dict.fromkeys((r["batch"], r["past"]) for r in rows):
+            here = [cell.get((batch, past, kv)) for kv in kvs]
+            body.append([batch, past, *(_step(r) if r else "" for r in here)])
+        parts.append(f"**{model}** ({rows[0]['heads']} heads)\n\n" + table(["batch", "past", *(f"kv {kv}" for kv in kvs)], body))
+    return "\n\n".join(parts)
+
+
+def _step(row: dict) -> str:
+    return f"{row['ms_per_token']:.3g} ms" + ("" if row["kv_heads"] == row["heads"] else f" ({row['speedup_vs_mha']:.2f}×)")
+
+
+def distill_recovery(data: dict) -> str:
+    """benchmarks/distill_recovery.py: distillation from each start, read at fractions of the pre-training tokens."""
+    parts = [about(data, "machine"), *(f"*held-out, {kind}*: {text}" for kind, text in data["eval"].items())]
+    for section, rows in data.items():
+        if not isinstance(rows, list) or not rows or not isinstance(rows[0], dict):
+            continue
+        budgets = list(dict.fromkeys(p["budget"] for r in rows for p in r["points"]))
+        recipes = {_recipe(r["recipe"]) for r in rows}
+        shared = recipes.pop() if len(recipes) == 1 else None  # one recipe: said once, above the table
+        body = []
+        for r in rows:
+            points = {p["budget"]: p for p in r["points"]}
+            recipe = [] if shared else [_recipe(r["recipe"])]
+            body.append([r["kv_heads"], f"`{r['start']}`", *(_score(points[b]) if b in points else "" for b in budgets), r["steps"], r["distill_s"], *recipe])
+        header = ["kv", "start", *(f"{b:.3g} %" if b else "0" for b in (100 * b for b in budgets)), "steps", "distill s", *([] if shared else ["recipe"])]
+        parts.append(f"**`{section}`**" + (f" ({shared})" if shared else "") + "\n\n" + table(header, body))
+    return "Decoders: KL / perplexity (relative increase); encoders: cosine. Columns: percent of the teacher's pre-training tokens.\n\n" + "\n\n".join(parts)
+
+
+def _score(point: dict) -> str:
+    if "kl" in point:
+        return f"{point['kl']:.3g} / {point['ppl']:.4g} ({pct(point['ppl_increase'])})"
+    return f"{point['cosine']:.4g}"
+
+
+def _recipe(recipe: dict) -> str:
+    return ", ".join(f"{k} {fmt(v)}" for k, v in recipe.items())
+
+
+def distill_recipe_sweep(data: dict) -> str:
+    """Distillation recipes, one change at a time (rows of benchmarks/distill_recovery.py runs)."""
+    body = []
+    for r in data["runs"]:
+        options = ", ".join(f"{k} {fmt(v)}" for k, v in r["opts"].items())
+        if "evals" in r:  # [tokens, KL, ppl] at each mark: the last is the result
+            tokens, kl, ppl = r["evals"][-1]
+            body.append([r["name"], r["kv"], options, r["steps"], kl, f"{ppl:.4g}", "", ""])
+        else:
+            body.append([r["name"], r["kv"], options, r["steps"], r["kl"], f"{r['ppl']:.4g}", pct(r["ppl_increase"]), r["cpu"]])
+    return about(data, "what", "how", "machine") + "\n\n" + table(["run", "kv", "options", "steps", "KL", "perplexity", "increase", "CPU s"], body)
+
+
+def generate_throughput(data: dict) -> str:
+    """benchmarks/generate_throughput.py: onnxruntime-genai tokens/s, headfold's export against og's model builder."""
+    args = data["args"]
+    setup = f"{args['new_tokens']} tokens generated after a {args['context']}-token prompt; Llama of {args['layers']} layers, {args['heads']} heads of {args['head_dim']}; {args['threads']} threads"
+    exporters = args["exporters"]
+    speed = {(r["variant"], r["batch"], r["round"], r["exporter"]): r for r in data["rows"]}
+    body = []
+    for p in data["pairs"]:
+        here = [speed[p["variant"], p["batch"], p["round"], e] for e in exporters]
+        body.append([p["variant"], p["batch"], p["round"], *(r["tokens_per_s"] for r in here), p["vs_builder"], here[0]["load_1min"]])
+    parts = [setup, table(["model", "batch", "round", *(f"{e} tok/s" for e in exporters), "ratio to the builder", "load"], body)]
+    if data.get("medians"):
+        parts.append(table(["model", "batch", "rounds", "median ratio", "range"], [[m["variant"], m["batch"], m["rounds"], m["median_vs_builder"], f"{m['min']:.3g}–{m['max']:.3g}"] for m in data["medians"]]))
+    return "\n\n".join(parts)
+
+
+def calibration_memory(data: dict) -> str:
+    """benchmarks/calibration_memory.py: a data-aware conversion's memory and time, and the scaling plan from them."""
+    labels = sorted({k.split("_")[0] for k in data if k.endswith("_peak_rss_mb")})
+    fields = [("peak_rss_mb", "peak RSS MB"), ("total_s", "wall s"), ("calibration_s", "of which calibration"), ("cpu_s", "CPU s"), ("calibration_cpu_s", "of which calibration")]
+    runs = table(["run", *(name for _, name in fields)], [[label, *(data[f"{label}_{key}"] for key, _ in fields)] for label in labels])
+    bound = f"bound: 2 × largest fp32 layer ({data['largest_fp32_layer_mb']} MB) + activations ({data['activations_mb']} MB) + 500 MB = {data['rss_bound_mb']} MB"
+    return about(data, "what", "machine") + "\n\n" + runs + "\n\n" + bound + "\n\n" + scaling_table(data)
+
+
+def scaling_table(data: dict) -> str:
+    rows = [[r["model"], f"{r['checkpoint_gb']} GB", f"{_duration(r['mean_s'])}, {r['mean_rss_gb']} GB", _duration(r["calibration_cpu_s"]), _duration(r["conversion_cpu_s"]),
+             _duration(r["calibration_gpu_s"]), _duration(r["conversion_gpu_s"]), f"{r['rss_gb']} GB", f"{r['disk_gb']} GB"] for r in data["scaling_plan"]]  # fmt: skip
+    header = ["layout (MHA K/V, bf16)", "checkpoint", "`mean`: time, RSS", "calibration, CPU", "a+g+r maths, CPU", "calibration, 1 GPU", "maths, 1 GPU", "RSS (calibrating)", "scratch disk"]
+    return table(header, rows)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def standard(data: dict) -> str:
+    """{"what": text, "rows": [flat objects]} (optional "machine", "args"): one table."""
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not data["rows"] or not isinstance(data.get("what"), str):
+        raise KeyError("rows")
+    columns = list(dict.fromkeys(k for r in data["rows"] for k in r))
+    args = "*args*: " + ", ".join(f"{k} {fmt(v)}" for k, v in data["args"].items()) if "args" in data else ""
+    return "\n\n".join(filter(None, [about(data, "what", "machine"), args, table(columns, [[r.get(c, "") for c in columns] for r in data["rows"]])]))
+
+
+RENDERERS: dict[str, Callable] = {
+    "conversion_quality": conversion_quality,
+    "per_layer_plans": per_layer_plans,
+    "decode_latency": decode_latency,
+    "distill_recovery": distill_recovery,
+    "distill_recipe_sweep": distill_recipe_sweep,
+    "generate_throughput": generate_throughput,
+    "calibration": calibration_memory,  # calibration_memory.py --json …
+}
+
+
+def renderer_for(path: Path) -> Callable:
+    matches = [prefix for prefix in RENDERERS if path.stem == prefix or path.stem.startswith(prefix + "_")]
+    return RENDERERS[max(matches, key=len)] if matches else standard
+
+
+def render_file(path: Path) -> str:
+    """One results file as a section of docs/benchmarks.md; RenderError when it cannot be rendered."""
+    render = renderer_for(path)
+    try:
+        body = render(json.loads(path.read_text()))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration) as err:
+        hint = f"its renderer {render.__name__}" if render is not standard else 'no renderer in RENDERERS, and it lacks the standard shape {"what": text, "rows": [flat objects]}'
+        raise RenderError(f"{path.relative_to(ROOT)}: cannot render it ({type(err).__name__}: {err}) with {hint}; fix the file or benchmarks/render.py") from None
+    title = (render.__doc__ or "").strip().splitlines()[0] if render is not standard else ""
+    return "\n\n".join(filter(None, [f"## `{path.name}`", title, body]))
+
+
+def benchmarks_page() -> str:
+    files = sorted(RESULTS.glob("*.json"))
+    if not files:
+        raise RenderError(f"no results in {RESULTS.relative_to(ROOT)}")
+    head = (
+        "# Benchmarks\n\n"
+        "<!-- Generated by `python benchmarks/render.py` from benchmarks/results/*.json: edit those or the script, not this page. -->\n\n"
+        "Every figure below comes from a results file in [`benchmarks/results/`](../benchmarks/results/), written by the\n"
+        "benchmark script its section names (each prints a table and writes its JSON: see [benchmarks/](../benchmarks/)).\n"
+        "All ran on a 2-core CPU without a GPU; each file says how loaded the machine was.\n\n"
+        + "\n".join(f"- [`{p.name}`](#{p.stem}json)" for p in files)
+    )
+    return head + "\n\n" + "\n\n".join(render_file(p) for p in files) + "\n"
+
+
+# -- figures quoted in README.md and docs/*.md --------------------------------------------------------
+
+
+def _load(name: str):
+    path = RESULTS / name
+    if not path.is_file():
+        raise RenderError(f"a marked figure needs {path.relative_to(ROOT)}, which does not exist; run the benchmark that writes it")
+    return json.loads(path.read_text())
+
+
+def _source(*names: str) -> str:
+    return ", ".join(f"[`{n}`](benchmarks/results/{n})" for n in names)
+
+
+def headline() -> str:
+    """README: the few figures that say what headfold is for."""
+    decoder = _load("distill_recovery.json")["decoder"]
+    kv = min(r["kv_heads"] for r in decoder if r["kv_heads"] > 1)  # h/4
+    start = {r["start"]: r["points"] for r in decoder if r["kv_heads"] == kv}
+    mean, best = start["mean"][0], start["aligned+grouped+refit"][0]  # before any training
+    distilled = start["aligned+grouped+refit"][-1]
+    generate = [r for r in _load("generate_throughput_idle.json")["rows"] if r["exporter"] == "headfold gqa" and r["batch"] == 8]
+    speeds = {r["variant"]: r["tokens_per_s"] for r in generate}
+    rows = [
+        [f"pooled 8 → {kv} kv heads, no training: `mean`", f"KL {mean['kl']:.3g}, perplexity {pct(mean['ppl_increase'])}", _source("distill_recovery.json")],
+        [f"pooled 8 → {kv} kv heads, no training: `aligned+grouped+refit`", f"KL {best['kl']:.3g}, perplexity {pct(best['ppl_increase'])}", _source("distill_recovery.json")],
+        [f"then distilled on {distilled['budget']:.0%} of its pre-training tokens", f"KL {distilled['kl']:.3g}, perplexity {pct(distilled['ppl_increase'])}", _source("distill_recovery.json")],
+        ["onnxruntime-genai tokens/s at batch 8, GQA h/4 over MHA (a random 4-layer Llama, CPU)", f"{speeds['GQA h/4'] / speeds['MHA']:.2f}×", _source("generate_throughput_idle.json")],
+    ]
+    intro = "Measured: the embedded model's KL to the original and perplexity change on held-out text, and generation speed ([docs/benchmarks.md](docs/benchmarks.md) has every figure):"
+    return intro + "\n\n" + table(["", "measured", "from"], rows)
+
+
+def scaling_plan() -> str:
+    """docs/scaling.md: the plan's table, from the calibration benchmark's per-layer measurement."""
+    return table_note("calibration_before_after.json") + "\n\n" + scaling_table(_load("calibration_before_after.json"))
+
+
+def table_note(name: str) -> str:
+    return f"From [`{name}`](../benchmarks/results/{name}) (`benchmarks/calibration_memory.py`):"
+
+
+def demo_reference() -> str:
+    """docs/run.md: what `headfold demo` measures against its reference budget."""
+    data = _load("demo_reference.json")
+    body = [[f"`{r['command']}`", pct(r["ppl_increase"]), f"{r['kl']:.3g}", f"{r['top1']:.1%}", "pass" if r["passed"] else "fail"] for r in data["rows"]]
+    note = "From [`demo_reference.json`](../benchmarks/results/demo_reference.json) (`benchmarks/demo_reference.py`), the conversion-loss check:"
+    return note + "\n\n" + table(["command", "perplexity", "KL", "top-1", "budget"], body)
+
+
+SNIPPETS: dict[str, Callable[[], str]] = {"headline": headline, "scaling-plan": scaling_plan, "demo-reference": demo_reference}
+MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
+
+
+def fill_markers(text: str, where: Path) -> str:
+    def fill(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in SNIPPETS:
+            raise RenderError(f"{where.relative_to(ROOT)}: unknown marker results:{name}; known: {', '.join(SNIPPETS)}")
+        return match.group(1) + SNIPPETS[name]() + "\n" + match.group(4)
+
+    return MARKER.sub(fill, text)
+
+
+def pages() -> dict[Path, str]:
+    """Every page this script owns or fills, as it should read."""
+    wanted = {PAGE: benchmarks_page()}
+    for path in MARKED:
+        if path != PAGE and path.is_file():
+            wanted[path] = fill_markers(path.read_text(), path)
+    return wanted
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a page is not what the results give")
+    args = parser.parse_args()
+    try:
+        wanted = pages()
+    except RenderError as err:
+        print(f"render: {err}", file=sys.stderr)
+        return 2
+    stale = [p for p, text in wanted.items() if not p.is_file() or p.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"render: {path.relative_to(ROOT)} is not what the results give; run python benchmarks/render.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path])
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

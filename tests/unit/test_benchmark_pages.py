@@ -1,0 +1,62 @@
+"""docs/benchmarks.md and the README's figures are generated from benchmarks/results/*.json
+(benchmarks/render.py): every results file renders, an unknown shape is an error, and the pages in
+the repository are what the results give."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "render.py"
+
+
+@pytest.fixture(scope="module")
+def render():
+    spec = importlib.util.spec_from_file_location("render", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "results").glob("*.json")), ids=lambda p: p.name)
+def test_every_results_file_renders(render, path: Path) -> None:
+    section = render.render_file(path)
+    assert section.startswith(f"## `{path.name}`") and "|---|" in section
+
+
+def test_pages_are_what_the_results_give() -> None:
+    done = subprocess.run([sys.executable, SCRIPT, "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    readme = (ROOT / "README.md").read_text()
+    assert "<!-- results:headline -->\nMeasured:" in readme  # the marker is filled, not empty
+
+
+def test_a_file_of_unknown_shape_is_an_error(render, tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "export_throughput.json").write_text(json.dumps({"what": "new benchmark", "rows": [{"model": "x", "s": 1.5}]}))
+    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    assert "| model | s |" in render.benchmarks_page()  # the standard shape needs no renderer
+
+    (tmp_path / "export_throughput.json").write_text(json.dumps({"series": {"a": [1, 2]}}))
+    with pytest.raises(render.RenderError, match="export_throughput.json: cannot render it"):
+        render.benchmarks_page()
+    (tmp_path / "export_throughput.json").write_text(json.dumps({"what": "nested", "rows": [{"model": {"layers": 2}}]}))
+    with pytest.raises(render.RenderError, match="export_throughput.json"):
+        render.benchmarks_page()
+    (tmp_path / "export_throughput.json").unlink()
+    (tmp_path / "generate_throughput_new.json").write_text(json.dumps({"rows": []}))  # a known benchmark's file must fit its renderer
+    with pytest.raises(render.RenderError, match="generate_throughput_new.json.*generate_throughput"):
+        render.benchmarks_page()
+
+
+def test_an_unknown_marker_is_an_error(render, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    with pytest.raises(render.RenderError, match="unknown marker results:nonsense"):
+        render.fill_markers("<!-- results:nonsense -->\n<!-- /results:nonsense -->\n", page)
