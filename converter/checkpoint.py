@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from headfold.converter.layout import HeadShape, expected_shapes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
 from headfold.converter.spec import ArchitectureSpec, ConfigKeys, spec_for, supported_model_types
+from headfold.ground import inputs
 from headfold.ground.errors import BadInput
 
 if TYPE_CHECKING:  # torch is imported only where tensors are made: a mean/first conversion runs without it
@@ -109,57 +110,24 @@ class AttentionLayout:
         return {name: i for i, layer in enumerate(self.layers) for name in layer.values()}
 
 
-# -- staying inside the folder --------------------------------------------------------
-def _allowed_roots(folder: Path) -> tuple[Path, ...]:
-    """The folder, and for a Hugging Face cache snapshot (…/snapshots/REV) its repo's blobs/,
-    where the snapshot's own links point."""
-    real = folder.resolve()
-    return (real, real.parent.parent / "blobs") if real.parent.name == "snapshots" else (real,)
-
-
-def _outside(path: Path, roots: tuple[Path, ...]) -> bool:
-    real = path.resolve()
-    return not any(real == root or real.is_relative_to(root) for root in roots)
-
-
+# -- staying inside the folder (the input policy: ground/inputs.py) ------------------
 def check_links(folder: Path) -> None:
-    """BadInput naming the first link in `folder` whose target lies outside it (headfold reads
-    nothing outside the checkpoint folder, and copies no host file into an output), or the first
-    special file (a FIFO or device would block or never end when read)."""
-    roots = _allowed_roots(folder)
-    for parent, dirs, files in os.walk(folder):
-        for name in sorted(dirs + files):
-            path = Path(parent) / name
-            if path.is_symlink() and _outside(path, roots):
-                raise BadInput(
-                    f"{path} links to {os.readlink(path)}, outside {folder}; headfold reads nothing outside the "
-                    "checkpoint folder: copy the file into it or remove the link"
-                )
-            if name in files and path.exists() and not path.is_file():
-                raise BadInput(f"{path} is not a regular file (a FIFO, socket or device); remove it from the checkpoint folder")
+    """BadInput naming a link in `folder` that leads outside it, or a special file in it."""
+    inputs.check_links(folder, "checkpoint folder")
 
 
 def inside(folder: Path, entry: Any, index: Path) -> Path:
     """`folder / entry` for an index entry, refused when it is absolute, has '..' or resolves outside."""
-    if not isinstance(entry, str) or not entry or os.path.isabs(entry) or ".." in Path(entry).parts:
-        raise BadInput(f"{index.name} entry {entry!r} is not a file name inside {folder}; restore the index from the original checkpoint")
-    path = folder / entry
-    if _outside(path, _allowed_roots(folder)):
-        raise BadInput(f"{index.name} entry {entry!r} resolves outside {folder}; shards must lie in the checkpoint folder")
-    return path
+    return inputs.contained(folder, entry, index, "shards must lie in the checkpoint folder: restore the index from the original checkpoint")
 
 
 # -- config.json ----------------------------------------------------------------------
 def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     try:  # open, not is_file(): an unreadable file is "permission denied", never "missing"
-        text = path.read_bytes()
+        config = inputs.read_json(path, "restore it from the original checkpoint")
     except (FileNotFoundError, IsADirectoryError):
         raise BadInput(f"{path} is missing: a Hugging Face checkpoint folder needs its config.json") from None
-    try:
-        config = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"{path} is not valid JSON ({e}); restore it from the original checkpoint") from None
     if not isinstance(config, dict):
         raise BadInput(f"{path} must hold a JSON object; restore it from the original checkpoint")
     return config
@@ -170,14 +138,69 @@ def _check_config(config: dict[str, Any], spec: ArchitectureSpec | None) -> None
     family headfold does not convert, checked under the common key names)."""
     if quantization := config.get("quantization_config"):
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-        raise BadInput(f"config.json has a quantization_config (quant_method {method!r}): {DEQUANTIZE}")
+        raise BadInput(f"config.json has a quantization_config (quant_method {inputs.shown(method)}): {DEQUANTIZE}")
     keys = spec.config if spec else COMMON_KEYS
     for key in (keys.heads, keys.hidden, keys.layers, keys.kv_heads, keys.head_dim, "vocab_size", "intermediate_size", "max_position_embeddings", "n_positions"):
         if key and config.get(key) is not None:
             _positive_int(config, key)
     if config.get(keys.layers, 0) > MAX_LAYERS:
         raise BadInput(f"config.json: {keys.layers!r} is {config[keys.layers]}, more than {MAX_LAYERS}; fix config.json")
+    _check_values(config)
     _check_rope(config)
+
+
+# Config values the model builder and the exporter read, by the names families give them: each is
+# checked here (null means "unset" for all of them), so a bad one is one line before any work.
+CONFIG_VALUES: dict[str, tuple[str, ...]] = {
+    "a positive integer": (
+        "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "n_ctx", "ffn_dim", "word_embed_proj_dim", "type_vocab_size",
+        "original_max_position_embeddings", "sliding_window", "max_window_layers",
+    ),
+    "a positive number": ("rope_theta", "rotary_emb_base", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"),
+    "a number from 0 to 1": (
+        "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "dropout",
+        "attention_probs_dropout_prob", "activation_dropout", "classifier_dropout", "summary_first_dropout", "layerdrop",
+    ),
+    "a number of at least 0": ("initializer_range",),
+    "true or false": (
+        "tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache", "use_parallel_residual", "do_layer_norm_before",
+        "enable_bias", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "is_decoder",
+        "add_cross_attention", "use_sliding_window",
+    ),
+    "a token id inside the vocabulary": ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id"),
+    "an activation name": ("hidden_act", "activation_function", "hidden_activation"),
+    "a model type name": ("model_type",),
+}  # fmt: skip
+
+
+def _fits(kind: str, value: Any, vocab: int | None) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == "a positive integer":
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    if kind == "a positive number":
+        return number and value > 0
+    if kind == "a number from 0 to 1":
+        return number and 0 <= value <= 1
+    if kind == "a number of at least 0":
+        return number and value >= 0
+    if kind == "true or false":
+        return isinstance(value, bool)
+    if kind == "a token id inside the vocabulary":  # eos may list several
+        ids = value if isinstance(value, list) and value else [value]
+        return all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (vocab or 2**63) for i in ids)
+    return isinstance(value, str) and bool(value)
+
+
+def _check_values(config: dict[str, Any]) -> None:
+    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None
+    for kind, keys in CONFIG_VALUES.items():
+        for key in keys:
+            if config.get(key) is not None and not _fits(kind, config[key], vocab):
+                where = f" [0, {vocab})" if kind.startswith("a token id") and vocab else ""
+                raise BadInput(f"config.json: {key!r} must be {kind}{where}, found {inputs.shown(config[key])}; fix config.json")
+    architectures = config.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list) and architectures and all(isinstance(a, str) for a in architectures)):
+        raise BadInput(f"config.json: 'architectures' must be a list of class names like [\"LlamaForCausalLM\"], found {inputs.shown(architectures)}; fix config.json")
 
 
 def _check_rope(config: dict[str, Any]) -> None:
@@ -188,10 +211,10 @@ def _check_rope(config: dict[str, Any]) -> None:
         nested = params.values() if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()) else [params]
         for entry in nested:  # one dict, or one per layer type (sliding / full attention)
             if not isinstance(entry, dict):
-                raise BadInput(f"config.json: {key!r} must be an object like {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}, found {params!r}")
+                raise BadInput(f"config.json: {key!r} must be an object like {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}, found {inputs.shown(params)}")
             for name in ("rope_theta", "factor"):
                 if name in entry and not _positive_number(entry[name]):
-                    raise BadInput(f"config.json: {key}.{name} must be a positive number, found {entry[name]!r}")
+                    raise BadInput(f"config.json: {key}.{name} must be a positive number, found {inputs.shown(entry[name])}")
             _check_fraction(entry, f"{key}.", "partial_rotary_factor")
     _check_fraction(config, "", "partial_rotary_factor")
     _check_fraction(config, "", "rotary_pct")
@@ -204,13 +227,13 @@ def _positive_number(value: Any) -> bool:
 def _check_fraction(config: dict[str, Any], where: str, key: str) -> None:
     value = config.get(key)
     if value is not None and not (_positive_number(value) and value <= 1):
-        raise BadInput(f"config.json: {where}{key} must be a fraction of the head dims in (0, 1], found {value!r}")
+        raise BadInput(f"config.json: {where}{key} must be a fraction of the head dims in (0, 1], found {inputs.shown(value)}")
 
 
 def _positive_int(config: dict[str, Any], key: str) -> int:
     value = config.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise BadInput(f"config.json: {key!r} must be a positive integer, found {value!r}")
+        raise BadInput(f"config.json: {key!r} must be a positive integer, found {inputs.shown(value)}")
     return value
 
 
@@ -320,6 +343,22 @@ class CheckpointFacts:
             vocab_size=config.get("vocab_size"),
             tokenizer=tokenizer_location(folder),
         )
+
+    def require_positions(self, needed: int, why: str) -> None:
+        """BadInput unless the model takes `needed` positions (its limit less SPARE_POSITIONS)."""
+        limit = self.position_limit
+        if limit is not None and limit < needed:
+            key = "max_position_embeddings" if "max_position_embeddings" in self.config else "n_positions"
+            raise BadInput(f"config.json: {key} {self.positions} leaves {max(limit, 0)} usable positions, and {why} needs {needed}; fix config.json")
+
+    def check_activations(self) -> None:
+        """BadInput for an activation transformers does not know. Checked when a model is built, not
+        in read(): transformers' activation table imports torch, which a mean conversion never loads."""
+        from transformers.activations import ACT2FN
+
+        for key in CONFIG_VALUES["an activation name"]:
+            if isinstance(name := self.config.get(key), str) and name not in ACT2FN:
+                raise BadInput(f"config.json: {key!r} is {inputs.shown(name)}, which transformers does not know; use one of {', '.join(sorted(ACT2FN)[:8])}, …")
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -432,11 +471,12 @@ def _find_weight_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], se
 
 
 def _files_from_index(folder: Path, index: Path) -> tuple[list[Path], set[str]]:
+    fix = "restore it from the original checkpoint"
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = inputs.read_json(index, fix)["weight_map"]
         entries = set(weight_map.values())
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise BadInput(f"{index} is corrupt ({type(e).__name__}: {e}); restore it from the original checkpoint") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise BadInput(f"{index} is corrupt ({type(e).__name__}: {e}); {fix}") from None
     files = sorted({inside(folder, entry, index) for entry in entries})
     missing = [f.name for f in files if not f.is_file()]
     if missing:

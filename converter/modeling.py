@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers.cache_utils import Cache
@@ -46,7 +47,7 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER
 from headfold.converter.spec import spec_for
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, read_json_object
 
 __all__ = ["load_model", "empty_model", "parameter_names", "GQA_ATTENTION"]
 
@@ -262,8 +263,11 @@ def _check_forward_signature(cls: type[_GQA]) -> None:
 
 def _read_config(facts: CheckpointFacts) -> transformers.PretrainedConfig:
     """transformers' config for a checkpoint whose facts (sizes, rope, links, quantization) are already checked."""
+    facts.check_activations()
     try:
         return transformers.AutoConfig.from_pretrained(facts.folder, trust_remote_code=False, local_files_only=True)
+    except StrictDataclassError as err:  # transformers' own validation of a value the facts do not check
+        raise BadInput(f"config.json: {err.__cause__ or err}; fix config.json") from None
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise BadInput(
@@ -540,7 +544,12 @@ def _finish_like_from_pretrained(model: transformers.PreTrainedModel, folder: Pa
     """What from_pretrained also does: record the source and use its generation defaults."""
     model.config.name_or_path = str(folder)
     if model.can_generate() and (folder / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
+        read_json_object(folder / "generation_config.json", "restore it from the original checkpoint")  # size, depth
+        try:
+            model.generation_config = transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
+        except (ValueError, TypeError, StrictDataclassError) as err:
+            first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
+            raise BadInput(f"{folder / 'generation_config.json'} is invalid ({first_line}); restore it from the original checkpoint") from None
 
 
 def parameter_names(model: transformers.PreTrainedModel, path: str | os.PathLike | CheckpointFacts) -> dict[str, str]:

@@ -151,6 +151,7 @@ def make_inputs(checkpoint: Path, spec: InputSpec, allow_random: bool = False) -
     if spec.decode_steps < 0:
         raise BadInput("--decode-steps must be 0 (no KV-cache check) or more")
     facts = CheckpointFacts.read(checkpoint)
+    facts.require_positions(2, "verify (a row of at least 2 tokens)")
     limit = facts.position_limit
     window = min(spec.window, limit) if limit else spec.window
     rows, source = choose_rows(facts, spec, window, need_text=not allow_random)
