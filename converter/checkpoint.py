@@ -433,7 +433,7 @@ def _check_tensor(info: TensorInfo) -> None:
 
 def read_tensor_index(folder: Path, allow_pickle: bool) -> TensorIndex:
     """Every tensor's header entry, after checking the weight files (index, shards, truncation, format)."""
-    files, index_names = _find_weight_files(folder, allow_pickle)
+    files, index = _find_weight_files(folder, allow_pickle)
     tensors: dict[str, TensorInfo] = {}
     pickles: dict[Path, dict[str, torch.Tensor]] = {}
     for file in files:  # pickles only when allowed: _find_weight_files decides the format
@@ -444,21 +444,24 @@ def read_tensor_index(folder: Path, allow_pickle: bool) -> TensorIndex:
             infos = [TensorInfo(n, _pickle_code(file, n, t), tuple(t.shape), file) for n, t in pickles[file].items()]
         for info in infos:  # a source's tensors, whatever their format; the header parse itself stays neutral
             _check_tensor(info)
-        tensors.update((t.name, t) for t in infos)
-    if missing := index_names - set(tensors):
+            if (first := tensors.setdefault(info.name, info)) is not info:
+                raise BadInput(f"tensor {info.name} is in two shards, {first.file.name} and {file.name}; restore the checkpoint (each tensor lives in one shard)")
+    if missing := set(index) - set(tensors):
         raise BadInput(f"the weight index names {len(missing)} tensor(s) absent from the shards (e.g. {min(missing)}); the checkpoint is incomplete")
+    if wrong := next((n for n, f in sorted(index.items()) if tensors[n].file != f), None):
+        raise BadInput(f"the weight index maps tensor {wrong} to {index[wrong].name}, which does not hold it ({tensors[wrong].file.name} does); restore the index from the original checkpoint")
     return TensorIndex(files, tensors, pickles)
 
 
-def _find_weight_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], set[str]]:
-    """The weight files, and the tensor names their index promises (none without an index)."""
+def _find_weight_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], dict[str, Path]]:
+    """The weight files, and the file their index names for each tensor (none without an index)."""
     if (folder / SAFETENSORS_INDEX).is_file():
         files, names = _files_from_index(folder, folder / SAFETENSORS_INDEX)
         if pickle := next((f for f in files if f.suffix != ".safetensors"), None):  # never torch.load what the index names
             raise BadInput(f"{SAFETENSORS_INDEX} lists {pickle.name}, which is not a .safetensors file; restore the index from the original checkpoint")
         return files, names
     if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"], set()
+        return [folder / "model.safetensors"], {}
     pickles = (folder / PICKLE_INDEX, folder / "pytorch_model.bin")
     if any(p.is_file() for p in pickles):
         if not allow_pickle:
@@ -466,22 +469,23 @@ def _find_weight_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], se
                 f"{folder} holds only pickle weights (pytorch_model.bin), which can run code when "
                 "loaded; convert them to safetensors or pass --allow-pickle (loaded with weights_only=True)"
             )
-        return _files_from_index(folder, pickles[0]) if pickles[0].is_file() else ([pickles[1]], set())
+        return _files_from_index(folder, pickles[0]) if pickles[0].is_file() else ([pickles[1]], {})
     raise BadInput(f"no weights in {folder}: no model.safetensors, nor {SAFETENSORS_INDEX} with its shards")
 
 
-def _files_from_index(folder: Path, index: Path) -> tuple[list[Path], set[str]]:
+def _files_from_index(folder: Path, index: Path) -> tuple[list[Path], dict[str, Path]]:
     fix = "restore it from the original checkpoint"
     try:
         weight_map = inputs.read_json(index, fix)["weight_map"]
         entries = set(weight_map.values())
     except (KeyError, TypeError, AttributeError) as e:
-        raise BadInput(f"{index} is corrupt ({type(e).__name__}: {e}); {fix}") from None
-    files = sorted({inside(folder, entry, index) for entry in entries})
+        raise BadInput(f"{index} is corrupt ({type(e).__name__}: {inputs.shown(str(e))}); {fix}") from None
+    paths = {entry: inside(folder, entry, index) for entry in entries}
+    files = sorted(set(paths.values()))
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise BadInput(f"{index.name} lists missing shard(s) {', '.join(missing)}; download the complete checkpoint")
-    return files, set(weight_map)
+    return files, {name: paths[entry] for name, entry in weight_map.items()}
 
 
 def _pickle_code(file: Path, name: str, tensor: torch.Tensor) -> str:

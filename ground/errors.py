@@ -25,6 +25,16 @@ class CheckFailed(HeadfoldError):
     exit_code = 1
 
 
+def is_panic(err: BaseException) -> bool:
+    """A Rust library's panic (tokenizers, safetensors) as pyo3 raises it: a BaseException, not an Exception."""
+    return type(err).__name__ == "PanicException"
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    return next(iter(str(err).strip().splitlines()), type(err).__name__)
+
+
 def read_json_object(path: Path, fix: str) -> dict[str, Any]:
     """A JSON object headfold wrote (headfold.json, export.json, sidecars); BadInput naming `path` and
     `fix` when it is corrupt, too large or too deep (ground/inputs.py, the one reader). OS errors

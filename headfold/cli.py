@@ -22,6 +22,7 @@ from headfold.ground.errors import HeadfoldError
 from headfold.options import (
     BEST_METHOD,
     DTYPE,
+    FINITE,
     JSON,
     OPSET,
     PATH,
@@ -305,11 +306,11 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
     spec("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens."),
     spec("--seq-len", type=int, default=256, help="Tokens per training window."),
     batch_size_spec(None),  # None: default_batch_size()
-    spec("--lr", type=float, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: 1e-3 for decoders, 1e-4 for encoders]"),
+    spec("--lr", type=FINITE, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: 1e-3 for decoders, 1e-4 for encoders]"),
     spec("--train", type=click.Choice(("kv", "attention", "all", "lora")), default=None, help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end. [default: attention for decoders, all for encoders]"),
     spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
-    spec("--temperature", type=float, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
-    spec("--hidden-weight", type=float, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: 30 for decoders, 0 for encoders]"),
+    spec("--temperature", type=FINITE, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
+    spec("--hidden-weight", type=FINITE, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: 30 for decoders, 0 for encoders]"),
     spec("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, ~30 % slower."),
     SEED,
     title="Training options",
@@ -317,7 +318,7 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
 @options(
     spec("--eval-every", type=int, default=None, help="Evaluate on the held-out windows every N steps. [default: 8 evaluations per run]"),
     spec("--eval-windows", type=int, default=32, help="Held-out windows of --seq-len tokens."),
-    spec("--until-kl", type=float, default=None, help="Stop once the held-out KL is at most this (checked at each evaluation)."),
+    spec("--until-kl", type=FINITE, default=None, help="Stop once the held-out KL is at most this (checked at each evaluation)."),
     spec("--until-ppl-increase", type=Fraction(), default=None, help="Stop once the held-out perplexity is within this of the teacher's, e.g. 2%."),
     title="Evaluation and stopping",
 )  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import sys
 import warnings
@@ -99,6 +100,19 @@ class Fraction(click.ParamType):
             self.fail(str(err), param, ctx)
 
 
+class Finite(click.ParamType):
+    """A finite float: inf and nan would train or gate on nothing."""
+
+    name = "FLOAT"
+
+    def convert(self, value, param, ctx):
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+FINITE = Finite()
 KV_HEADS_HELP = "one value for every layer, or one per layer comma-separated (8,4,4,2); each must divide the attention heads"
 METHOD_HELP = (
     "How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
@@ -121,7 +135,7 @@ def batch_size_spec(default: int | None) -> Spec:
     return spec("--batch-size", type=int, default=default, help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 640 steps).")
 
 
-SEED = spec("--seed", type=int, default=0, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
+SEED = spec("--seed", type=click.IntRange(0, 2**32 - 1), default=0, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
 OVERWRITE = spec("--overwrite", is_flag=True, help="Write where outputs exist: they are replaced atomically, only once the command succeeded (run: other files in OUT_DIR stay).")
 QUIET = spec("--quiet", "-q", is_flag=True, help="No progress bars or progress lines; the same as `headfold -q`.")
 JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"), default=None, metavar="[FILE]", help="Write the result as JSON to FILE (atomically); without FILE, or '-', print it instead of the table.")
