@@ -78,7 +78,7 @@ def check_disjoint(out: Path, sources: Iterable[Path]) -> Path:
     for src in sources:
         root = src.resolve()
         if out == root or root in out.parents:
-            raise BadInput(f"output {out} is inside the source {root}; choose an output folder outside it")
+            raise BadInput(f"output {out} is inside the source {root}; choose an output path outside it")
         if out in root.parents:
             raise BadInput(f"output {out} contains the source {root}; choose another output path")
         for real, how in read_paths(src).items():
@@ -240,10 +240,24 @@ def staging_folder(out: Path, *, overwrite: bool = False, ours: bool = False, is
             _remove(folder)
 
 
+Outputs = Mapping[Path, bool] | Iterable[tuple[Path, bool]]  # each output path → whether it is a folder
+
+
+def check_outputs(outputs: Outputs, *, overwrite: bool, sources: Iterable[Path] = (), ours: bool = False) -> dict[Path, bool]:
+    """What atomic_outputs refuses, checked before the work: {output_path: is_dir}."""
+    sources, pairs = list(sources), list(outputs.items() if isinstance(outputs, Mapping) else outputs)
+    paths = {check_disjoint(out, sources): is_dir for out, is_dir in pairs}
+    if len(paths) < len(pairs):
+        raise BadInput(f"two outputs name the same path ({', '.join(sorted(map(str, (p for p, _ in pairs))))}); give each its own")
+    for out, is_dir in paths.items():
+        if others := [o for o in paths if out in o.parents]:
+            raise BadInput(f"output {others[0]} lies inside output {out}; give them separate paths")
+        _refuse_existing(out, overwrite, "already exists", ours, is_dir)
+    return paths
+
+
 @contextmanager
-def atomic_outputs(
-    outputs: Mapping[Path, bool], *, overwrite: bool = False, ours: bool = False, sources: Iterable[Path] = ()
-) -> Iterator[dict[Path, Path]]:
+def atomic_outputs(outputs: Outputs, *, overwrite: bool = False, ours: bool = False, sources: Iterable[Path] = ()) -> Iterator[dict[Path, Path]]:
     """The one way headfold writes what a user names: `outputs` maps each path to whether it is a
     folder; yields each path's temporary twin (a folder made, a file for the caller to write), built
     in its staging folder beside it. On success all of them are moved into place together (one
@@ -251,20 +265,15 @@ def atomic_outputs(
     a link at a path, a path that is or overlaps anything `sources` read, the same path twice, an
     existing one without `overwrite`, one of the other kind or not written by headfold (`ours`:
     the caller knows it is)."""
-    sources = list(sources)
-    paths = {check_disjoint(out, sources): is_dir for out, is_dir in outputs.items()}
-    if len(paths) < len(outputs):
-        raise BadInput(f"two outputs name the same path ({', '.join(sorted(map(str, outputs)))}); give each its own")
-    for out in paths:
-        if others := [o for o in paths if out in o.parents]:
-            raise BadInput(f"output {others[0]} lies inside output {out}; give them separate paths")
+    sources, pairs = list(sources), list(outputs.items() if isinstance(outputs, Mapping) else outputs)
+    paths = check_outputs(pairs, overwrite=overwrite, sources=sources, ours=ours)
     with ExitStack() as stack:
         staged = {}
         for out, is_dir in sorted(paths.items()):  # locks in one order: two commands never deadlock
             staged[out] = stack.enter_context(staging_folder(out, overwrite=overwrite, ours=ours, is_dir=is_dir)) / out.name
             if is_dir:
                 staged[out].mkdir()
-        yield {original: staged[output_path(original)] for original in outputs}
+        yield {original: staged[output_path(original)] for original, _ in pairs}
         for out, is_dir in paths.items():  # a writer that skipped the lock, or an input that appeared there
             _refuse_existing(out, overwrite, "appeared while this command ran", ours, is_dir)
             check_disjoint(out, sources)
@@ -274,7 +283,7 @@ def atomic_outputs(
 @contextmanager
 def atomic_output(out: Path, *, is_dir: bool = True, overwrite: bool = False, ours: bool = False, sources: Iterable[Path] = ()) -> Iterator[Path]:
     """atomic_outputs for one path: yield its temporary twin; on success it becomes `out`."""
-    with atomic_outputs({out: is_dir}, overwrite=overwrite, ours=ours, sources=sources) as staged:
+    with atomic_outputs([(out, is_dir)], overwrite=overwrite, ours=ours, sources=sources) as staged:
         yield staged[out]
 
 

@@ -24,6 +24,7 @@ import click
 from click.core import ParameterSource
 
 from headfold.ground.errors import BadInput, HeadfoldError
+from headfold.ground.inputs import printable
 
 log = logging.getLogger(__name__)
 OPTIONS = "Options"  # the heading of a command's own options, listed first
@@ -286,6 +287,7 @@ report_options = options(
     spec("--report", "json_path", type=PATH, default=None, help="Write every metric, budget, verdict, version and input hash as JSON."),
     spec("--markdown", "markdown_path", type=PATH, default=None, help="Write the tables as Markdown (for a PR comment)."),
     spec("--junit", "junit_path", type=PATH, default=None, help="Write JUnit XML: one testcase per check."),
+    OVERWRITE,
     title="Output",
 )  # fmt: skip
 
@@ -351,7 +353,7 @@ class EchoHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            click.echo(self.format(record), err=record.levelno >= logging.WARNING)
+            click.echo(printable(self.format(record)), err=record.levelno >= logging.WARNING)  # a path or name from a file may hold escapes
         except Exception:  # a closed pipe must not turn a log line into a failure
             self.handleError(record)
 

@@ -39,6 +39,12 @@ class Artifact:
     model: Path | None  # the checkpoint folder of this model; None for an ONNX file of unknown origin
     precision: str
     decode: Path | None = None  # a decoder's decode graph or engine (KV cache), next to its prefill one
+    graph: Path | None = None  # an engine's source graph
+
+    @property
+    def reads(self) -> list[Path]:
+        """The files and folders running this artifact reads."""
+        return [p for p in (self.path, self.model, self.decode, self.graph) if p is not None]
 
     def runner(self) -> BaseRunner:
         return _runner(self.kind, self.path)
@@ -128,7 +134,7 @@ def _engine_artifact(engine: Path) -> Artifact:
     graph = source_onnx(engine, info)
     decode = engine.with_name(DECODE_ENGINE)  # `headfold build` writes the pair side by side
     paired = engine.name == PREFILL_ENGINE and decode.is_file()
-    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info.precision.name, decode if paired else None)
+    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info.precision.name, decode if paired else None, graph)
 
 
 def resolve(path: Path) -> Artifact:
