@@ -97,10 +97,25 @@ def check_output(out: Path, *, overwrite: bool, sources: Iterable[Path] = (), is
     return out
 
 
-def _refuse_existing(out: Path, overwrite: bool, how: str, ours: bool, is_dir: bool | None = None) -> None:
-    """The checks on what is at `out` now: see check_output; `ours`: the caller knows it is headfold's."""
+def refuse_link(out: Path) -> None:
+    """BadInput when `out` is a symbolic link (dangling or not), or its lock file is not one headfold
+    could have made (a link, a hard link to another file, a FIFO): headfold never writes through one."""
     if out.is_symlink():
         raise BadInput(f"output {out} is a symbolic link (to {os.readlink(out)}); headfold never writes through a link: remove it or choose another path")
+    lock = lock_path(out)
+    if lock.is_symlink():
+        raise BadInput(f"{lock} is a symbolic link (to {os.readlink(lock)}), not headfold's lock file; remove it")
+    if lock.exists() and (not lock.is_file() or lock.stat().st_nlink != 1):
+        raise BadInput(f"{lock} is not headfold's lock file (a special file or a hard link to another one); remove it")
+
+
+def lock_path(out: Path) -> Path:
+    return out.with_name(f".{out.name}.lock")
+
+
+def _refuse_existing(out: Path, overwrite: bool, how: str, ours: bool, is_dir: bool | None = None) -> None:
+    """The checks on what is at `out` now: see check_output; `ours`: the caller knows it is headfold's."""
+    refuse_link(out)
     if not out.exists():
         return
     if not overwrite:
@@ -184,7 +199,7 @@ def _lock_fd(lock: Path, out: Path) -> int:
 def output_lock(out: Path) -> Iterator[None]:
     """Hold the exclusive lock `.OUT.lock` beside `out` (BadInput naming the holder's pid when
     another process has it); remove what dead writers left beside `out`."""
-    lock = out.with_name(f".{out.name}.lock")
+    lock = lock_path(out)
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # deepest first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -353,6 +368,25 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
             yield path
         finally:
             _remove(path)
+
+
+LIBRARY_SCRATCH = {"TMPDIR": "", "TORCHINDUCTOR_CACHE_DIR": "torchinductor"}  # variable → sub-folder
+
+
+@contextmanager
+def library_scratch() -> Iterator[Path]:
+    """A command's own scratch folder for what libraries leave in the temp folder (ONNX Runtime's
+    session file, torch's inductor cache): those variables point into it while the command runs,
+    and it is removed at exit, on error and on SIGTERM. Python's own temp files stay where they were."""
+    tempfile.gettempdir()  # cached now: scratch_dir and tempfile keep the user's TMPDIR
+    with scratch_dir("headfold-scratch") as folder:
+        saved = {name: os.environ.get(name) for name in LIBRARY_SCRATCH}
+        os.environ.update({name: str(folder / sub) for name, sub in LIBRARY_SCRATCH.items()})
+        try:
+            yield folder
+        finally:
+            for name, value in saved.items():
+                os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
 
 def _alive(pid: int) -> bool:

@@ -105,7 +105,7 @@ def parse_json(data: bytes | str, where: Path | str, fix: str) -> Any:
     try:
         value, deep = json.loads(data), False
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadInput(f"{where} is corrupt (not valid JSON: {err}); {fix}") from None
+        raise BadInput(f"{where} is corrupt (not JSON: {err}); {fix}") from None
     except RecursionError:  # deeper still: json gave up where Python's recursion ends
         value, deep = None, True
     if deep or too_deep(value):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from headfold.ground.atomic import library_scratch
 from headfold.ground.errors import HeadfoldError, first_line, is_panic
 from headfold.ground.inputs import printable
 from headfold.options import (
@@ -524,7 +525,8 @@ def _main(argv: list[str] | None) -> int:
     global _debug
     _debug = False
     try:
-        code = cli.main(args=argv, prog_name="headfold", standalone_mode=False)
+        with library_scratch():  # what libraries write to the temp folder is removed at exit
+            code = cli.main(args=argv, prog_name="headfold", standalone_mode=False)
     except HeadfoldError as e:
         return _fail(str(e), e.exit_code)
     except click.exceptions.Abort:

@@ -498,7 +498,7 @@ def test_verify_without_tokenizer(src: Path, tmp_path: Path, capsys) -> None:
     assert json.loads(report.read_text())["inputs"]["text"].startswith("random token ids (seed 0;")
     ids = tmp_path / "ids.txt"
     ids.write_text("5 6 7 8 9\n\n10 11 12\n")
-    code, err = run(capsys, "verify", src, src, "--token-ids", ids, "--report", report)
+    code, err = run(capsys, "verify", src, src, "--token-ids", ids, "--report", report, "--overwrite")  # replaces its own report
     assert code == 0, err
     inputs = json.loads(report.read_text())["inputs"]
     assert (inputs["text"], inputs["rows"], inputs["tokens"]) == (f"--token-ids {ids}", 2, 8)
