@@ -20,6 +20,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from headfold.converter.modeling import check_loadable
 from headfold.engines.env import engine_support
 from headfold.ground import VERSION
 from headfold.ground.artifacts import LEDGER, REPORT
@@ -156,6 +157,7 @@ def run(
     refuse_link(out)
     if resolve(src).kind != "checkpoint":
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
+    check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
     reads = [src, *(p for p in (inputs.text, thresholds.file, distill and distill.data) if p is not None)]
     check_disjoint(out, reads)  # the run folder holds none of its inputs, nor lies inside one
     check_opset(opset)

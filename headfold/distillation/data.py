@@ -11,6 +11,7 @@ training windows come after them, shuffled in a seeded buffer, epoch after epoch
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -90,13 +91,19 @@ def file_source(path: Path, option: str = "--data") -> TextSource:
 
 @contextmanager
 def _read_errors(path: Path, option: str, problem: str) -> Iterator[None]:
-    """datasets / pyarrow / codecs each raise their own types for a bad file: one BadInput naming it."""
+    """datasets / pyarrow / codecs each raise their own types for a bad file: one BadInput naming it
+    (datasets' own logged error would be a second line)."""
+    library = logging.getLogger("datasets")
+    level = library.level
+    library.setLevel(logging.CRITICAL + 1)
     try:
         yield
     except HeadfoldError:
         raise
     except Exception as err:
         raise BadInput(f"{option} {path} {problem} ({type(err).__name__}: {first_line(err)}); pass UTF-8 text, JSON lines, parquet with a '{TEXT_FIELD}' field, or a datasets save_to_disk folder") from None
+    finally:
+        library.setLevel(level)
 
 
 def _check_dataset_folder(folder: Path, option: str) -> None:

@@ -19,10 +19,12 @@ from typing import Any
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.per_layer import collapse
+from headfold.graphs.onnx_files import load_graph
 from headfold.ground import export_summary, manifest
 from headfold.ground.artifacts import DECODE_GRAPH, ENGINE_SUFFIXES, MODEL_GRAPH, PREFILL_GRAPH, engine_name
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
+from headfold.ground.inputs import check_links
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 
 GRAPHS = (PREFILL_GRAPH, MODEL_GRAPH)  # the full-sequence graph of a decoder / an encoder
@@ -119,6 +121,7 @@ def _decode_graph(graph: Path, summary: export_summary.ExportSummary) -> Path | 
 
 
 def _onnx_artifact(graph: Path) -> Artifact:
+    load_graph(graph)  # empty, garbage, or weights outside its folder: one line, before ONNX Runtime sees it
     if not export_summary.exists(graph.parent):
         return Artifact(graph, "onnx", None, "fp32")
     summary = export_summary.load(graph.parent)
@@ -142,6 +145,7 @@ def resolve(path: Path) -> Artifact:
     if path.is_dir() and (path / "config.json").is_file():
         return Artifact(path.resolve(), "checkpoint", path.resolve(), _checkpoint_precision(path))
     if path.is_dir() and export_summary.exists(path):
+        check_links(path, "export folder")
         graph = next((path / g for g in GRAPHS if (path / g).is_file()), None)
         if graph is None:
             raise BadInput(f"export folder {path} has neither {' nor '.join(GRAPHS)}; re-run headfold export")

@@ -63,8 +63,8 @@ def read_token_ids(path: Path, vocab_size: int) -> list[np.ndarray]:
     for number, line in enumerate(read_text_file(path, "--token-ids").splitlines(), 1):
         try:
             row = np.array([int(word) for word in line.split()], dtype=np.int64)
-        except ValueError:
-            raise BadInput(f"--token-ids {path} line {number} is not whitespace-separated integers; write one row of token ids per line") from None
+        except (ValueError, OverflowError):  # OverflowError: an id beyond int64
+            raise BadInput(f"--token-ids {path} line {number} is not whitespace-separated integers in the vocabulary [0, {vocab_size}); write one row of token ids per line") from None
         if row.size == 1 or (row.size and (row.min() < 0 or row.max() >= vocab_size)):
             raise BadInput(f"--token-ids {path} line {number} needs at least 2 ids, each in the vocabulary [0, {vocab_size})")
         if row.size:
