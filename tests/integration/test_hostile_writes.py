@@ -523,3 +523,98 @@ def test_a_lock_that_is_a_hard_link_is_refused(world: World, tmp_path: Path, cap
     code, err = cli(capsys, "convert", world.src, tmp_path / "out", "--kv-heads", "2", "-q")
     assert_one_line(code, err, 2, "lock", "hard link")
     assert victim.read_text() == "precious" and entries(tmp_path) == [".out.lock", "victim.txt"]
+
+
+# -- pipes and signals (issue 23) --------------------------------------------------------------
+
+CLOSED_STDOUT = """
+import json, os, sys
+from headfold.cli import main
+results = []
+for args in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    os.close(read)  # the reader left: `headfold … | head` after head exited
+    os.dup2(write, 1)
+    os.close(write)
+    err = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    saved = os.dup(2)
+    os.dup2(err, 2)
+    code = main(args)
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    results.append([code, open(sys.argv[2]).read()])
+devnull = os.open(os.devnull, os.O_WRONLY)
+os.dup2(devnull, 1)
+sys.stderr.write(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_a_closed_stdout_is_not_a_failure(world: World, tiny_checkpoint, tiny_export, tmp_path: Path) -> None:
+    """Every command with its stdout closed (`| head`, `| true`): its own verdict stands (0 done, 1 a
+    gate failed, 2 bad input), no traceback, no extra line."""
+    checkpoint, export = tiny_export("llama")
+    small = ["--max-rows", "2", "--window", "8", "--decode-steps", "0"]
+    cases = [
+        (["--help"], 0), (["--version"], 0), (["convert", "--help"], 0),
+        (["convert", world.src, tmp_path / "c", "--kv-heads", "2"], 0),
+        (["export", tiny_checkpoint("bert"), tmp_path / "e"], 0),  # an encoder: one graph, the fastest export
+        # (`run` is left out: its work is convert → export → verify, its printing verify's)
+        (["build", export, tmp_path / "engines", "--dry-run", "--trt-version", "10.15"], 0),
+        (["verify", world.src, world.src, *small], 0),
+        (["verify", checkpoint, export, *small, "--atol", "0", "--rtol", "0"], 1),  # torch vs ONNX Runtime: not bit-equal
+        (["inspect", world.src, "--calibration", "weights"], 0),
+        (["distill", world.src, world.student, tmp_path / "d", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1"], 0),
+        (["convert", world.src, tmp_path / "c", "--kv-heads", "2"], 2),
+    ]  # fmt: skip
+    argv = [[str(a) for a in args] for args, _ in cases]
+    done = subprocess.run([sys.executable, "-c", CLOSED_STDOUT, json.dumps(argv), str(tmp_path / "stderr")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (args, expected), (code, err) in zip(cases, json.loads(done.stderr)):
+        assert code == expected, (args, err)
+        assert "Traceback" not in err and "Exception ignored" not in err and (expected != 0 or "error" not in err), (args, err)
+        assert expected != 2 or len(err.strip().splitlines()) == 1, (args, err)
+
+
+SIGNALS = """
+import _thread, json, os, signal, sys, threading, time
+from pathlib import Path
+from headfold.cli import main
+
+def when(ready, act):
+    def watch():
+        while not ready():
+            time.sleep(0.01)
+        act()
+    threading.Thread(target=watch, daemon=True).start()
+
+args, folder = json.loads(sys.argv[1]), Path(sys.argv[2])
+state, results = folder / ".out.distill-state", []
+when(lambda: (folder / "..out.distill-state.lock").exists(), lambda: (time.sleep(0.5), os.kill(os.getpid(), signal.SIGTERM)))
+try:
+    main([*args, "--steps", "100000"])
+except SystemExit as stop:
+    results.append([stop.code, sorted(os.listdir(folder))])
+when(lambda: any(state.glob("step-*")), _thread.interrupt_main)
+results.append([main([*args, "--steps", "100000", "--save-every", "1"]), sorted(os.listdir(folder))])
+results.append([main([*args, "--steps", "2"]), sorted(os.listdir(folder))])
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_distill_stopped_by_a_signal_then_a_fresh_run(world: World, tmp_path: Path) -> None:
+    """SIGTERM without --save-every: exit 143, nothing left. SIGINT with --save-every: exit 130, the
+    checkpoint kept for --resume. Then a fresh run (no --resume) removes that stale state, says so,
+    and writes OUT; nothing else stays beside it. (One process, signalling itself, for speed.)"""
+    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "-q"]
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNALS, json.dumps([str(a) for a in args]), str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (terminated, after_term), (interrupted, after_int), (fresh, after_fresh) = json.loads(done.stdout.splitlines()[-1])
+    assert (terminated, after_term) == (143, [])
+    assert (interrupted, after_int) == (130, [".out.distill-state"])
+    assert (fresh, after_fresh) == (0, ["out"]) and (tmp_path / "out" / "headfold.json").is_file()
+    assert "headfold: terminated (SIGTERM); removing partial outputs" in done.stderr and "headfold: aborted" in done.stderr
+    assert f"removed {tmp_path / '.out.distill-state'}, the state of an earlier run that stopped at step-" in done.stderr
