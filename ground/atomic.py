@@ -1,9 +1,16 @@
-"""Outputs appear whole or not at all, from one writer, never over an input.
+"""The one output policy: every path a command writes appears whole or not at all, together with
+the command's other outputs, from one writer, never over an input, never through a link.
 
-A writer holds an exclusive lock on the sibling `.OUT.lock` (recording its pid), builds in the
-hidden sibling `.OUT.partial-PID` and renames it into place at the end; an existing OUT is replaced
-only when asked. Under the lock any other `.OUT.partial-*` / `.OUT.old-*` was left by a writer that
-died (kill -9, power loss), so it is removed. SIGTERM, like SIGINT, unwinds and cleans up (exit 143).
+A writer holds an exclusive lock on the sibling `.OUT.lock` (recording its pid; opened without
+following a link, and refused when it is a link or a hard link to another file), builds in the
+hidden sibling `.OUT.partial-PID` and renames it into place at the end; `atomic_outputs` does that
+for all of a command's outputs at once and puts back the ones already placed when a later one
+cannot be. Before any work an output is refused when it is a link, is or overlaps anything the
+command reads (resolved real paths: files, links and index entries of the source folders), exists
+without --overwrite, is of the other kind (a folder where a file goes, or a file where a folder
+goes), or was not written by headfold (artifacts.written_by_headfold: a folder's records, a file's
+mark). Under the lock any other `.OUT.partial-*` / `.OUT.old-*` was left by a writer that died
+(kill -9, power loss), so it is removed. SIGTERM, like SIGINT, unwinds and cleans up (exit 143).
 """
 
 from __future__ import annotations

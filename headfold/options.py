@@ -137,7 +137,7 @@ def batch_size_spec(default: int | None) -> Spec:
 
 
 SEED = spec("--seed", type=click.IntRange(0, 2**32 - 1), default=0, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
-OVERWRITE = spec("--overwrite", is_flag=True, help="Write where outputs exist: they are replaced atomically, only once the command succeeded (run: other files in OUT_DIR stay).")
+OVERWRITE = spec("--overwrite", is_flag=True, help="Replace outputs that exist, when headfold wrote them (never a file or folder of yours, never an input): atomically, once the command succeeded (run: other files in OUT_DIR stay).")
 QUIET = spec("--quiet", "-q", is_flag=True, help="No progress bars or progress lines; the same as `headfold -q`.")
 JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"), default=None, metavar="[FILE]", help="Write the result as JSON to FILE (atomically); without FILE, or '-', print it instead of the table.")
 TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from headfold.ground.atomic import atomic_output, output_lock
+from headfold.ground.atomic import atomic_output, output_lock, refuse_link
 from headfold.ground.errors import BadInput, first_line
 from headfold.ground.inputs import read_json_object
 
@@ -68,6 +68,7 @@ def claimed(folder: Path, *, resume: bool, keep: bool) -> Iterator[None]:
     under the lock is a stopped run's leftover: removed, and said. On failure or a signal the folder
     is removed unless `keep` (--save-every / --resume: the checkpoints are what a resume needs),
     and always after Diverged."""
+    refuse_link(folder)  # a link planted at the state's name would have run.json written through it
     with output_lock(folder):
         if folder.exists() and not resume:
             step = latest(folder)

@@ -341,7 +341,10 @@ def test_internal_error_is_one_line_exit_3_and_debug_shows_the_traceback(src: Pa
 
 @pytest.mark.parametrize(
     "error, code, words",
-    [(MemoryError(), 2, "out of memory"), (BadInput("first\nsecond"), 2, "first second"), (OSError(28, "No space left on device"), 2, "no space left on the device")],
+    [
+        (MemoryError(), 2, "out of memory"), (BadInput("first\nsecond"), 2, "first second"), (OSError(28, "No space left on device"), 2, "no space left on the device"),
+        (RecursionError(), 2, "nests deeper than Python's recursion limit"), (BadInput("tensor \x1b]0;pwned\x07 is odd"), 2, "tensor \\x1b]0;pwned\\x07 is odd"),
+    ],  # fmt: skip
 )
 def test_other_failures_are_one_line(error: Exception, code: int, words: str, src: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     """Out of memory is the environment (2); a multi-line message still prints as one line; an OS

@@ -516,6 +516,26 @@ def test_all_reports_appear_together_or_none(world: World, tmp_path: Path, capsy
     assert reports["--markdown"].read_text() == "## my notes, written by hand\n"
 
 
+def test_a_stale_distill_state_never_blocks_a_fresh_run(tmp_path: Path, caplog) -> None:
+    """Found under its lock, a state folder's writer is gone: without --resume it is removed, and said."""
+    from headfold.distillation import state
+
+    folder = tmp_path / ".out.distill-state"
+    (folder / "step-000004").mkdir(parents=True)
+    (folder / "run.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="headfold"), state.claimed(folder, resume=False, keep=False):
+        assert not folder.exists()
+    assert f"removed {folder}, the state of an earlier run that stopped at step-000004" in caplog.text
+    assert entries(tmp_path) == []
+
+
+def test_names_from_paths_are_printed_escaped(world: World, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out\x1b]0;pwned\x07\x1b[2J"
+    assert main(["convert", str(world.src), str(out), "--kv-heads", "2", "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert "out\\x1b]0;pwned\\x07\\x1b[2J" in printed and "\x1b" not in printed and "\x07" not in printed
+
+
 def test_a_lock_that_is_a_hard_link_is_refused(world: World, tmp_path: Path, capsys) -> None:
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
