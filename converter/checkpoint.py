@@ -344,12 +344,16 @@ class CheckpointFacts:
             tokenizer=tokenizer_location(folder),
         )
 
-    def require_positions(self, needed: int, why: str) -> None:
-        """BadInput unless the model takes `needed` positions (its limit less SPARE_POSITIONS)."""
+    def require_positions(self, needed: int, why: str, fix: str = "fix config.json", *, table_only: bool = False) -> None:
+        """BadInput unless the model takes `needed` positions (its limit less SPARE_POSITIONS).
+        `table_only`: only where the limit is the size of a learned position table (RoPE models
+        run past their configured limit; an embedding table has no row there)."""
         limit = self.position_limit
+        if table_only and self.rotary.dims:
+            return
         if limit is not None and limit < needed:
             key = "max_position_embeddings" if "max_position_embeddings" in self.config else "n_positions"
-            raise BadInput(f"config.json: {key} {self.positions} leaves {max(limit, 0)} usable positions, and {why} needs {needed}; fix config.json")
+            raise BadInput(f"config.json: {key} {self.positions} leaves {max(limit, 0)} usable positions, and {why} needs {needed}; {fix}")
 
     def check_activations(self) -> None:
         """BadInput for an activation transformers does not know. Checked when a model is built, not

@@ -309,6 +309,7 @@ def inspect_checkpoint(
     with SourceCheckpoint(source) as ckpt:
         if len(set(ckpt.layer_shapes)) > 1:
             raise BadInput(f"{source} already has per-layer kv heads; inspect the checkpoint it was converted from")
+        ckpt.facts.require_positions(WINDOW, f"inspect (it measures the loss on windows of {WINDOW} tokens)", "inspect a model that takes them", table_only=True)
         cands = parse_candidates(candidates, ckpt.shape.kv_heads)
         budget = None if kv_budget is None else budget_total(kv_budget, ckpt.shape.kv_heads * ckpt.layers)
         if budget is not None:  # infeasible budgets fail before the slow part

@@ -812,3 +812,34 @@ def test_a_native_panic_is_one_line(world: World, tmp_path: Path, capsys, monkey
     text, out = ascii_text(tmp_path / "text.txt"), tmp_path / "r.json"
     assert_one_line(*run(capsys, "verify", src, src, *SMALL, "--text", text, "--report", out), 2, "tokenizer", "PanicException", str(src))
     assert_nothing_written(out)
+
+
+def test_a_corrupt_resume_state_is_one_line(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
+    """--resume over a damaged checkpoint in .OUT.distill-state: one line, the state kept as it was."""
+    from headfold.distillation import state
+
+    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "4", "--save-every", "1", "--eval-every", "100", "-q"]
+    save = state.save
+
+    def save_then_stop(*a, **kw):
+        save(*a, **kw)
+        raise KeyboardInterrupt  # Ctrl-C right after the first checkpoint
+
+    monkeypatch.setattr(state, "save", save_then_stop)
+    assert run(capsys, *args)[0] == 130
+    monkeypatch.undo()
+    (step,) = (tmp_path / ".out.distill-state").glob("step-*")
+    (step / "optimizer.pt").write_bytes(b"not a torch file")
+    before = tree_digest(tmp_path)
+    assert_one_line(*run(capsys, *args, "--resume"), 2, "resumable state", "corrupt", step.name)
+    assert tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_windows_longer_than_a_position_table_are_refused(command: str, tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    """GPT-2's positions are a learned table (64 rows here): 256-token calibration windows would index past it."""
+    src = tiny_checkpoint("gpt2", vocab_size=256)
+    capsys.readouterr()  # transformers' own bar while the fixture saved it
+    out = tmp_path / "out"
+    args = ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "-q"] if command == "convert" else ["inspect", src, "--json", out, "-q"]
+    refused(capsys, src, out, args, "n_positions 64", "256")
