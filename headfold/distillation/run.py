@@ -150,14 +150,7 @@ def distill(
         seconds = time.perf_counter() - start
         weights = trainer.checkpoint_state()  # every process: FSDP gathers the shards to the main one
         if accelerator.is_main_process:
-            record = {"teacher": {"path": str(teacher.resolve()), "config_sha256": identity["teacher_config_sha256"]},
-                      "student": {"path": str(student.resolve()), "manifest": manifest},
-                      "data": {"train": plan.train.name, "train_sha256": plan.train.sha256,
-                               "heldout": plan.heldout.name if plan.heldout else f"first {opts.eval_windows} windows of the training data",
-                               "heldout_sha256": (plan.heldout or plan.train).sha256, "tokenizer": plan.encoder.name},
-                      "options": asdict(opts), "processes": accelerator.num_processes, "fsdp": accelerator.is_fsdp2, "steps": trainer.progress.step,
-                      "tokens": trainer.progress.tokens, "target_reached": reached, "final_eval": final,
-                      "initial_eval": trainer.progress.log["eval"][0], "seconds": round(seconds, 1)}  # fmt: skip
+            record = run_record(teacher, student, manifest, identity, plan, opts, accelerator, trainer, final, reached, seconds)
             with atomic_output(out, overwrite=overwrite, sources=reads) as tmp:
                 files = output.write_checkpoint(student_ckpt, weights, tmp)
                 output.write_log(tmp, trainer.progress.log, trainer.metric)
@@ -166,6 +159,18 @@ def distill(
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return out
+
+
+def run_record(teacher: Path, student: Path, manifest: dict, identity: dict, plan: WindowPlan, opts: DistillOptions, accelerator, trainer: Trainer, final, reached, seconds: float) -> dict[str, Any]:
+    """The manifest's `distillation` entry: inputs and their hashes, options, the run and its scores."""
+    return {"teacher": {"path": str(teacher.resolve()), "config_sha256": identity["teacher_config_sha256"]},
+            "student": {"path": str(student.resolve()), "manifest": manifest},
+            "data": {"train": plan.train.name, "train_sha256": plan.train.sha256,
+                     "heldout": plan.heldout.name if plan.heldout else f"first {opts.eval_windows} windows of the training data",
+                     "heldout_sha256": (plan.heldout or plan.train).sha256, "tokenizer": plan.encoder.name},
+            "options": asdict(opts), "processes": accelerator.num_processes, "fsdp": accelerator.is_fsdp2, "steps": trainer.progress.step,
+            "tokens": trainer.progress.tokens, "target_reached": reached, "final_eval": final,
+            "initial_eval": trainer.progress.log["eval"][0], "seconds": round(seconds, 1)}  # fmt: skip
 
 
 def check_pair(teacher: Path, student: Path) -> tuple[SourceCheckpoint, SourceCheckpoint, dict[str, Any]]:

@@ -66,8 +66,8 @@ class Diverged(BadInput):
 def claimed(folder: Path, *, resume: bool, keep: bool) -> Iterator[None]:
     """The main process's hold on the state folder for the whole run. Without `resume`, a folder found
     under the lock is a stopped run's leftover: removed, and said. On failure or a signal the folder
-    is removed unless `keep` (--save-every / --resume: the checkpoints are what a resume needs),
-    and always after Diverged."""
+    is removed unless `keep` (--save-every / --resume) and it holds a checkpoint a resume can use
+    (never after Diverged)."""
     refuse_link(folder)  # a link planted at the state's name would have run.json written through it
     with output_lock(folder):
         if folder.exists() and not resume:
@@ -77,7 +77,7 @@ def claimed(folder: Path, *, resume: bool, keep: bool) -> Iterator[None]:
         try:
             yield
         except BaseException as err:
-            if not keep or isinstance(err, Diverged):
+            if not keep or isinstance(err, Diverged) or latest(folder) is None:  # nothing a resume could use
                 finish(folder)
             raise
 
