@@ -73,6 +73,11 @@ def _echo(text: str, nl: bool = True) -> None:
     click.echo(printable(text, lines=True, styles=True), nl=nl)
 
 
+def _echo_json(text: str) -> None:
+    """JSON on stdout: json.dumps escaped every control character but DEL, which JSON may not escape as \\x7f."""
+    click.echo(text.replace("\x7f", "\\u007f"), nl=not text.endswith("\n"))
+
+
 def _kv_text(kv_heads: int | tuple[int, ...]) -> str:
     return str(kv_heads) if isinstance(kv_heads, int) else ",".join(map(str, kv_heads))
 
@@ -221,7 +226,7 @@ def _print_or_write(table: str, as_json: str, json_path: Path | None, overwrite:
         _echo(table)
         return
     if str(json_path) == "-":
-        _echo(as_json, nl=not as_json.endswith("\n"))
+        _echo_json(as_json)
         return
     from headfold.ground.atomic import atomic_output
 
@@ -408,7 +413,10 @@ def inspect_cmd(src: Path, candidates: str | None, method: str, kv_budget, calib
         src, candidates=candidates, method=method, kv_budget=kv_budget, heatmap=heatmap, json_path=None if to_stdout else json_path,
         overwrite=output.overwrite, progress=output.progress, **calibration.kwargs(),
     )  # fmt: skip
-    _echo(json.dumps(report.to_json(), indent=1) if to_stdout else report.table())
+    if to_stdout:
+        _echo_json(json.dumps(report.to_json(), indent=1))
+    else:
+        _echo(report.table())
     for option, path in (("heatmap", heatmap), ("JSON", None if to_stdout else json_path)):
         if path is not None:
             _echo(f"wrote {option} {path}")
