@@ -27,7 +27,7 @@ from headfold.engines.plan import BuildPlan, GraphPlan, make_plan
 from headfold.engines.plan import sidecar_path
 from headfold.engines.sidecar import EngineSidecar, make_sidecar
 from headfold.graphs.onnx_files import load_graph
-from headfold.ground.atomic import atomic_output, atomic_outputs, check_output, check_outputs, scratch_dir
+from headfold.ground.atomic import atomic_output, atomic_outputs, check_outputs, scratch_dir
 from headfold.ground.errors import BadInput, CheckFailed
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: 
     reads = [p for p in plan.reads if p != plan.timing_cache]
     check_outputs(plan.outputs, overwrite=overwrite, sources=plan.reads)
     if plan.timing_cache:
-        check_output(plan.timing_cache, overwrite=True, sources=reads, is_dir=False)  # updated in place by design: no mark
+        check_outputs([(plan.timing_cache, False)], overwrite=True, sources=reads, ours=True)  # updated by design; TensorRT's format carries no mark
     if plan.plugins:
         from headfold import plugins as custom_ops
 
