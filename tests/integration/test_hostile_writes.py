@@ -27,7 +27,7 @@ from support.hostile import World, assert_one_line, cli, digest, entries, make_w
 from headfold.cli import main
 from headfold.demo import default_model_path
 from headfold.ground.atomic import atomic_output, check_output, output_lock, scratch_dir
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, CheckFailed
 
 HEADFOLD = Path(sys.executable).with_name("headfold")
 
@@ -638,3 +638,39 @@ def test_distill_stopped_by_a_signal_then_a_fresh_run(world: World, tmp_path: Pa
     assert (fresh, after_fresh) == (0, ["out"]) and (tmp_path / "out" / "headfold.json").is_file()
     assert "headfold: terminated (SIGTERM); removing partial outputs" in done.stderr and "headfold: aborted" in done.stderr
     assert f"removed {tmp_path / '.out.distill-state'}, the state of an earlier run that stopped at step-" in done.stderr
+
+
+def test_build_places_engines_sidecars_and_timing_cache_by_the_policy(world: World, tmp_path: Path, monkeypatch) -> None:
+    """headfold's placement around TensorRT, with TensorRT's part replaced by bytes (what TensorRT builds
+    is tested on a GPU in test_gpu_engines.py): an engine and its sidecar appear together or not at
+    all, the timing cache is replaced after a build, never when the build fails."""
+    from headfold.engines import build as builder
+    from headfold.engines.env import Target
+    from headfold.engines.plan import make_plan
+    from headfold.engines.sidecar import load_sidecar, make_sidecar
+
+    def fake_build(plan, graph, dest, *, require_fused):
+        dest.write_bytes(b"engine of " + graph.onnx.name.encode())
+        if plan.timing_cache is not None:
+            plan.timing_cache.write_bytes(b"tactics")
+        if require_fused:
+            raise CheckFailed("attention is unfused")
+        return make_sidecar(plan, graph, gpu={"name": "none"}, attention={"verdict": "fused"}, seconds=0.0)
+
+    monkeypatch.setattr(builder, "build_graph", fake_build)
+    monkeypatch.setattr(builder, "_quiet_polygraphy", lambda: None)
+    cache, engine = tmp_path / "timing.cache", tmp_path / "prefill.engine"
+    cache.write_bytes(b"old tactics")
+    plan = make_plan(world.graph, engine, Target.assumed("10.15"), timing_cache=cache)
+    with pytest.raises(CheckFailed):
+        builder.build(plan, require_fused_attention=True)
+    assert entries(tmp_path) == ["timing.cache"] and cache.read_bytes() == b"old tactics"
+    builder.build(plan)
+    assert entries(tmp_path) == ["prefill.engine", "prefill.engine.json", "timing.cache"] and cache.read_bytes() == b"tactics"
+    assert load_sidecar(engine).timing_cache == str(cache)
+    with pytest.raises(BadInput, match="already exists"):
+        builder.build(plan)
+    builder.build(plan, overwrite=True)  # its own engine and sidecar: replaced
+    folder = make_plan(world.export, tmp_path / "engines", Target.assumed("10.15"))
+    builder.build(folder)
+    assert entries(tmp_path / "engines") == ["decode.engine", "decode.engine.json", "prefill.engine", "prefill.engine.json"]
