@@ -15,6 +15,7 @@ mark). Under the lock any other `.OUT.partial-*` / `.OUT.old-*` was left by a wr
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import glob
@@ -355,7 +356,7 @@ def _place(tmp: Path, out: Path) -> Path | None:
 
 # -- scratch folders -----------------------------------------------------------------------
 
-_scratch_ids = itertools.count()
+_scratch_ids: dict[str, itertools.count] = collections.defaultdict(itertools.count)  # per prefix: names stay predictable
 
 
 @contextmanager
@@ -367,7 +368,7 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
         if (m := re.fullmatch(rf"{re.escape(prefix)}-(\d+)-\d+", path.name)) and not _alive(int(m[1])):
             _remove(path)
             log.warning(f"headfold: removed {path}, left by pid {m[1]}, which no longer runs")
-    path = base / f"{prefix}-{os.getpid()}-{next(_scratch_ids)}"
+    path = base / f"{prefix}-{os.getpid()}-{next(_scratch_ids[prefix])}"
     _remove(path)
     path.mkdir()
     with cleanup_on_sigterm():
