@@ -17,6 +17,7 @@ import os
 import re
 import struct
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -149,54 +150,50 @@ def _check_config(config: dict[str, Any], spec: ArchitectureSpec | None) -> None
     _check_rope(config)
 
 
-# Config values the model builder and the exporter read, by the names families give them: each is
-# checked here (null means "unset" for all of them), so a bad one is one line before any work.
-CONFIG_VALUES: dict[str, tuple[str, ...]] = {
-    "a positive integer": (
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return (_integer(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _token_ids(value: Any, vocab: int | None) -> bool:  # eos may list several
+    ids = value if isinstance(value, list) and value else [value]
+    return all(_integer(i) and 0 <= i < (vocab or 2**63) for i in ids)
+
+
+# Config values the model builder and the exporter read, by the names families give them: what each
+# must be, checked here (null means "unset" for all of them), so a bad one is one line before any work.
+CONFIG_VALUES: dict[str, tuple[Callable[[Any, int | None], bool], tuple[str, ...]]] = {
+    "a positive integer": (lambda v, _: _integer(v) and v > 0, (
         "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "n_ctx", "ffn_dim", "word_embed_proj_dim", "type_vocab_size",
         "original_max_position_embeddings", "sliding_window", "max_window_layers",
-    ),
-    "a positive number": ("rope_theta", "rotary_emb_base", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"),
-    "a number from 0 to 1": (
+    )),
+    "a positive number": (lambda v, _: _number(v) and v > 0, ("rope_theta", "rotary_emb_base", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")),
+    "a number from 0 to 1": (lambda v, _: _number(v) and 0 <= v <= 1, (
         "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "dropout",
         "attention_probs_dropout_prob", "activation_dropout", "classifier_dropout", "summary_first_dropout", "layerdrop",
-    ),
-    "a number of at least 0": ("initializer_range",),
-    "true or false": (
+    )),
+    "a number of at least 0": (lambda v, _: _number(v) and v >= 0, ("initializer_range",)),
+    "true or false": (lambda v, _: isinstance(v, bool), (
         "tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache", "use_parallel_residual", "do_layer_norm_before",
         "enable_bias", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "is_decoder",
         "add_cross_attention", "use_sliding_window",
-    ),
-    "a token id inside the vocabulary": ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id"),
-    "an activation name": ("hidden_act", "activation_function", "hidden_activation"),
-    "a model type name": ("model_type",),
+    )),
+    "a token id inside the vocabulary": (_token_ids, ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")),
+    "an activation name": (lambda v, _: isinstance(v, str) and bool(v), ("hidden_act", "activation_function", "hidden_activation")),
+    "a model type name": (lambda v, _: isinstance(v, str) and bool(v), ("model_type",)),
 }  # fmt: skip
-
-
-def _fits(kind: str, value: Any, vocab: int | None) -> bool:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if kind == "a positive integer":
-        return isinstance(value, int) and not isinstance(value, bool) and value > 0
-    if kind == "a positive number":
-        return number and value > 0
-    if kind == "a number from 0 to 1":
-        return number and 0 <= value <= 1
-    if kind == "a number of at least 0":
-        return number and value >= 0
-    if kind == "true or false":
-        return isinstance(value, bool)
-    if kind == "a token id inside the vocabulary":  # eos may list several
-        ids = value if isinstance(value, list) and value else [value]
-        return all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (vocab or 2**63) for i in ids)
-    return isinstance(value, str) and bool(value)
+ACTIVATION_KEYS = CONFIG_VALUES["an activation name"][1]
 
 
 def _check_values(config: dict[str, Any]) -> None:
-    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None
-    for kind, keys in CONFIG_VALUES.items():
+    vocab = config.get("vocab_size") if _integer(config.get("vocab_size")) else None
+    for kind, (fits, keys) in CONFIG_VALUES.items():
         for key in keys:
-            if config.get(key) is not None and not _fits(kind, config[key], vocab):
-                where = f" [0, {vocab})" if kind.startswith("a token id") and vocab else ""
+            if config.get(key) is not None and not fits(config[key], vocab):
+                where = f" [0, {vocab})" if fits is _token_ids and vocab else ""
                 raise BadInput(f"config.json: {key!r} must be {kind}{where}, found {inputs.shown(config[key])}; fix config.json")
     architectures = config.get("architectures")
     if architectures is not None and not (isinstance(architectures, list) and architectures and all(isinstance(a, str) for a in architectures)):
@@ -360,7 +357,7 @@ class CheckpointFacts:
         in read(): transformers' activation table imports torch, which a mean conversion never loads."""
         from transformers.activations import ACT2FN
 
-        for key in CONFIG_VALUES["an activation name"]:
+        for key in ACTIVATION_KEYS:
             if isinstance(name := self.config.get(key), str) and name not in ACT2FN:
                 raise BadInput(f"config.json: {key!r} is {inputs.shown(name)}, which transformers does not know; use one of {', '.join(sorted(ACT2FN)[:8])}, …")
 
