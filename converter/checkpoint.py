@@ -343,11 +343,11 @@ class CheckpointFacts:
 
     def require_positions(self, needed: int, why: str, fix: str = "fix config.json", *, table_only: bool = False) -> None:
         """BadInput unless the model takes `needed` positions (its limit less SPARE_POSITIONS).
-        `table_only`: only where the limit is the size of a learned position table (RoPE models
-        run past their configured limit; an embedding table has no row there)."""
-        limit = self.position_limit
+        `table_only`: only where the limit is the size of a learned position table, which holds
+        `positions` rows (RoPE models run past their configured limit; a table has no row there)."""
         if table_only and self.rotary.dims:
             return
+        limit = self.positions if table_only else self.position_limit
         if limit is not None and limit < needed:
             key = "max_position_embeddings" if "max_position_embeddings" in self.config else "n_positions"
             raise BadInput(f"config.json: {key} {self.positions} leaves {max(limit, 0)} usable positions, and {why} needs {needed}; {fix}")
