@@ -8,20 +8,26 @@ inside the commands, so `headfold --help` starts without torch.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
-from headfold.ground.errors import HeadfoldError
+from headfold.ground.atomic import library_scratch
+from headfold.ground.errors import HeadfoldError, first_line, is_panic
+from headfold.ground.inputs import printable
 from headfold.options import (
     BEST_METHOD,
     DTYPE,
+    FINITE,
     JSON,
     OPSET,
     PATH,
@@ -59,6 +65,17 @@ EXIT_CODES = "Exit codes: 0 ok, 1 a check or gate failed, 2 bad input or environ
 CONVERSION = "Conversion options"
 EXPORT = "Export options"
 _debug = False  # set by the group's --debug, read by main() once the command has failed
+
+
+def _echo(text: str, nl: bool = True) -> None:
+    """A result line or table on stdout, control characters escaped (names and paths from files may
+    hold escape sequences); headfold's own PASS/FAIL colours stay."""
+    click.echo(printable(text, lines=True, styles=True), nl=nl)
+
+
+def _echo_json(text: str) -> None:
+    """JSON on stdout: json.dumps escaped every control character but DEL, which JSON may not escape as \\x7f."""
+    click.echo(text.replace("\x7f", "\\u007f"), nl=not text.endswith("\n"))
 
 
 def _kv_text(kv_heads: int | tuple[int, ...]) -> str:
@@ -109,7 +126,7 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
         from headfold.graphs.onnx_convert import convert_onnx
 
         summary = convert_onnx(src, out, kv_heads, method, overwrite=output.overwrite)
-        click.echo(f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})")
+        _echo(f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})")
         return
     from headfold.converter.recipes import get_method
 
@@ -122,7 +139,7 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
         src, out, kv_heads, method, overwrite=output.overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle,
         progress=output.progress, builtin_text=corpus.calibration_text(), **calibration.kwargs(),
     )  # fmt: skip
-    click.echo(f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})")
+    _echo(f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})")
 
 
 @cli.command("export")
@@ -161,11 +178,11 @@ def export_cmd(
     for name, graph in summary["graphs"].items():
         decomposed = {op: n for op, n in graph.get("decomposed_for_tensorrt", {}).items() if op != "version"}
         note = f"; decomposed for TensorRT {trt_version}: {', '.join(f'{n} {op}' for op, n in decomposed.items())}" if decomposed else ""
-        click.echo(f"wrote {out_dir / name}: {graph['attention_nodes']} Attention nodes, kv-heads {graph['attention_kv_heads']}{note}")
+        _echo(f"wrote {out_dir / name}: {graph['attention_nodes']} Attention nodes, kv-heads {graph['attention_kv_heads']}{note}")
     if trt_version:
         from headfold.graphs.trt_lint import export_table
 
-        click.echo(export_table(out_dir, trt_version))
+        _echo(export_table(out_dir, trt_version))
 
 
 @cli.command("build")
@@ -194,34 +211,34 @@ def build_cmd(src: Path, out: Path, dry_run: bool, require_fused_attention: bool
     target = target_for(trt_version, dry_run=dry_run)
     plan = make_plan(src, out, target, **profile.kwargs())
     if dry_run:
-        _print_or_write(plan.describe(), plan.to_json(), json_path, output.overwrite)
+        _print_or_write(plan.describe(), plan.to_json(), json_path, output.overwrite, plan.reads)
         plan.check()
         return
     from headfold.engines.build import build
 
     build(plan, overwrite=output.overwrite, require_fused_attention=require_fused_attention)
-    click.echo(f"wrote {out}: {', '.join(g.engine.name for g in plan.graphs)} with .engine.json sidecars")
+    _echo(f"wrote {out}: {', '.join(g.engine.name for g in plan.graphs)} with .engine.json sidecars")
 
 
-def _print_or_write(table: str, as_json: str, json_path: Path | None, overwrite: bool) -> None:
+def _print_or_write(table: str, as_json: str, json_path: Path | None, overwrite: bool, reads: list[Path]) -> None:
     """--json's one meaning: the JSON to a file (then the table still prints) or, as '-', instead of the table."""
     if json_path is None:
-        click.echo(table)
+        _echo(table)
         return
     if str(json_path) == "-":
-        click.echo(as_json, nl=not as_json.endswith("\n"))
+        _echo_json(as_json)
         return
     from headfold.ground.atomic import atomic_output
 
-    with atomic_output(json_path, is_dir=False, overwrite=overwrite) as tmp:
+    with atomic_output(json_path, is_dir=False, overwrite=overwrite, sources=reads) as tmp:
         tmp.write_text(as_json if as_json.endswith("\n") else as_json + "\n")
-    click.echo(table)
-    click.echo(f"wrote JSON {json_path}")
+    _echo(table)
+    _echo(f"wrote JSON {json_path}")
 
 
 def _finish(report) -> None:
     """Print the table (click drops the colours when not a terminal), then exit 1 on a failed budget."""
-    click.echo(report.table())
+    _echo(report.table())
     report.raise_for_failures()
     click.secho("all checks passed", fg="green")
 
@@ -233,7 +250,9 @@ def _finish(report) -> None:
 @input_options(token_ids=True)
 @threshold_options
 @report_options
-def verify_cmd(reference: Path, candidate: Path, check: str, inputs: InputSpec, thresholds: Thresholds, json_path: Path | None, markdown_path: Path | None, junit_path: Path | None) -> None:
+def verify_cmd(
+    reference: Path, candidate: Path, check: str, inputs: InputSpec, thresholds: Thresholds, json_path: Path | None, markdown_path: Path | None, junit_path: Path | None, overwrite: bool
+) -> None:
     """Compare CANDIDATE with REFERENCE on the same text; exit 1 when a budget is exceeded.
 
     Each side is a checkpoint folder (run in torch), an export folder or a .onnx file (run in
@@ -241,11 +260,15 @@ def verify_cmd(reference: Path, candidate: Path, check: str, inputs: InputSpec, 
     decoder export also runs its KV-cache path (prefill, then --decode-steps steps through
     the same model.onnx, or decode.onnx of a split export) as the check fidelity-decode. Conversion loss: original vs converted (perplexity increase, KL, top-1; encoders: cosine).
     """
-    from headfold.verification.api import verify
+    from headfold.ground.atomic import check_outputs
+    from headfold.verification.api import files_read, verify
 
     quiet_libraries()
+    reports = [p for p in (json_path, markdown_path, junit_path) if p is not None]
+    reads = files_read(reference, candidate, inputs, thresholds)
+    check_outputs([(p, False) for p in reports], overwrite=overwrite, sources=reads)  # before the work
     report = verify(reference, candidate, inputs=inputs, thresholds=thresholds, check=check)
-    report.write(json_path, markdown_path, junit_path)
+    report.write(json_path, markdown_path, junit_path, overwrite=overwrite, sources=reads)
     _finish(report)
 
 
@@ -305,11 +328,11 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
     spec("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens."),
     spec("--seq-len", type=int, default=256, help="Tokens per training window."),
     batch_size_spec(None),  # None: default_batch_size()
-    spec("--lr", type=float, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: 1e-3 for decoders, 1e-4 for encoders]"),
+    spec("--lr", type=FINITE, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: 1e-3 for decoders, 1e-4 for encoders]"),
     spec("--train", type=click.Choice(("kv", "attention", "all", "lora")), default=None, help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end. [default: attention for decoders, all for encoders]"),
     spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
-    spec("--temperature", type=float, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
-    spec("--hidden-weight", type=float, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: 30 for decoders, 0 for encoders]"),
+    spec("--temperature", type=FINITE, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
+    spec("--hidden-weight", type=FINITE, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: 30 for decoders, 0 for encoders]"),
     spec("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, more time."),
     SEED,
     title="Training options",
@@ -317,7 +340,7 @@ def run_cmd(src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: s
 @options(
     spec("--eval-every", type=int, default=None, help="Evaluate on the held-out windows every N steps. [default: 8 evaluations per run]"),
     spec("--eval-windows", type=int, default=32, help="Held-out windows of --seq-len tokens."),
-    spec("--until-kl", type=float, default=None, help="Stop once the held-out KL is at most this (checked at each evaluation)."),
+    spec("--until-kl", type=FINITE, default=None, help="Stop once the held-out KL is at most this (checked at each evaluation)."),
     spec("--until-ppl-increase", type=Fraction(), default=None, help="Stop once the held-out perplexity is within this of the teacher's, e.g. 2%."),
     title="Evaluation and stopping",
 )  # fmt: skip
@@ -345,9 +368,9 @@ def distill_cmd(teacher: Path, student: Path, out: Path, output: Output, **optio
         return  # under torchrun / accelerate launch only the main process reports (and writes)
     final = manifest.load(result).distillation
     scores = ", ".join(f"{k} {v:.4g}" for k, v in final["final_eval"].items())
-    click.echo(f"wrote {result} ({final['steps']} steps, {final['tokens']} tokens; held-out {scores})")
+    _echo(f"wrote {result} ({final['steps']} steps, {final['tokens']} tokens; held-out {scores})")
     if final["target_reached"] is False:
-        click.echo("note: the --until target was not reached within the token budget")
+        _echo("note: the --until target was not reached within the token budget")
 
 
 class KvBudget(Fraction):
@@ -390,12 +413,15 @@ def inspect_cmd(src: Path, candidates: str | None, method: str, kv_budget, calib
         src, candidates=candidates, method=method, kv_budget=kv_budget, heatmap=heatmap, json_path=None if to_stdout else json_path,
         overwrite=output.overwrite, progress=output.progress, **calibration.kwargs(),
     )  # fmt: skip
-    click.echo(json.dumps(report.to_json(), indent=1) if to_stdout else report.table())
+    if to_stdout:
+        _echo_json(json.dumps(report.to_json(), indent=1))
+    else:
+        _echo(report.table())
     for option, path in (("heatmap", heatmap), ("JSON", None if to_stdout else json_path)):
         if path is not None:
-            click.echo(f"wrote {option} {path}")
+            _echo(f"wrote {option} {path}")
     if not to_stdout:
-        click.echo(f"done in {time.perf_counter() - start:.1f} s")
+        _echo(f"done in {time.perf_counter() - start:.1f} s")
 
 
 @cli.command()
@@ -451,16 +477,64 @@ def _usage_line(err: click.UsageError) -> str:
 def _fail(message: str, code: int) -> int:
     if _debug:
         traceback.print_exc()
-    click.secho(f"headfold: error: {' '.join(message.splitlines())}", fg="red", err=True)  # one line, whatever the message
+    line = printable(" ".join(message.splitlines()))  # one line, whatever the message; no escape sequence from a file
+    click.secho(f"headfold: error: {line}", fg="red", err=True)
     return code
+
+
+class _PipeSafe(io.RawIOBase):
+    """stdout's file descriptor for a reader that may leave (`| head`, `| true`): once a write finds
+    the pipe closed, it and the rest go to /dev/null, so the command finishes and its own verdict
+    (exit code) stands, with no traceback and no extra line."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        try:
+            return os.write(self.fd, data)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.fd)
+            os.close(devnull)
+            return len(data)
+
+
+@contextmanager
+def _pipe_safe_stdout() -> Iterator[None]:
+    """sys.stdout on _PipeSafe while a command runs (only the process's real stdout: a test's capture stays)."""
+    real = sys.stdout
+    try:
+        fd = real.fileno() if real is sys.__stdout__ else None
+        real.flush()
+    except (AttributeError, OSError, ValueError):
+        fd = None
+    if fd is None:
+        yield
+        return
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_PipeSafe(fd)), encoding=real.encoding, errors=real.errors, line_buffering=True)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = real
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: every failure becomes one line on stderr and an exit code (EXIT_CODES)."""
+    with _pipe_safe_stdout():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     global _debug
     _debug = False
     try:
-        code = cli.main(args=argv, prog_name="headfold", standalone_mode=False)
+        with library_scratch():  # what libraries write to the temp folder is removed at exit
+            code = cli.main(args=argv, prog_name="headfold", standalone_mode=False)
     except HeadfoldError as e:
         return _fail(str(e), e.exit_code)
     except click.exceptions.Abort:
@@ -474,9 +548,14 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(os_error_line(e), 2)
     except MemoryError:
         return _fail("out of memory; use a machine with more memory, or fewer --calibration-tokens / a smaller --batch-size", 2)
+    except RecursionError:  # headfold's readers bound nesting; a library reading a deeper input file hit Python's limit
+        return _fail("an input file nests deeper than Python's recursion limit (a hostile or damaged JSON/YAML file?); check the inputs, --debug shows which reader", 2)
     except Exception as e:  # anything else is a bug in headfold
-        first_line = next(iter(str(e).strip().splitlines()), "")
-        return _fail(f"internal error ({type(e).__name__}: {first_line}); this is a bug: rerun with --debug for the traceback", 3)
+        return _fail(f"internal error ({type(e).__name__}: {first_line(e)}); this is a bug: rerun with --debug for the traceback", 3)
+    except BaseException as e:
+        if not is_panic(e):  # SystemExit (SIGTERM's 143), KeyboardInterrupt: as they are
+            raise
+        return _fail(f"internal error (a native library panicked: {first_line(e)}); rerun with --debug for the traceback", 3)
     return code if isinstance(code, int) else 0
 
 

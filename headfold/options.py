@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import sys
 import warnings
@@ -23,6 +24,7 @@ import click
 from click.core import ParameterSource
 
 from headfold.ground.errors import BadInput, HeadfoldError
+from headfold.ground.inputs import printable
 
 log = logging.getLogger(__name__)
 OPTIONS = "Options"  # the heading of a command's own options, listed first
@@ -99,6 +101,19 @@ class Fraction(click.ParamType):
             self.fail(str(err), param, ctx)
 
 
+class Finite(click.ParamType):
+    """A finite float: inf and nan would train or gate on nothing."""
+
+    name = "FLOAT"
+
+    def convert(self, value, param, ctx):
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+FINITE = Finite()
 KV_HEADS_HELP = "one value for every layer, or one per layer comma-separated (8,4,4,2); each must divide the attention heads"
 METHOD_HELP = (
     "How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
@@ -121,8 +136,8 @@ def batch_size_spec(default: int | None) -> Spec:
     return spec("--batch-size", type=int, default=default, help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 640 steps).")
 
 
-SEED = spec("--seed", type=int, default=0, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
-OVERWRITE = spec("--overwrite", is_flag=True, help="Write where outputs exist: they are replaced atomically, only once the command succeeded (run: other files in OUT_DIR stay).")
+SEED = spec("--seed", type=click.IntRange(0, 2**32 - 1), default=0, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
+OVERWRITE = spec("--overwrite", is_flag=True, help="Replace outputs that exist, when headfold wrote them (never a file or folder of yours, never an input): atomically, once the command succeeded (run: other files in OUT_DIR stay).")
 QUIET = spec("--quiet", "-q", is_flag=True, help="No progress bars or progress lines; the same as `headfold -q`.")
 JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"), default=None, metavar="[FILE]", help="Write the result as JSON to FILE (atomically); without FILE, or '-', print it instead of the table.")
 TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")
@@ -272,6 +287,7 @@ report_options = options(
     spec("--report", "json_path", type=PATH, default=None, help="Write every metric, budget, verdict, version and input hash as JSON."),
     spec("--markdown", "markdown_path", type=PATH, default=None, help="Write the tables as Markdown (for a PR comment)."),
     spec("--junit", "junit_path", type=PATH, default=None, help="Write JUnit XML: one testcase per check."),
+    OVERWRITE,
     title="Output",
 )  # fmt: skip
 
@@ -337,7 +353,7 @@ class EchoHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            click.echo(self.format(record), err=record.levelno >= logging.WARNING)
+            click.echo(printable(self.format(record)), err=record.levelno >= logging.WARNING)  # a path or name from a file may hold escapes
         except Exception:  # a closed pipe must not turn a log line into a failure
             self.handleError(record)
 

@@ -20,10 +20,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from headfold.converter.modeling import check_loadable
 from headfold.engines.env import engine_support
 from headfold.ground import VERSION
 from headfold.ground.artifacts import LEDGER, REPORT
-from headfold.ground.atomic import atomic_output, check_disjoint, output_lock
+from headfold.ground.atomic import atomic_output, check_disjoint, output_lock, output_path, refuse_link
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.ground.ledger import RunLedger, StageEntry
@@ -67,7 +68,7 @@ class Ledger:
                 "pass --overwrite to add the run's stage folders to it (your files stay) or choose another OUT_DIR"
             )
         if out.exists() and not out.is_dir():
-            raise BadInput(f"{out} exists and is not a folder; choose another OUT_DIR")
+            raise BadInput(f"{out} is a file, and headfold run writes a folder there; choose another OUT_DIR")
 
     def claim(self, stage: str, output: Path) -> None:
         """Record `stage` as run's own before it writes `output`; refuse an `output` it never wrote."""
@@ -90,7 +91,7 @@ class Ledger:
 
     def record(self, stage: str, entry: StageEntry) -> None:
         self.stages[stage] = entry
-        with atomic_output(self.path, is_dir=False, overwrite=True) as tmp:
+        with atomic_output(self.path, is_dir=False, overwrite=True, ours=True) as tmp:  # its presence makes the folder a run folder
             tmp.write_text(RunLedger(stages=self.stages).to_json())
 
 
@@ -152,10 +153,13 @@ def run(
     other files, which stay: run only ever replaces the stage folders its ledger records."""
     from headfold.graphs.export import check_opset
 
-    src, out = Path(src).resolve(), Path(out_dir).resolve()
+    src, out = Path(src).resolve(), output_path(Path(out_dir))
+    refuse_link(out)
     if resolve(src).kind != "checkpoint":
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
-    check_disjoint(out, (src,))
+    check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
+    reads = [src, *(p for p in (inputs.text, thresholds.file, distill and distill.data) if p is not None)]
+    check_disjoint(out, reads)  # the run folder holds none of its inputs, nor lies inside one
     check_opset(opset)
     budgets = {"loss": asdict(thresholds.loss(dtype)), "fidelity": asdict(thresholds.fidelity(dtype))}  # bad budgets fail first
     text, _ = read_text(inputs.text)

@@ -80,7 +80,7 @@ def pickle_only(src: Path) -> None:
 BROKEN: dict[str, tuple[Callable[[Path], None], list[str], str]] = {
     # case: (how the source is broken, extra args, words the message must contain)
     "missing config": (drop_config, [], "config.json is missing"),
-    "corrupt config": (break_config, [], "not valid JSON"),
+    "corrupt config": (break_config, [], "is corrupt (not JSON"),
     "missing weights": (drop_weights, [], "no weights"),
     "truncated safetensors": (truncate_weights, [], "truncated"),
     "garbage safetensors": (garbage_weights, [], "truncated"),

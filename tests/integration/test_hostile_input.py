@@ -19,12 +19,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support.hostile import World, assert_one_line, entries, make_world
 from support.tiny_models import make_checkpoint
 
 import headfold.converter.conversion as conversion
+from headfold import corpus
 from headfold.cli import main
 from headfold.engines import env
 from headfold.ground.errors import BadInput
@@ -51,14 +54,6 @@ def tree_digest(folder: Path) -> str:
 def run(capsys, *args) -> tuple[int, str]:
     code = main([str(a) for a in args])
     return code, capsys.readouterr().err
-
-
-def assert_one_line(code: int, err: str, expected: int, *words: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == expected, err
-    assert len(lines) == 1 and lines[0].startswith("headfold: error:") and "Traceback" not in err, err
-    for word in words:
-        assert word.lower() in err.lower(), err
 
 
 def assert_nothing_written(out: Path) -> None:
@@ -346,7 +341,10 @@ def test_internal_error_is_one_line_exit_3_and_debug_shows_the_traceback(src: Pa
 
 @pytest.mark.parametrize(
     "error, code, words",
-    [(MemoryError(), 2, "out of memory"), (BadInput("first\nsecond"), 2, "first second"), (OSError(28, "No space left on device"), 2, "no space left on the device")],
+    [
+        (MemoryError(), 2, "out of memory"), (BadInput("first\nsecond"), 2, "first second"), (OSError(28, "No space left on device"), 2, "no space left on the device"),
+        (RecursionError(), 2, "nests deeper than Python's recursion limit"), (BadInput("tensor \x1b]0;pwned\x07 is odd"), 2, "tensor \\x1b]0;pwned\\x07 is odd"),
+    ],  # fmt: skip
 )
 def test_other_failures_are_one_line(error: Exception, code: int, words: str, src: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     """Out of memory is the environment (2); a multi-line message still prints as one line; an OS
@@ -498,7 +496,7 @@ def test_verify_without_tokenizer(src: Path, tmp_path: Path, capsys) -> None:
     assert json.loads(report.read_text())["inputs"]["text"].startswith("random token ids (seed 0;")
     ids = tmp_path / "ids.txt"
     ids.write_text("5 6 7 8 9\n\n10 11 12\n")
-    code, err = run(capsys, "verify", src, src, "--token-ids", ids, "--report", report)
+    code, err = run(capsys, "verify", src, src, "--token-ids", ids, "--report", report, "--overwrite")  # replaces its own report
     assert code == 0, err
     inputs = json.loads(report.read_text())["inputs"]
     assert (inputs["text"], inputs["rows"], inputs["tokens"]) == (f"--token-ids {ids}", 2, 8)
@@ -566,3 +564,282 @@ def test_make_checkpoint_still_converts(tmp_path: Path, capsys) -> None:
         src = make_checkpoint(family, tmp_path / family)
         code, err = run(capsys, "convert", src, tmp_path / f"{family}-kv2", "--kv-heads", "2", "-q")
         assert code == 0, err
+
+
+# ---- every command, every kind of input (issue 23) --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world(tiny_checkpoint, tiny_export, tmp_path_factory) -> World:
+    return make_world(tmp_path_factory.mktemp("world"), tiny_checkpoint, tiny_export)
+
+
+SMALL = ["--max-rows", "2", "--window", "8", "--decode-steps", "0"]
+# command → arguments reading the checkpoint SRC (and the world's other inputs), writing OUT
+ON_CHECKPOINT: dict[str, Callable[[World, Path, Path], list]] = {
+    "convert": lambda w, src, out: ["convert", src, out, "--kv-heads", "2", "-q"],
+    "export": lambda w, src, out: ["export", src, out, "-q"],
+    "verify": lambda w, src, out: ["verify", src, src, *SMALL, "--report", out],
+    "inspect": lambda w, src, out: ["inspect", src, "--calibration", "weights", "--json", out, "-q"],
+    "distill": lambda w, src, out: ["distill", src, w.student, out, "--data", w.text, "--seq-len", "32", "--steps", "1", "-q"],
+    "run": lambda w, src, out: ["run", src, out, "--kv-heads", "2"],
+}
+MODEL_BUILDERS = ("export", "verify", "inspect", "run")  # what builds the torch model (convert pools bytes; distill checks the pair first)
+
+
+def _config(**changes) -> Callable[[Path], None]:
+    return lambda src: edit_config(src, **changes)
+
+
+def _deep_json(name: str) -> Callable[[Path], None]:
+    return lambda src: (src / name).write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _shards(src: Path, wrong_index: bool) -> None:
+    """Shards a (all but the embedding) and b (the embedding, and model.norm.weight a second time);
+    or an index that swaps where model.norm.weight and the embedding are."""
+    tensors = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    embedding = {"model.embed_tokens.weight": tensors.pop("model.embed_tokens.weight")}
+    save_file(tensors, src / "a.safetensors", metadata={"format": "pt"})
+    save_file(embedding if wrong_index else {**embedding, "model.norm.weight": tensors["model.norm.weight"]}, src / "b.safetensors", metadata={"format": "pt"})
+    weight_map = {**dict.fromkeys(tensors, "a.safetensors"), **dict.fromkeys(embedding, "b.safetensors")}
+    if wrong_index:
+        weight_map["model.norm.weight"], weight_map["model.embed_tokens.weight"] = "b.safetensors", "a.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _escape_in_index(src: Path) -> None:
+    names = list(load_file(src / "model.safetensors"))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, "\x1b]0;pwned\x07\x1b[2J.safetensors")}))
+
+
+# case → (how SRC is broken, the commands that read what is broken, words of the refusal)
+HOSTILE_CHECKPOINTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...], tuple[str, ...]]] = {
+    "link out of the folder": (_link("notes.txt", _outside_file), tuple(ON_CHECKPOINT), ("links to",)),
+    "config.json nested 100000 deep": (_deep_json("config.json"), tuple(ON_CHECKPOINT), ("config.json", "nested deeper")),
+    "index nested 100000 deep": (_deep_json("model.safetensors.index.json"), tuple(ON_CHECKPOINT), ("index.json", "nested deeper")),
+    "rope_theta a string": (_config(rope_theta="big"), tuple(ON_CHECKPOINT), ("rope_theta", "positive number")),
+    "negative rope_theta": (_config(rope_theta=-10000.0), tuple(ON_CHECKPOINT), ("rope_theta",)),
+    "pad_token_id outside the vocabulary": (_config(pad_token_id=10**6), tuple(ON_CHECKPOINT), ("pad_token_id", "[0, 256)")),
+    "rms_norm_eps a string": (_config(rms_norm_eps="tiny"), tuple(ON_CHECKPOINT), ("rms_norm_eps",)),
+    "tie_word_embeddings not a flag": (_config(tie_word_embeddings="yes"), tuple(ON_CHECKPOINT), ("tie_word_embeddings", "true or false")),
+    "unknown hidden_act": (_config(hidden_act="nope"), MODEL_BUILDERS, ("hidden_act", "nope")),
+    "1 position": (_config(max_position_embeddings=1), ("verify",), ("max_position_embeddings", "positions")),
+    "corrupt generation_config.json": (lambda s: (s / "generation_config.json").write_text('{"max_length": "long"'), MODEL_BUILDERS, ("generation_config.json",)),
+    "a tensor in two shards": (lambda s: _shards(s, wrong_index=False), tuple(ON_CHECKPOINT), ("model.norm.weight", "a.safetensors", "b.safetensors")),
+    "an index naming the wrong shard": (lambda s: _shards(s, wrong_index=True), tuple(ON_CHECKPOINT), ("model.embed_tokens.weight", "a.safetensors", "b.safetensors")),
+    "escape sequences in an index entry": (_escape_in_index, tuple(ON_CHECKPOINT), ("\\x1b]0;pwned\\x07",)),
+}
+CHECKPOINT_CASES = [(case, command) for case, (_, commands, _) in HOSTILE_CHECKPOINTS.items() for command in commands]
+
+
+@pytest.mark.parametrize("case, command", CHECKPOINT_CASES)
+def test_every_command_refuses_a_hostile_checkpoint(case: str, command: str, world: World, tmp_path: Path, capsys) -> None:
+    """Exit 2, one line naming the problem (escaped), nothing written, the checkpoint unchanged."""
+    breaks, _, words = HOSTILE_CHECKPOINTS[case]
+    src = Path(shutil.copytree(world.src, tmp_path / "src"))
+    breaks(src)
+    out = tmp_path / ("out.json" if command in ("verify", "inspect") else "out")
+    before, inputs = tree_digest(src), world.digests()
+    assert_one_line(*run(capsys, *ON_CHECKPOINT[command](world, src, out)), 2, *words)
+    assert_nothing_written(out)
+    assert tree_digest(src) == before and world.digests() == inputs
+
+
+def _graph_names(*names: str) -> Callable[[Path], None]:
+    def edit(export: Path) -> None:
+        summary = json.loads((export / "export.json").read_text())
+        summary["graphs"] = {name: {} for name in names}
+        (export / "export.json").write_text(json.dumps(summary))
+
+    return edit
+
+
+def _weights_outside(export: Path) -> None:
+    model = onnx.load(export / "prefill.onnx", load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../prefill.onnx.data"
+    onnx.save(model, export / "prefill.onnx")
+    shutil.copy(export / "prefill.onnx.data", export.parent / "prefill.onnx.data")
+
+
+HOSTILE_EXPORTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
+    "a graph named ../x.onnx": (_graph_names("../x.onnx"), ("'../x.onnx'",)),
+    "a graph named /etc/passwd": (_graph_names("/etc/passwd"), ("'/etc/passwd'",)),
+    "a graph linked out of the folder": (lambda e: (shutil.move(e / "prefill.onnx", e.parent / "elsewhere.onnx"), (e / "prefill.onnx").symlink_to(e.parent / "elsewhere.onnx")), ("links to",)),
+    "an empty graph": (lambda e: (e / "prefill.onnx").write_bytes(b""), ("prefill.onnx", "empty")),
+    "a graph of garbage": (lambda e: (e / "prefill.onnx").write_bytes(b"\x08\x07garbage" * 100), ("prefill.onnx", "not")),
+    "weights outside the folder": (_weights_outside, ("../prefill.onnx.data",)),
+    "export.json nested 100000 deep": (_deep_json("export.json"), ("export.json", "nested deeper")),
+}
+ON_EXPORT: dict[str, Callable[[Path, Path], list]] = {
+    "build": lambda export, out: ["build", export, out, "--dry-run", "--trt-version", "10.15", "--json", out.with_suffix(".json")],
+    "verify": lambda export, out: ["verify", export, export, *SMALL, "--report", out],
+}
+
+
+@pytest.mark.parametrize("command", ON_EXPORT)
+@pytest.mark.parametrize("case", HOSTILE_EXPORTS)
+def test_every_command_refuses_a_hostile_export(case: str, command: str, world: World, tmp_path: Path, capsys) -> None:
+    breaks, words = HOSTILE_EXPORTS[case]
+    export = Path(shutil.copytree(world.export, tmp_path / "export"))
+    breaks(export)
+    out = tmp_path / "out"
+    before = tree_digest(export)
+    assert_one_line(*run(capsys, *ON_EXPORT[command](export, out)), 2, *words)
+    assert_nothing_written(out) or assert_nothing_written(out.with_suffix(".json"))
+    assert tree_digest(export) == before and not (tmp_path / "x.onnx").exists()
+
+
+def _dataset(tmp_path: Path, state_entry: str | None = None, link_out: bool = False) -> Path:
+    import datasets
+
+    folder = tmp_path / "dataset"
+    datasets.Dataset.from_dict({"text": [corpus.train_text()[:4000]] * 4}).save_to_disk(str(folder))
+    arrow = next(folder.glob("*.arrow"))
+    if link_out:
+        shutil.move(arrow, tmp_path / "outside.arrow")
+        arrow.symlink_to(tmp_path / "outside.arrow")
+    if state_entry is not None:
+        state = json.loads((folder / "state.json").read_text())
+        shutil.move(arrow, tmp_path / "outside.arrow")
+        state["_data_files"] = [{"filename": state_entry}]
+        (folder / "state.json").write_text(json.dumps(state))
+    return folder
+
+
+def _file(name: str, content: bytes) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        (folder / name).write_bytes(content)
+        return folder / name
+
+    return make
+
+
+HOSTILE_DATA: dict[str, tuple[Callable[[Path], Path], tuple[str, ...]]] = {
+    "an arrow file linked out of the dataset": (lambda t: _dataset(t, link_out=True), ("links to",)),
+    "a dataset naming ../outside.arrow": (lambda t: _dataset(t, state_entry="../outside.arrow"), ("'../outside.arrow'",)),
+    "garbage parquet": (_file("d.parquet", b"PAR1" + b"\x00garbage" * 64 + b"PAR1"), ("d.parquet", "cannot be read")),
+    "rows whose text is a number": (_file("d.jsonl", b'{"text": 5}\n' * 8), ("d.jsonl", "not a string")),
+    "a data file that is the output": (lambda t: t / "out" / "corpus.txt", ("out",)),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_DATA)
+def test_distill_refuses_hostile_data(case: str, world: World, tmp_path: Path, capsys) -> None:
+    make, words = HOSTILE_DATA[case]
+    data = make(tmp_path)
+    capsys.readouterr()  # datasets' own progress bar while the test saved one
+    out = tmp_path / "out"
+    if case == "a data file that is the output":
+        out.mkdir()
+        data.write_text(corpus.train_text()[:20_000])
+    before = tree_digest(tmp_path)
+    code, err = run(capsys, "distill", world.src, world.student, out, "--data", data, "--seq-len", "32", "--steps", "1", "--overwrite", "-q")
+    assert_one_line(code, err, 2, *words)
+    assert tree_digest(tmp_path) == before
+
+
+YAML_BOMB = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n' + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+
+
+@pytest.mark.parametrize(
+    "name, content, words",
+    [("budget.yaml", YAML_BOMB, ("aliases expand", "100000")), ("budget.json", "[" * 100_000 + "]" * 100_000, ("nested deeper",)), ("budget.toml", "a = " + "[" * 100_000 + "]" * 100_000, ("nested",))],
+)
+@pytest.mark.parametrize("command", ["verify", "run"])
+def test_budget_files_are_read_with_limits(command: str, name: str, content: str, words: tuple[str, ...], world: World, tmp_path: Path, capsys) -> None:
+    """A 330-byte YAML of nested aliases would expand to gigabytes (and a 39 MB error line): refused in one short line."""
+    budget = tmp_path / name
+    budget.write_text(content)
+    out = tmp_path / "out"
+    args = ["verify", world.src, world.src, *SMALL, "--report", out] if command == "verify" else ["run", world.src, out, "--kv-heads", "2"]
+    code, err = run(capsys, *args, "--budget", budget)
+    assert_one_line(code, err, 2, str(budget), *words)
+    assert len(err) < 500
+    assert_nothing_written(out)
+
+
+def test_token_ids_beyond_int64_are_bad_input(world: World, tmp_path: Path, capsys) -> None:
+    ids = tmp_path / "ids.txt"
+    ids.write_text(f"5 6 {2**70}\n")
+    out = tmp_path / "r.json"
+    assert_one_line(*run(capsys, "verify", world.src, world.src, "--token-ids", ids, "--report", out), 2, "line 1", "vocabulary")
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--lr", "inf"], ("--lr", "finite")),
+        (["--temperature", "nan"], ("--temperature", "finite")),
+        (["--hidden-weight", "inf"], ("--hidden-weight", "finite")),
+        (["--until-ppl-increase", "inf"], ("--until-ppl-increase", "finite")),
+        (["--seed", "-1"], ("--seed", "range")),
+    ],
+)
+def test_non_finite_options_are_refused(args: list[str], words: tuple[str, ...], world: World, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    code, err = run(capsys, "distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--steps", "1", *args, "-q")
+    assert_one_line(code, err, 2, *words)
+    assert_nothing_written(out)
+
+
+def test_a_diverging_distillation_writes_nothing_and_says_lower_lr(world: World, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    args = ["distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "2", "--eval-every", "1", "--eval-windows", "1"]
+    code, err = run(capsys, *args, "--lr", "1e30", "--save-every", "1", "-q")
+    assert_one_line(code, err, 2, "diverged", "lower --lr")
+    assert entries(tmp_path) == []  # the checkpoints of --save-every went with it
+
+
+def test_a_native_panic_is_one_line(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
+    """The tokenizers library panics on some hostile tokenizer.json files (pyo3's PanicException is a
+    BaseException): named as the tokenizer's failure, exit 2, one line."""
+    import transformers
+
+    panic = type("PanicException", (BaseException,), {"__module__": "pyo3_runtime"})
+    src = Path(shutil.copytree(world.src, tmp_path / "src"))
+    add_gpt2_tokenizer(src, {"tokenizer_class": "GPT2Tokenizer"})
+
+    def explode(*args, **kwargs):
+        raise panic("called `Option::unwrap()` on a `None` value")
+
+    monkeypatch.setattr(transformers.GPT2Tokenizer, "encode", explode)
+    text, out = ascii_text(tmp_path / "text.txt"), tmp_path / "r.json"
+    assert_one_line(*run(capsys, "verify", src, src, *SMALL, "--text", text, "--report", out), 2, "tokenizer", "PanicException", str(src))
+    assert_nothing_written(out)
+
+
+def test_a_corrupt_resume_state_is_one_line(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
+    """--resume over a damaged checkpoint in .OUT.distill-state: one line, the state kept as it was."""
+    from headfold.distillation import state
+
+    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "4", "--save-every", "1", "--eval-every", "100", "-q"]
+    save = state.save
+
+    def save_then_stop(*a, **kw):
+        save(*a, **kw)
+        raise KeyboardInterrupt  # Ctrl-C right after the first checkpoint
+
+    monkeypatch.setattr(state, "save", save_then_stop)
+    assert run(capsys, *args)[0] == 130
+    monkeypatch.undo()
+    (step,) = (tmp_path / ".out.distill-state").glob("step-*")
+    (step / "optimizer.pt").write_bytes(b"not a torch file")
+    before = tree_digest(tmp_path)
+    assert_one_line(*run(capsys, *args, "--resume"), 2, "resumable state", "corrupt", step.name)
+    assert tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_windows_longer_than_a_position_table_are_refused(command: str, tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    """GPT-2's positions are a learned table (64 rows here): 256-token calibration windows would index past it."""
+    src = tiny_checkpoint("gpt2", vocab_size=256)
+    capsys.readouterr()  # transformers' own bar while the fixture saved it
+    out = tmp_path / "out"
+    args = ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "-q"] if command == "convert" else ["inspect", src, "--json", out, "-q"]
+    refused(capsys, src, out, args, "n_positions 64", "256")
