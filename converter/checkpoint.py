@@ -17,6 +17,7 @@ import os
 import re
 import struct
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from headfold.converter.layout import HeadShape, expected_shapes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
 from headfold.converter.spec import ArchitectureSpec, ConfigKeys, spec_for, supported_model_types
+from headfold.ground import inputs
 from headfold.ground.errors import BadInput
 
 if TYPE_CHECKING:  # torch is imported only where tensors are made: a mean/first conversion runs without it
@@ -109,57 +111,24 @@ class AttentionLayout:
         return {name: i for i, layer in enumerate(self.layers) for name in layer.values()}
 
 
-# -- staying inside the folder --------------------------------------------------------
-def _allowed_roots(folder: Path) -> tuple[Path, ...]:
-    """The folder, and for a Hugging Face cache snapshot (…/snapshots/REV) its repo's blobs/,
-    where the snapshot's own links point."""
-    real = folder.resolve()
-    return (real, real.parent.parent / "blobs") if real.parent.name == "snapshots" else (real,)
-
-
-def _outside(path: Path, roots: tuple[Path, ...]) -> bool:
-    real = path.resolve()
-    return not any(real == root or real.is_relative_to(root) for root in roots)
-
-
+# -- staying inside the folder (the input policy: ground/inputs.py) ------------------
 def check_links(folder: Path) -> None:
-    """BadInput naming the first link in `folder` whose target lies outside it (headfold reads
-    nothing outside the checkpoint folder, and copies no host file into an output), or the first
-    special file (a FIFO or device would block or never end when read)."""
-    roots = _allowed_roots(folder)
-    for parent, dirs, files in os.walk(folder):
-        for name in sorted(dirs + files):
-            path = Path(parent) / name
-            if path.is_symlink() and _outside(path, roots):
-                raise BadInput(
-                    f"{path} links to {os.readlink(path)}, outside {folder}; headfold reads nothing outside the "
-                    "checkpoint folder: copy the file into it or remove the link"
-                )
-            if name in files and path.exists() and not path.is_file():
-                raise BadInput(f"{path} is not a regular file (a FIFO, socket or device); remove it from the checkpoint folder")
+    """BadInput naming a link in `folder` that leads outside it, or a special file in it."""
+    inputs.check_links(folder, "checkpoint folder")
 
 
 def inside(folder: Path, entry: Any, index: Path) -> Path:
     """`folder / entry` for an index entry, refused when it is absolute, has '..' or resolves outside."""
-    if not isinstance(entry, str) or not entry or os.path.isabs(entry) or ".." in Path(entry).parts:
-        raise BadInput(f"{index.name} entry {entry!r} is not a file name inside {folder}; restore the index from the original checkpoint")
-    path = folder / entry
-    if _outside(path, _allowed_roots(folder)):
-        raise BadInput(f"{index.name} entry {entry!r} resolves outside {folder}; shards must lie in the checkpoint folder")
-    return path
+    return inputs.contained(folder, entry, index, "shards must lie in the checkpoint folder: restore the index from the original checkpoint")
 
 
 # -- config.json ----------------------------------------------------------------------
 def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     try:  # open, not is_file(): an unreadable file is "permission denied", never "missing"
-        text = path.read_bytes()
+        config = inputs.read_json(path, "restore it from the original checkpoint")
     except (FileNotFoundError, IsADirectoryError):
         raise BadInput(f"{path} is missing: a Hugging Face checkpoint folder needs its config.json") from None
-    try:
-        config = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"{path} is not valid JSON ({e}); restore it from the original checkpoint") from None
     if not isinstance(config, dict):
         raise BadInput(f"{path} must hold a JSON object; restore it from the original checkpoint")
     return config
@@ -170,14 +139,65 @@ def _check_config(config: dict[str, Any], spec: ArchitectureSpec | None) -> None
     family headfold does not convert, checked under the common key names)."""
     if quantization := config.get("quantization_config"):
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-        raise BadInput(f"config.json has a quantization_config (quant_method {method!r}): {DEQUANTIZE}")
+        raise BadInput(f"config.json has a quantization_config (quant_method {inputs.shown(method)}): {DEQUANTIZE}")
     keys = spec.config if spec else COMMON_KEYS
     for key in (keys.heads, keys.hidden, keys.layers, keys.kv_heads, keys.head_dim, "vocab_size", "intermediate_size", "max_position_embeddings", "n_positions"):
         if key and config.get(key) is not None:
             _positive_int(config, key)
     if config.get(keys.layers, 0) > MAX_LAYERS:
         raise BadInput(f"config.json: {keys.layers!r} is {config[keys.layers]}, more than {MAX_LAYERS}; fix config.json")
+    _check_values(config)
     _check_rope(config)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return (_integer(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _token_ids(value: Any, vocab: int | None) -> bool:  # eos may list several
+    ids = value if isinstance(value, list) and value else [value]
+    return all(_integer(i) and 0 <= i < (vocab or 2**63) for i in ids)
+
+
+# Config values the model builder and the exporter read, by the names families give them: what each
+# must be, checked here (null means "unset" for all of them), so a bad one is one line before any work.
+CONFIG_VALUES: dict[str, tuple[Callable[[Any, int | None], bool], tuple[str, ...]]] = {
+    "a positive integer": (lambda v, _: _integer(v) and v > 0, (
+        "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "n_ctx", "ffn_dim", "word_embed_proj_dim", "type_vocab_size",
+        "original_max_position_embeddings", "sliding_window", "max_window_layers",
+    )),
+    "a positive number": (lambda v, _: _number(v) and v > 0, ("rope_theta", "rotary_emb_base", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")),
+    "a number from 0 to 1": (lambda v, _: _number(v) and 0 <= v <= 1, (
+        "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "dropout",
+        "attention_probs_dropout_prob", "activation_dropout", "classifier_dropout", "summary_first_dropout", "layerdrop",
+    )),
+    "a number of at least 0": (lambda v, _: _number(v) and v >= 0, ("initializer_range",)),
+    "true or false": (lambda v, _: isinstance(v, bool), (
+        "tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache", "use_parallel_residual", "do_layer_norm_before",
+        "enable_bias", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "is_decoder",
+        "add_cross_attention", "use_sliding_window",
+    )),
+    "a token id inside the vocabulary": (_token_ids, ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")),
+    "an activation name": (lambda v, _: isinstance(v, str) and bool(v), ("hidden_act", "activation_function", "hidden_activation")),
+    "a model type name": (lambda v, _: isinstance(v, str) and bool(v), ("model_type",)),
+}  # fmt: skip
+ACTIVATION_KEYS = CONFIG_VALUES["an activation name"][1]
+
+
+def _check_values(config: dict[str, Any]) -> None:
+    vocab = config.get("vocab_size") if _integer(config.get("vocab_size")) else None
+    for kind, (fits, keys) in CONFIG_VALUES.items():
+        for key in keys:
+            if config.get(key) is not None and not fits(config[key], vocab):
+                where = f" [0, {vocab})" if fits is _token_ids and vocab else ""
+                raise BadInput(f"config.json: {key!r} must be {kind}{where}, found {inputs.shown(config[key])}; fix config.json")
+    architectures = config.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list) and architectures and all(isinstance(a, str) for a in architectures)):
+        raise BadInput(f"config.json: 'architectures' must be a list of class names like [\"LlamaForCausalLM\"], found {inputs.shown(architectures)}; fix config.json")
 
 
 def _check_rope(config: dict[str, Any]) -> None:
@@ -188,10 +208,10 @@ def _check_rope(config: dict[str, Any]) -> None:
         nested = params.values() if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()) else [params]
         for entry in nested:  # one dict, or one per layer type (sliding / full attention)
             if not isinstance(entry, dict):
-                raise BadInput(f"config.json: {key!r} must be an object like {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}, found {params!r}")
+                raise BadInput(f"config.json: {key!r} must be an object like {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}, found {inputs.shown(params)}")
             for name in ("rope_theta", "factor"):
                 if name in entry and not _positive_number(entry[name]):
-                    raise BadInput(f"config.json: {key}.{name} must be a positive number, found {entry[name]!r}")
+                    raise BadInput(f"config.json: {key}.{name} must be a positive number, found {inputs.shown(entry[name])}")
             _check_fraction(entry, f"{key}.", "partial_rotary_factor")
     _check_fraction(config, "", "partial_rotary_factor")
     _check_fraction(config, "", "rotary_pct")
@@ -204,13 +224,13 @@ def _positive_number(value: Any) -> bool:
 def _check_fraction(config: dict[str, Any], where: str, key: str) -> None:
     value = config.get(key)
     if value is not None and not (_positive_number(value) and value <= 1):
-        raise BadInput(f"config.json: {where}{key} must be a fraction of the head dims in (0, 1], found {value!r}")
+        raise BadInput(f"config.json: {where}{key} must be a fraction of the head dims in (0, 1], found {inputs.shown(value)}")
 
 
 def _positive_int(config: dict[str, Any], key: str) -> int:
     value = config.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise BadInput(f"config.json: {key!r} must be a positive integer, found {value!r}")
+        raise BadInput(f"config.json: {key!r} must be a positive integer, found {inputs.shown(value)}")
     return value
 
 
@@ -321,6 +341,26 @@ class CheckpointFacts:
             tokenizer=tokenizer_location(folder),
         )
 
+    def require_positions(self, needed: int, why: str, fix: str = "fix config.json", *, table_only: bool = False) -> None:
+        """BadInput unless the model takes `needed` positions (its limit less SPARE_POSITIONS).
+        `table_only`: only where the limit is the size of a learned position table, which holds
+        `positions` rows (RoPE models run past their configured limit; a table has no row there)."""
+        if table_only and self.rotary.dims:
+            return
+        limit = self.positions if table_only else self.position_limit
+        if limit is not None and limit < needed:
+            key = "max_position_embeddings" if "max_position_embeddings" in self.config else "n_positions"
+            raise BadInput(f"config.json: {key} {self.positions} leaves {max(limit, 0)} usable positions, and {why} needs {needed}; {fix}")
+
+    def check_activations(self) -> None:
+        """BadInput for an activation transformers does not know. Checked when a model is built, not
+        in read(): transformers' activation table imports torch, which a mean conversion never loads."""
+        from transformers.activations import ACT2FN
+
+        for key in ACTIVATION_KEYS:
+            if isinstance(name := self.config.get(key), str) and name not in ACT2FN:
+                raise BadInput(f"config.json: {key!r} is {inputs.shown(name)}, which transformers does not know; use one of {', '.join(sorted(ACT2FN)[:8])}, …")
+
     @property
     def dtype(self) -> torch.dtype | None:
         """The dtype config.json declares (None when it declares none)."""
@@ -394,7 +434,7 @@ def _check_tensor(info: TensorInfo) -> None:
 
 def read_tensor_index(folder: Path, allow_pickle: bool) -> TensorIndex:
     """Every tensor's header entry, after checking the weight files (index, shards, truncation, format)."""
-    files, index_names = _find_weight_files(folder, allow_pickle)
+    files, index = _find_weight_files(folder, allow_pickle)
     tensors: dict[str, TensorInfo] = {}
     pickles: dict[Path, dict[str, torch.Tensor]] = {}
     for file in files:  # pickles only when allowed: _find_weight_files decides the format
@@ -405,21 +445,24 @@ def read_tensor_index(folder: Path, allow_pickle: bool) -> TensorIndex:
             infos = [TensorInfo(n, _pickle_code(file, n, t), tuple(t.shape), file) for n, t in pickles[file].items()]
         for info in infos:  # a source's tensors, whatever their format; the header parse itself stays neutral
             _check_tensor(info)
-        tensors.update((t.name, t) for t in infos)
-    if missing := index_names - set(tensors):
+            if (first := tensors.setdefault(info.name, info)) is not info:
+                raise BadInput(f"tensor {info.name} is in two shards, {first.file.name} and {file.name}; restore the checkpoint (each tensor lives in one shard)")
+    if missing := set(index) - set(tensors):
         raise BadInput(f"the weight index names {len(missing)} tensor(s) absent from the shards (e.g. {min(missing)}); the checkpoint is incomplete")
+    if wrong := next((n for n, f in sorted(index.items()) if tensors[n].file != f), None):
+        raise BadInput(f"the weight index maps tensor {wrong} to {index[wrong].name}, which does not hold it ({tensors[wrong].file.name} does); restore the index from the original checkpoint")
     return TensorIndex(files, tensors, pickles)
 
 
-def _find_weight_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], set[str]]:
-    """The weight files, and the tensor names their index promises (none without an index)."""
+def _find_weight_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], dict[str, Path]]:
+    """The weight files, and the file their index names for each tensor (none without an index)."""
     if (folder / SAFETENSORS_INDEX).is_file():
         files, names = _files_from_index(folder, folder / SAFETENSORS_INDEX)
         if pickle := next((f for f in files if f.suffix != ".safetensors"), None):  # never torch.load what the index names
             raise BadInput(f"{SAFETENSORS_INDEX} lists {pickle.name}, which is not a .safetensors file; restore the index from the original checkpoint")
         return files, names
     if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"], set()
+        return [folder / "model.safetensors"], {}
     pickles = (folder / PICKLE_INDEX, folder / "pytorch_model.bin")
     if any(p.is_file() for p in pickles):
         if not allow_pickle:
@@ -427,21 +470,23 @@ def _find_weight_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], se
                 f"{folder} holds only pickle weights (pytorch_model.bin), which can run code when "
                 "loaded; convert them to safetensors or pass --allow-pickle (loaded with weights_only=True)"
             )
-        return _files_from_index(folder, pickles[0]) if pickles[0].is_file() else ([pickles[1]], set())
+        return _files_from_index(folder, pickles[0]) if pickles[0].is_file() else ([pickles[1]], {})
     raise BadInput(f"no weights in {folder}: no model.safetensors, nor {SAFETENSORS_INDEX} with its shards")
 
 
-def _files_from_index(folder: Path, index: Path) -> tuple[list[Path], set[str]]:
+def _files_from_index(folder: Path, index: Path) -> tuple[list[Path], dict[str, Path]]:
+    fix = "restore it from the original checkpoint"
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = inputs.read_json(index, fix)["weight_map"]
         entries = set(weight_map.values())
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise BadInput(f"{index} is corrupt ({type(e).__name__}: {e}); restore it from the original checkpoint") from None
-    files = sorted({inside(folder, entry, index) for entry in entries})
+    except (KeyError, TypeError, AttributeError) as e:
+        raise BadInput(f"{index} is corrupt ({type(e).__name__}: {inputs.shown(str(e))}); {fix}") from None
+    paths = {entry: inside(folder, entry, index) for entry in entries}
+    files = sorted(set(paths.values()))
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise BadInput(f"{index.name} lists missing shard(s) {', '.join(missing)}; download the complete checkpoint")
-    return files, set(weight_map)
+    return files, {name: paths[entry] for name, entry in weight_map.items()}
 
 
 def _pickle_code(file: Path, name: str, tensor: torch.Tensor) -> str:

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers.cache_utils import Cache
@@ -46,9 +47,9 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER
 from headfold.converter.spec import spec_for
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, first_line, read_json_object
 
-__all__ = ["load_model", "empty_model", "parameter_names", "GQA_ATTENTION"]
+__all__ = ["load_model", "empty_model", "parameter_names", "check_loadable", "GQA_ATTENTION"]
 
 # The only attention implementation the GQA subclasses are wired for: transformers' SDPA
 # path repeats/groups K/V from `num_key_value_groups`; the families' own eager functions don't.
@@ -262,12 +263,14 @@ def _check_forward_signature(cls: type[_GQA]) -> None:
 
 def _read_config(facts: CheckpointFacts) -> transformers.PretrainedConfig:
     """transformers' config for a checkpoint whose facts (sizes, rope, links, quantization) are already checked."""
+    facts.check_activations()
     try:
         return transformers.AutoConfig.from_pretrained(facts.folder, trust_remote_code=False, local_files_only=True)
+    except StrictDataclassError as err:  # transformers' own validation of a value the facts do not check
+        raise BadInput(f"config.json: {err.__cause__ or err}; fix config.json") from None
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise BadInput(
-            f"cannot read {facts.folder / 'config.json'} ({first_line}); headfold needs a built-in transformers model type"
+            f"cannot read {facts.folder / 'config.json'} ({first_line(err)}); headfold needs a built-in transformers model type"
         ) from None
 
 
@@ -497,6 +500,7 @@ def load_model(path: str | os.PathLike | CheckpointFacts, *, dtype: torch.dtype 
     facts = _facts(path)  # missing, unreadable, links out, quantized, bad sizes or rope: before transformers sizes anything
     folder = facts.folder
     config = _read_config(facts)
+    _generation_config(folder)  # from_pretrained would skip a broken one with a warning: refused as bad input
     cls = _model_class(config)
     gqa = _gqa_class(config, facts.heads, facts.kv_heads)
     meta, files = _tensor_meta(facts)
@@ -539,8 +543,28 @@ def empty_model(facts: CheckpointFacts, shapes: dict[str, tuple[int, ...]]) -> t
 def _finish_like_from_pretrained(model: transformers.PreTrainedModel, folder: Path) -> None:
     """What from_pretrained also does: record the source and use its generation defaults."""
     model.config.name_or_path = str(folder)
-    if model.can_generate() and (folder / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
+    if model.can_generate() and (generation := _generation_config(folder)) is not None:
+        model.generation_config = generation
+
+
+def _generation_config(folder: Path) -> transformers.GenerationConfig | None:
+    """generation_config.json, when the folder has one; BadInput when transformers cannot read it."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return None
+    read_json_object(path, "restore it from the original checkpoint")  # size and depth first
+    try:
+        return transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, TypeError, OSError, StrictDataclassError) as err:
+        raise BadInput(f"{path} is invalid ({first_line(err)}); restore it from the original checkpoint") from None
+
+
+def check_loadable(path: str | os.PathLike | CheckpointFacts) -> None:
+    """What load_model would refuse in the configs, without building anything (a pipeline checks it
+    before its first stage): config values transformers validates, the architecture, generation_config.json."""
+    facts = _facts(path)
+    _model_class(_read_config(facts))
+    _generation_config(facts.folder)
 
 
 def parameter_names(model: transformers.PreTrainedModel, path: str | os.PathLike | CheckpointFacts) -> dict[str, str]:

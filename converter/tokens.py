@@ -9,12 +9,14 @@ without tokenizer files whose vocabulary is 256 is byte-level (token = UTF-8 byt
 from __future__ import annotations
 
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from headfold.converter.checkpoint import TOKENIZER_FILES, CheckpointFacts, check_links, tokenizer_location
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, first_line, is_panic
 
 BYTE_VOCAB = 256  # a byte-level model: token = UTF-8 byte
 MAX_TEXT_BYTES = 64 << 20  # far more text than any check or calibration uses; /dev/zero is not text
@@ -53,21 +55,39 @@ def load_tokenizer(folder: Path, vocab_size: int | None, fix: str = "add its tok
     return tokenizer
 
 
-def _transformers_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer:
-    from transformers import AutoTokenizer
-
-    check_links(folder)
+@contextmanager
+def tokenizer_errors(folder: Path, doing: str = "load") -> Iterator[None]:
+    """What the tokenizer library raises for a bad tokenizer file (a bare Exception, or a Rust
+    panic, which is a BaseException) as one BadInput naming the folder."""
     try:
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    except Exception as err:  # the tokenizers library raises bare Exception for a malformed tokenizer.json
-        first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
+        yield
+    except BadInput:
+        raise
+    except BaseException as err:
+        if not (isinstance(err, Exception) or is_panic(err)):
+            raise  # KeyboardInterrupt, SIGTERM: not the tokenizer's fault
         raise BadInput(
-            f"cannot load the tokenizer in {folder} ({first_line}); restore its tokenizer files from the original "
+            f"cannot {doing} the tokenizer in {folder} ({type(err).__name__}: {first_line(err)}); restore its tokenizer files from the original "
             "checkpoint (headfold loads transformers' own tokenizer classes only and never runs a checkpoint's code)"
         ) from None
 
+
+def auto_tokenizer(folder: Path) -> Any:
+    """transformers' AutoTokenizer for the tokenizer files in `folder`: offline, none of the folder's
+    code, no file linked from outside it; BadInput for files the tokenizer library cannot load."""
+    from transformers import AutoTokenizer
+
+    check_links(folder)
+    with tokenizer_errors(folder):
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+
+
+def _transformers_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer:
+    tok = auto_tokenizer(folder)
+
     def encode(text: str) -> list[int]:
-        ids = tok.encode(text, add_special_tokens=False, verbose=False)
+        with tokenizer_errors(folder, "run"):
+            ids = tok.encode(text, add_special_tokens=False, verbose=False)
         if vocab_size and ids and max(ids) >= vocab_size:  # would index past the embedding table
             raise BadInput(f"the tokenizer in {folder} gives token id {max(ids)}, outside the model's vocabulary of {vocab_size}; its tokenizer files belong to another model")
         return ids

@@ -19,6 +19,7 @@ import transformers
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.ground.artifacts import GENAI_CONFIG
+from headfold.ground.errors import read_json_object
 
 __all__ = ["TOKENIZER_FILES", "genai_config", "write_model_folder"]
 
@@ -57,7 +58,7 @@ def _token_ids(src: Path, config: transformers.PretrainedConfig) -> dict[str, An
     """
     generation = {}
     if (src / "generation_config.json").is_file():
-        generation = json.loads((src / "generation_config.json").read_text())
+        generation = read_json_object(src / "generation_config.json", "restore it from the original checkpoint")
     ids = {key: generation.get(key, getattr(config, key, None)) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     eos = ids["eos_token_id"]
     first_eos = eos[0] if isinstance(eos, list) and eos else eos

@@ -29,9 +29,12 @@ from headfold.converter.conversion import target_shape
 from headfold.converter.layout import AttentionWeights, HeadShape, merge_heads, split_heads
 from headfold.converter.methods import Recipe, get_method
 from headfold.converter.per_layer import collapse, expand
+from headfold.graphs.onnx_files import external_data_files, load_graph
 from headfold.graphs.rewrite import attention_nodes, check_attention
-from headfold.ground.atomic import check_output, staging_folder
-from headfold.ground.errors import BadInput
+from headfold.ground import VERSION
+from headfold.ground.artifacts import CREATED_BY, MARK
+from headfold.ground.atomic import atomic_outputs, check_outputs
+from headfold.ground.errors import BadInput, first_line
 
 __all__ = ["convert_onnx"]
 
@@ -86,8 +89,10 @@ def convert_onnx(
     recipe = get_method(method)
     if recipe.data_aware:
         raise BadInput(f"method {method!r} rewrites Q/O from calibration data; ONNX convert supports mean and first")
-    out = check_output(out, overwrite=overwrite, sources=(src,))
     model = _load(src)
+    reads = [src, *external_data_files(model, src)]
+    outputs = [(out, False), (_data_file(out), False)]
+    check_outputs(outputs, overwrite=overwrite, sources=reads)  # before the work: never over an input, not even X's own .data
     nodes = attention_nodes(model)
     if not nodes:
         raise BadInput(f"{src}: no standard ONNX Attention node found; export with opset ≥ 23 (headfold export)")
@@ -99,7 +104,7 @@ def convert_onnx(
     }
     _refresh_shapes(model)
     check_attention(attention_nodes(model), kv_heads=collapse(per_layer), layers=len(nodes), graph=src.name)
-    _save(model, out, overwrite)
+    _save(model, out, overwrite, reads)
     return {
         "source": str(src),
         "output": str(out),
@@ -113,11 +118,12 @@ def convert_onnx(
 def _load(src: Path) -> ir.Model:
     if src.suffix != ".onnx" or not src.is_file():
         raise BadInput(f"{src} is not an .onnx file")
+    model = load_graph(src)  # empty, garbage, external data outside its folder: refused
     try:
         onnx.checker.check_model(str(src))  # path-based: also reads external data
-        return ir.load(src)
     except Exception as e:  # onnx raises several unrelated types for corrupt files
-        raise BadInput(f"{src} is not a valid ONNX model: {str(e).splitlines()[0]}") from None
+        raise BadInput(f"{src} is not a valid ONNX model: {first_line(e)}") from None
+    return model
 
 
 def _is_attention(node: ir.Node) -> bool:
@@ -341,14 +347,17 @@ def _refresh_shapes(model: ir.Model) -> None:
     common.ShapeInferencePass()(model)
 
 
-def _save(model: ir.Model, out: Path, overwrite: bool) -> None:
-    """Graph + `<name>.data` are written and checked in a hidden sibling folder (under `out`'s
-    lock), then renamed into place, weights first, so `out` never points at missing weights; on
-    error nothing remains."""
-    data = out.with_name(f"{out.name}.data")
-    with staging_folder(out, overwrite=overwrite) as staging:
-        staged = staging / out.name
-        ir.save(model, staged, external_data=data.name)
-        onnx.checker.check_model(str(staged))
-        os.replace(staged.with_name(data.name), data)
-        os.replace(staged, out)
+def _data_file(graph: Path) -> Path:
+    return graph.with_name(f"{graph.name}.data")
+
+
+def _save(model: ir.Model, out: Path, overwrite: bool, reads: list[Path]) -> None:
+    """Graph + `<name>.data`, written and checked in hidden staging folders, then moved into place
+    together (ground.atomic); on any error neither remains. The graph carries headfold's mark."""
+    data = _data_file(out)
+    model.metadata_props[CREATED_BY] = f"{MARK} {VERSION}"
+    with atomic_outputs([(out, False), (data, False)], overwrite=overwrite, sources=reads) as staged:
+        graph = staged[data].with_name(out.name)  # beside its weights, as the graph names them
+        ir.save(model, graph, external_data=data.name)
+        onnx.checker.check_model(str(graph))
+        os.replace(graph, staged[out])

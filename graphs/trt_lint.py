@@ -18,6 +18,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
+from headfold.graphs.onnx_files import load_graph
 from headfold.graphs.trt_ops import MIN_OPSET, RELEASES, TYPED_INPUT
 from headfold.ground import export_summary
 from headfold.ground.artifacts import Record, optional
@@ -242,10 +243,7 @@ def _opset_findings(model: ir.Model, rules: RuleSet) -> Iterator[Finding]:
 def _load(model: str | os.PathLike | ir.Model) -> ir.Model:
     if isinstance(model, ir.Model):
         return model
-    path = Path(model)
-    if not path.is_file():
-        raise BadInput(f"no ONNX file at {path}")
-    return ir.load(path)  # external weights stay on disk: the lint reads no tensor data
+    return load_graph(Path(model))  # external weights stay on disk: only shapes and attributes are read
 
 
 def _nodes(model: ir.Model) -> Iterator[tuple[ir.Node, str]]:

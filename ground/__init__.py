@@ -1,7 +1,9 @@
 """The ground: what every layer of headfold shares, importing nothing of headfold itself.
 
-errors (the ways headfold stops early), atomic (outputs whole or not at all), hashing (file
-digests, the versions a file records), artifacts (the names of the files headfold writes).
+errors (the ways headfold stops early), atomic (the one output policy: outputs whole, together,
+never through a link or over an input), inputs (the one input policy: inside the folder given,
+bounded JSON/YAML readers, escaped echo), hashing (file digests, the versions a file records),
+artifacts (the names of the files headfold writes, and the mark that says headfold wrote one).
 """
 
 VERSION = "0.1.0"  # headfold's own version: `headfold.__version__`, stamped into sidecars and stage keys

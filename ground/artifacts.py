@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
+from headfold.ground import VERSION
 from headfold.ground.errors import BadInput, read_json_object
 
 MANIFEST = "headfold.json"  # headfold convert / distill: how a checkpoint was made
@@ -32,15 +33,59 @@ REPORT = "report.json"  # headfold verify / run: the checks and their verdicts
 
 # What marks a folder as headfold's own output, which `--overwrite` may replace (DESIGN.md)
 OWN_RECORDS = (MANIFEST, EXPORT_SUMMARY, LEDGER, REPORT)
+# ... and a single file (a report, a plan, a PNG, an .onnx): this text in it. JSON carries it as
+# {"created_by": "headfold VERSION"}, Markdown and XML as a comment, a PNG as its Software text
+# chunk, an ONNX graph in its metadata; an engine has its sidecar. A file's name proves nothing.
+MARK = "created by headfold"
+CREATED_BY = "created_by"
+_MARK_SCAN = 1 << 20  # bytes read from each end of a file to find the mark
 
 
-def written_by_headfold(folder: Path) -> bool:
-    """An empty folder, or one holding a record that only headfold writes (or an engine sidecar)."""
-    return (
-        not any(folder.iterdir())
-        or any((folder / name).is_file() for name in OWN_RECORDS)
-        or any(folder.glob(f"*{ENGINE_SUFFIX}{SIDECAR_SUFFIX}"))
-    )
+def created_by() -> str:
+    """The value of a JSON record's `created_by` key (and of the text mark after MARK's first word)."""
+    return f"headfold {VERSION}"
+
+
+def mark_comment() -> str:
+    """The mark as Markdown / XML write it."""
+    return f"<!-- {MARK} {VERSION} -->"
+
+
+def written_by_headfold(path: Path) -> bool:
+    """A folder: empty, or holding a record only headfold writes (or an engine sidecar). A file:
+    carrying the mark (an engine: beside its sidecar; model.onnx.data: beside its graph)."""
+    path = Path(path)
+    if path.is_dir():
+        return (
+            not any(path.iterdir())
+            or any((path / name).is_file() for name in OWN_RECORDS)
+            or any(path.glob(f"*{ENGINE_SUFFIX}{SIDECAR_SUFFIX}"))
+        )
+    if path.suffix in ENGINE_SUFFIXES:
+        return _marked_json(path.with_name(path.name + SIDECAR_SUFFIX))
+    if path.name.endswith(".onnx.data"):
+        return written_by_headfold(path.with_name(path.name.removesuffix(".data")))
+    return _marked_json(path) if path.suffix == ".json" else _marked_bytes(path)
+
+
+def _marked_json(path: Path) -> bool:
+    try:
+        data = read_json_object(path, "")
+    except (OSError, BadInput):
+        return False
+    kind = data.get("format")
+    return str(data.get(CREATED_BY, "")).startswith("headfold") or isinstance(kind, str) and kind.startswith("headfold.")
+
+
+def _marked_bytes(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_MARK_SCAN)
+            f.seek(max(f.seek(0, os.SEEK_END) - _MARK_SCAN, 0))
+            tail = f.read(_MARK_SCAN)
+    except OSError:
+        return False
+    return MARK.encode() in head or MARK.encode() in tail
 
 
 def engine_name(graph: str) -> str:

@@ -1,32 +1,41 @@
-"""Outputs appear whole or not at all, from one writer, never over an input.
+"""The one output policy: every path a command writes appears whole or not at all, together with
+the command's other outputs, from one writer, never over an input, never through a link.
 
-A writer holds an exclusive lock on the sibling `.OUT.lock` (recording its pid), builds in the
-hidden sibling `.OUT.partial-PID` and renames it into place at the end; an existing OUT is replaced
-only when asked. Under the lock any other `.OUT.partial-*` / `.OUT.old-*` was left by a writer that
-died (kill -9, power loss), so it is removed. SIGTERM, like SIGINT, unwinds and cleans up (exit 143).
+A writer holds an exclusive lock on the sibling `.OUT.lock` (recording its pid; opened without
+following a link, and refused when it is a link or a hard link to another file), builds in the
+hidden sibling `.OUT.partial-PID` and renames it into place at the end; `atomic_outputs` does that
+for all of a command's outputs at once and puts back the ones already placed when a later one
+cannot be. Before any work an output is refused when it is a link, is or overlaps anything the
+command reads (resolved real paths: files, links and index entries of the source folders), exists
+without --overwrite, is of the other kind (a folder where a file goes, or a file where a folder
+goes), or was not written by headfold (artifacts.written_by_headfold: a folder's records, a file's
+mark). Under the lock any other `.OUT.partial-*` / `.OUT.old-*` was left by a writer that died
+(kill -9, power loss), so it is removed. SIGTERM, like SIGINT, unwinds and cleans up (exit 143).
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import glob
 import itertools
-import json
 import logging
 import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from headfold.ground.artifacts import OWN_RECORDS, written_by_headfold
+from headfold.ground.artifacts import MARK, OWN_RECORDS, written_by_headfold
 from headfold.ground.errors import BadInput
+from headfold.ground.inputs import read_json
 
 log = logging.getLogger("headfold")
 
@@ -58,19 +67,26 @@ def _index_entries(index: Path) -> list[Path]:
     """Real paths of the files a safetensors/pickle weight index names (none when it is malformed:
     the checkpoint reader reports that)."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index, "")["weight_map"]
         return [(index.parent / entry).resolve() for entry in set(weight_map.values()) if isinstance(entry, str)]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, BadInput, ValueError, KeyError, TypeError, AttributeError):
         return []
 
 
+def output_path(out: Path) -> Path:
+    """`out` absolute with its parent folders resolved, its own name kept: a link there is the
+    output's problem (refused), never followed."""
+    out = Path(os.path.abspath(out))
+    return out if out.name in ("", "..") else out.parent.resolve() / out.name
+
+
 def check_disjoint(out: Path, sources: Iterable[Path]) -> Path:
-    """The resolved `out`; BadInput when it is, lies inside, or contains anything a source reads."""
-    out = out.resolve()
+    """`output_path(out)`; BadInput when it is, lies inside, or contains anything a source reads."""
+    out = output_path(out)
     for src in sources:
         root = src.resolve()
         if out == root or root in out.parents:
-            raise BadInput(f"output {out} is inside the source {root}; choose an output folder outside it")
+            raise BadInput(f"output {out} is inside the source {root}; choose an output path outside it")
         if out in root.parents:
             raise BadInput(f"output {out} contains the source {root}; choose another output path")
         for real, how in read_paths(src).items():
@@ -81,24 +97,45 @@ def check_disjoint(out: Path, sources: Iterable[Path]) -> Path:
     return out
 
 
-def check_output(out: Path, *, overwrite: bool, sources: Iterable[Path] = ()) -> Path:
-    """Refuse an output that exists (without overwrite) or that overlaps what a source reads."""
+def check_output(out: Path, *, overwrite: bool, sources: Iterable[Path] = (), is_dir: bool | None = None) -> Path:
+    """Refuse an output that exists (without overwrite), is a link, is of the other kind (`is_dir`:
+    a folder or a file is expected; None: either), is not headfold's, or overlaps what a source reads."""
     out = check_disjoint(out, sources)
-    if out.exists() and not overwrite:
-        raise BadInput(f"output {out} already exists; pass --overwrite to replace it or choose another path")
-    if out.exists() and not out.is_dir() and not out.is_file():
-        raise BadInput(f"output {out} is neither a file nor a folder; remove it first")
-    _refuse_foreign(out)
+    _refuse_existing(out, overwrite, "already exists", ours=False, is_dir=is_dir)
     return out
 
 
-def _refuse_foreign(out: Path) -> None:
-    """`--overwrite` replaces only what headfold wrote: never a folder of the user's (a typo'd OUT)."""
-    if out.is_dir() and not out.is_symlink() and not written_by_headfold(out):
-        raise BadInput(
-            f"output {out} is a folder headfold did not write (none of {', '.join(OWN_RECORDS)} or an engine sidecar in it), "
-            "which --overwrite never replaces; choose another path, or empty it yourself"
-        )
+def refuse_link(out: Path) -> None:
+    """BadInput when `out` is a symbolic link (dangling or not), or its lock file is not one headfold
+    could have made (a link, a hard link to another file, a FIFO): headfold never writes through one."""
+    if out.is_symlink():
+        raise BadInput(f"output {out} is a symbolic link (to {os.readlink(out)}); headfold never writes through a link: remove it or choose another path")
+    lock = lock_path(out)
+    if lock.is_symlink():
+        raise BadInput(f"{lock} is a symbolic link (to {os.readlink(lock)}), not headfold's lock file; remove it")
+    if lock.exists() and (not lock.is_file() or lock.stat().st_nlink != 1):
+        raise BadInput(f"{lock} is not headfold's lock file (a special file or a hard link to another one); remove it")
+
+
+def lock_path(out: Path) -> Path:
+    return out.with_name(f".{out.name}.lock")
+
+
+def _refuse_existing(out: Path, overwrite: bool, how: str, ours: bool, is_dir: bool | None = None) -> None:
+    """The checks on what is at `out` now: see check_output; `ours`: the caller knows it is headfold's."""
+    refuse_link(out)
+    if not out.exists():
+        return
+    if not overwrite:
+        raise BadInput(f"output {out} {how}; pass --overwrite to replace it or choose another path")
+    if not out.is_dir() and not out.is_file():
+        raise BadInput(f"output {out} is neither a file nor a folder; remove it first")
+    if is_dir is not None and out.is_dir() != is_dir:
+        wanted, found = ("a folder", "a file") if is_dir else ("a file", "a folder")
+        raise BadInput(f"output {out} is {found}, and this command writes {wanted} there, which --overwrite never does; choose another path")
+    if not ours and not written_by_headfold(out):
+        what = f"none of {', '.join(OWN_RECORDS)} or an engine sidecar in it" if out.is_dir() else f"no '{MARK}' mark in it"
+        raise BadInput(f"output {out} is a {'folder' if out.is_dir() else 'file'} headfold did not write ({what}), which --overwrite never replaces; choose another path, or remove it yourself")
 
 
 # -- SIGTERM -------------------------------------------------------------------------------
@@ -142,7 +179,16 @@ def _lock_fd(lock: Path, out: Path) -> int:
     """An fd holding flock(LOCK_EX) on `lock`, which still names that file (its previous holder
     unlinks it on release, so a lock taken on the unlinked inode would guard nothing)."""
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link planted at the lock's name: it would truncate what it points at
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise BadInput(f"{lock} is a symbolic link (to {os.readlink(lock)}), not headfold's lock file; remove it") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # a FIFO, or a hard link to another file
+            os.close(fd)
+            raise BadInput(f"{lock} is not headfold's lock file (a special file or a hard link to another one); remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -161,7 +207,7 @@ def _lock_fd(lock: Path, out: Path) -> int:
 def output_lock(out: Path) -> Iterator[None]:
     """Hold the exclusive lock `.OUT.lock` beside `out` (BadInput naming the holder's pid when
     another process has it); remove what dead writers left beside `out`."""
-    lock = out.with_name(f".{out.name}.lock")
+    lock = lock_path(out)
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # deepest first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -196,21 +242,14 @@ def _remove_leftovers(out: Path) -> None:
             log.warning(f"headfold: removed {path}, left by writer pid {m[1]}, which stopped before finishing")
 
 
-def _refuse_existing(out: Path, overwrite: bool, how: str, ours: bool) -> None:
-    if (out.exists() or out.is_symlink()) and not overwrite:
-        raise BadInput(f"output {out} {how}; pass --overwrite to replace it or choose another path")
-    if not ours:
-        _refuse_foreign(out)
-
-
 @contextmanager
-def staging_folder(out: Path, *, overwrite: bool = False, ours: bool = False) -> Iterator[Path]:
+def staging_folder(out: Path, *, overwrite: bool = False, ours: bool = False, is_dir: bool | None = None) -> Iterator[Path]:
     """Under `out`'s lock, the hidden sibling folder `.OUT.partial-PID`, removed at the end, on any
-    error and on SIGTERM. `atomic_output` builds on it; a writer that moves several files into place
-    itself (a graph and its `.onnx.data`) can use it directly. `ours`: the caller knows an existing
-    `out` is headfold's (a state folder names it), so it need not carry one of its records."""
+    error and on SIGTERM. `atomic_output(s)` build on it. `ours`: the caller knows an existing `out`
+    is headfold's (a state folder names it), so it need not carry one of its records."""
+    out = output_path(out)
     with output_lock(out):
-        _refuse_existing(out, overwrite, "already exists", ours)
+        _refuse_existing(out, overwrite, "already exists", ours, is_dir)
         folder = out.with_name(f".{out.name}.partial-{os.getpid()}")
         try:
             _remove(folder)  # a dead process that had our pid
@@ -224,43 +263,100 @@ def staging_folder(out: Path, *, overwrite: bool = False, ours: bool = False) ->
             _remove(folder)
 
 
+Outputs = Mapping[Path, bool] | Iterable[tuple[Path, bool]]  # each output path → whether it is a folder
+
+
+def check_outputs(outputs: Outputs, *, overwrite: bool, sources: Iterable[Path] = (), ours: bool = False) -> dict[Path, bool]:
+    """What atomic_outputs refuses, checked before the work: {output_path: is_dir}."""
+    sources, pairs = list(sources), list(outputs.items() if isinstance(outputs, Mapping) else outputs)
+    paths = {check_disjoint(out, sources): is_dir for out, is_dir in pairs}
+    if len(paths) < len(pairs):
+        raise BadInput(f"two outputs name the same path ({', '.join(sorted(map(str, (p for p, _ in pairs))))}); give each its own")
+    for out, is_dir in paths.items():
+        if others := [o for o in paths if out in o.parents]:
+            raise BadInput(f"output {others[0]} lies inside output {out}; give them separate paths")
+        _refuse_existing(out, overwrite, "already exists", ours, is_dir)
+    return paths
+
+
 @contextmanager
-def atomic_output(out: Path, *, is_dir: bool = True, overwrite: bool = False, ours: bool = False) -> Iterator[Path]:
-    """Yield a temporary path named like `out` in its staging folder; on success it becomes `out`
-    (replacing an existing one only with `overwrite`, and a folder only when headfold wrote it),
-    on any error or signal it vanishes."""
-    with staging_folder(out, overwrite=overwrite, ours=ours) as folder:
-        tmp = folder / out.name
-        if is_dir:
-            tmp.mkdir()
-        yield tmp
-        _refuse_existing(out, overwrite, "appeared while this command ran", ours)  # a writer that skipped the lock
-        try:
-            _place(tmp, out)
-        except OSError as e:
-            why = "is it a mount point? choose a path inside it" if e.errno in (errno.EBUSY, errno.EXDEV) else "check the folder's permissions"
-            raise BadInput(f"cannot move the finished output into place at {out} ({e.strerror}); {why}") from None
+def atomic_outputs(outputs: Outputs, *, overwrite: bool = False, ours: bool = False, sources: Iterable[Path] = ()) -> Iterator[dict[Path, Path]]:
+    """The one way headfold writes what a user names: `outputs` maps each path to whether it is a
+    folder; yields each path's temporary twin (a folder made, a file for the caller to write), built
+    in its staging folder beside it. On success all of them are moved into place together (one
+    put back if a later one cannot be); on any error or signal none is. Refused before any work:
+    a link at a path, a path that is or overlaps anything `sources` read, the same path twice, an
+    existing one without `overwrite`, one of the other kind or not written by headfold (`ours`:
+    the caller knows it is)."""
+    sources, pairs = list(sources), list(outputs.items() if isinstance(outputs, Mapping) else outputs)
+    paths = check_outputs(pairs, overwrite=overwrite, sources=sources, ours=ours)
+    with ExitStack() as stack:
+        staged = {}
+        for out, is_dir in sorted(paths.items()):  # locks in one order: two commands never deadlock
+            staged[out] = stack.enter_context(staging_folder(out, overwrite=overwrite, ours=ours, is_dir=is_dir)) / out.name
+            if is_dir:
+                staged[out].mkdir()
+        yield {original: staged[output_path(original)] for original, _ in pairs}
+        for out, is_dir in paths.items():  # a writer that skipped the lock, or an input that appeared there
+            _refuse_existing(out, overwrite, "appeared while this command ran", ours, is_dir)
+            check_disjoint(out, sources)
+        _place_all([(staged[out], out) for out in paths])
 
 
-def _place(tmp: Path, out: Path) -> None:
-    """Rename the finished `tmp` to `out` (the caller holds the lock and checked `overwrite`)."""
-    exists = out.exists() or out.is_symlink()
-    if exists and (tmp.is_dir() or out.is_dir()):  # rename(2) replaces a file by a file only
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
+@contextmanager
+def atomic_output(out: Path, *, is_dir: bool = True, overwrite: bool = False, ours: bool = False, sources: Iterable[Path] = ()) -> Iterator[Path]:
+    """atomic_outputs for one path: yield its temporary twin; on success it becomes `out`."""
+    with atomic_outputs([(out, is_dir)], overwrite=overwrite, ours=ours, sources=sources) as staged:
+        yield staged[out]
+
+
+def _place_all(moves: list[tuple[Path, Path]]) -> None:
+    """Rename each finished temporary to its output (the caller holds the locks and checked
+    `overwrite`); when one fails, the ones already placed are put back as they were."""
+    done: list[tuple[Path, Path, Path | None]] = []
+    try:
+        for tmp, out in moves:
+            done.append((tmp, out, _place(tmp, out)))
+    except OSError as e:
+        for tmp, out, old in reversed(done):
+            out.rename(tmp)
+            if old is not None:
+                old.rename(out)
+        why = "is it a mount point? choose a path inside it" if e.errno in (errno.EBUSY, errno.EXDEV) else "check the folder's permissions"
+        raise BadInput(f"cannot move the finished output into place at {moves[len(done)][1]} ({e.strerror}); {why}") from None
+    for _, _, old in done:
+        if old is not None:
+            _remove(old)
+
+
+def _place(tmp: Path, out: Path) -> Path | None:
+    """Rename `tmp` to `out`. An existing `out` is kept as `.OUT.old-PID`, returned for the caller
+    to remove or put back: a file by a second link, so rename(2) replaces it with no moment
+    without one; a folder (rename replaces no folder) by moving it aside first."""
+    if not (out.exists() or out.is_symlink()):
+        tmp.rename(out)
+        return None
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    _remove(old)
+    if out.is_file() and tmp.is_file():
         try:
-            tmp.rename(out)
+            os.link(out, old)
+            os.replace(tmp, out)
+            return old
         except OSError:
-            old.rename(out)  # put the previous output back
-            raise
-        _remove(old)
-    else:
-        os.replace(tmp, out)
+            _remove(old)  # a file system without hard links: the folder way below
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError:
+        old.rename(out)  # put the previous output back
+        raise
+    return old
 
 
 # -- scratch folders -----------------------------------------------------------------------
 
-_scratch_ids = itertools.count()
+_scratch_ids: dict[str, itertools.count] = collections.defaultdict(itertools.count)  # per prefix: names stay predictable
 
 
 @contextmanager
@@ -272,7 +368,7 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
         if (m := re.fullmatch(rf"{re.escape(prefix)}-(\d+)-\d+", path.name)) and not _alive(int(m[1])):
             _remove(path)
             log.warning(f"headfold: removed {path}, left by pid {m[1]}, which no longer runs")
-    path = base / f"{prefix}-{os.getpid()}-{next(_scratch_ids)}"
+    path = base / f"{prefix}-{os.getpid()}-{next(_scratch_ids[prefix])}"
     _remove(path)
     path.mkdir()
     with cleanup_on_sigterm():
@@ -280,6 +376,25 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
             yield path
         finally:
             _remove(path)
+
+
+LIBRARY_SCRATCH = {"TMPDIR": "", "TORCHINDUCTOR_CACHE_DIR": "torchinductor"}  # variable → sub-folder
+
+
+@contextmanager
+def library_scratch() -> Iterator[Path]:
+    """A command's own scratch folder for what libraries leave in the temp folder (ONNX Runtime's
+    session file, torch's inductor cache): those variables point into it while the command runs,
+    and it is removed at exit, on error and on SIGTERM. Python's own temp files stay where they were."""
+    tempfile.gettempdir()  # cached now: scratch_dir and tempfile keep the user's TMPDIR
+    with scratch_dir("headfold-scratch") as folder:
+        saved = {name: os.environ.get(name) for name in LIBRARY_SCRATCH}
+        os.environ.update({name: str(folder / sub) for name, sub in LIBRARY_SCRATCH.items()})
+        try:
+            yield folder
+        finally:
+            for name, value in saved.items():
+                os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
 
 def _alive(pid: int) -> bool:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,20 @@ class CheckFailed(HeadfoldError):
     exit_code = 1
 
 
+def is_panic(err: BaseException) -> bool:
+    """A Rust library's panic (tokenizers, safetensors) as pyo3 raises it: a BaseException, not an Exception."""
+    return type(err).__name__ == "PanicException"
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    return next(iter(str(err).strip().splitlines()), type(err).__name__)
+
+
 def read_json_object(path: Path, fix: str) -> dict[str, Any]:
     """A JSON object headfold wrote (headfold.json, export.json, sidecars); BadInput naming `path` and
-    `fix` when it is corrupt. OS errors pass through: the CLI names them with their own fix."""
-    try:
-        data = json.loads(Path(path).read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadInput(f"{path} is corrupt (not JSON: {err}); {fix}") from None
-    if not isinstance(data, dict):
-        raise BadInput(f"{path} is corrupt (not a JSON object); {fix}")
-    return data
+    `fix` when it is corrupt, too large or too deep (ground/inputs.py, the one reader). OS errors
+    pass through: the CLI names them with their own fix."""
+    from headfold.ground.inputs import read_json_object as read
+
+    return read(Path(path), fix)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from headfold.ground.artifacts import EXPORT_SUMMARY, Record, keep_unknown, load_record, optional
+from headfold.ground.inputs import contained
 
 FORMAT = 1
 
@@ -46,8 +47,11 @@ def exists(folder: Path) -> bool:
 
 
 def load(folder: Path) -> ExportSummary:
-    """The export.json in `folder`; BadInput when it is corrupt."""
-    return load_record(ExportSummary, Path(folder) / EXPORT_SUMMARY, fix(folder))
+    """The export.json in `folder`; BadInput when it is corrupt or names a graph outside `folder`."""
+    summary = load_record(ExportSummary, Path(folder) / EXPORT_SUMMARY, fix(folder))
+    for name in summary.graphs:  # every reader finds its graphs here: none may lead out of the folder
+        contained(Path(folder), name, EXPORT_SUMMARY, fix(folder))
+    return summary
 
 
 def export_source(summary: ExportSummary, folder: Path) -> Path | None:

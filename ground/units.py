@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from headfold.ground.errors import BadInput
+from headfold.ground.inputs import shown
 
 PRECISIONS = ("fp32", "fp16", "bf16")  # what export writes, build builds and verify budgets key on; most to fewest mantissa bits
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", re.IGNORECASE)
@@ -36,9 +37,9 @@ def parse_fraction(value: Any, name: str) -> float:
     try:
         number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        raise BadInput(f"{name} = {value!r} is not a number; write e.g. 0.05 or 5%") from None
+        raise BadInput(f"{name} = {shown(value)} is not a number; write e.g. 0.05 or 5%") from None
     if not (math.isfinite(number) and number >= 0):
-        raise BadInput(f"{name} = {value!r} must be a finite, non-negative number")
+        raise BadInput(f"{name} = {shown(value)} must be a finite number of at least 0")
     return number
 
 

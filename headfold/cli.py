@@ -10,17 +10,22 @@ stdout, progress and warnings to stderr. Heavy libraries are imported inside the
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from headfold.ground.errors import HeadfoldError
+from headfold.ground.atomic import library_scratch
+from headfold.ground.errors import HeadfoldError, first_line, is_panic
+from headfold.ground.inputs import printable
 from headfold.options import (
     PATH,
     REPORTS,
@@ -113,13 +118,16 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
         from headfold.graphs.onnx_convert import convert_onnx
 
         method = method if given(click.get_current_context(), ("method",)) else "mean"
+        output.check([src])
         summary = convert_onnx(src, out, kv_heads, method, overwrite=output.overwrite)
         line = f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})"
-        output.emit(line, json.dumps({"output": str(out), "method": method, **summary}, indent=2))
+        output.emit(line, {"output": str(out), "method": method, **summary}, [src])
         return
     from headfold.converter.recipes import get_method
 
     (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
+    reads = [src, *([] if calibration.text in (None, "weights") else [Path(calibration.text)])]
+    output.check(reads)
     if not get_method(method).data_aware:
         refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only grouped, aligned and refit calibrate)")
     from headfold import corpus
@@ -134,7 +142,7 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
     lines = [f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})"]
     if record.loader != "transformers":
         lines.append(f"load it with headfold.load_model({str(result)!r}): plain transformers has no GQA for {record.source.model_type} (docs/deploying.md)")
-    output.emit("\n".join(lines), json.dumps({"output": str(result), **record.to_dict()}, indent=2))
+    output.emit("\n".join(lines), {"output": str(result), **record.to_dict()}, reads)
 
 
 @cli.command("export")
@@ -153,6 +161,7 @@ def export_cmd(src: Path, out_dir: Path, export: ExportOptions, revision: str | 
     the ops that release's parser lacks are decomposed and the graphs linted against it.
     """
     (src,) = _local(src, revision=revision)
+    output.check([src])
     from headfold.graphs.export import export as run_export
 
     layout = export.graphs or ("split" if export.trt_version else "merged")  # a TensorRT target gets the graphs TensorRT builds
@@ -166,7 +175,7 @@ def export_cmd(src: Path, out_dir: Path, export: ExportOptions, revision: str | 
         from headfold.graphs.trt_lint import export_table
 
         lines.append(export_table(out_dir, export.trt_version))
-    output.emit("\n".join(lines), json.dumps(summary, indent=2))
+    output.emit("\n".join(lines), summary, [src])
 
 
 @cli.command("build")
@@ -193,20 +202,21 @@ def build_cmd(src: Path, out: Path, dry_run: bool, require_fused_attention: bool
 
     target = target_for(trt_version, dry_run=dry_run)
     plan = make_plan(src, out, target, **profile.kwargs())
+    output.check(plan.reads)
     if dry_run:
+        output.emit(plan.describe(), plan.to_json(), plan.reads)
         plan.check()
-        output.emit(plan.describe(), plan.to_json())
         return
     from headfold.engines.build import build
 
     sidecars = build(plan, overwrite=output.overwrite, require_fused_attention=require_fused_attention)
     line = f"wrote {out}: {', '.join(g.engine.name for g in plan.graphs)} with .engine.json sidecars"
-    output.emit(line, json.dumps({"output": str(out), "engines": [s.to_dict() for s in sidecars]}, indent=2))
+    output.emit(line, {"output": str(out), "engines": [s.to_dict() for s in sidecars]}, plan.reads)
 
 
-def _finish(report: Report, output: Output) -> None:
+def _finish(report: Report, output: Output, sources: list[Path] | None = None) -> None:
     """Print the table (coloured on a terminal) or the JSON, then exit 1 on a failed budget."""
-    output.emit(report.table(color=True), report.to_json())
+    output.emit(report.table(color=True), report.to_json(), sources or [])
     report.raise_for_failures()
     output.say(click.style("all checks passed", fg="green"))
 
@@ -229,12 +239,15 @@ def verify_cmd(reference: Path, candidate: Path, check: str, inputs: InputSpec, 
     fidelity-decode. Conversion loss: original vs converted (perplexity increase, KL, top-1;
     encoders: cosine). --json (alias --report) is the whole report.
     """
-    from headfold.verification.api import verify
+    from headfold.ground.atomic import check_outputs
+    from headfold.verification.api import files_read, verify
 
     reference, candidate = _local(reference, candidate, revision=revision)
+    files = [p for p in (None if output.json_to_stdout else output.json_path, markdown_path, junit_path) if p is not None]
+    reads = files_read(reference, candidate, inputs, thresholds)
+    check_outputs([(p, False) for p in files], overwrite=output.overwrite, sources=reads)  # before the work
     report = verify(reference, candidate, inputs=inputs, thresholds=thresholds, check=check)
-    files = None if output.json_to_stdout else output.json_path
-    report.write(files, markdown_path, junit_path, overwrite=output.overwrite)
+    report.write(None if output.json_to_stdout else output.json_path, markdown_path, junit_path, overwrite=output.overwrite, sources=reads)
     _finish(report, replace(output, json_path=Path("-") if output.json_to_stdout else None))
 
 
@@ -267,12 +280,13 @@ def run_cmd(
     from headfold.pipeline import run
 
     (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
+    output.check([src, out_dir])
     report = run(
         src, out_dir, kv_heads, method=method, max_shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration.kwargs(),
         distill=distill, export=export.kwargs(), build=profile.kwargs(), inputs=inputs, thresholds=thresholds,
         overwrite=output.overwrite, progress=output.progress,
     )  # fmt: skip
-    _finish(report, output)
+    _finish(report, output, [src, out_dir])
 
 
 def _distill_summary(record: dict[str, Any]) -> list[str]:
@@ -311,6 +325,8 @@ def distill_cmd(teacher: Path, student: Path, out: Path, revision: str | None, o
     from headfold.ground import manifest
 
     teacher, student = _local(teacher, student, revision=revision)
+    reads = [teacher, student, *(Path(options[k]) for k in ("data", "eval_data") if options.get(k) is not None)]
+    output.check(reads)
     result = distill(teacher, student, out, overwrite=output.overwrite, progress=output.progress, **options)
     if os.environ.get("RANK", "0") != "0":
         return  # under torchrun / accelerate launch only the main process reports (and writes)
@@ -318,7 +334,7 @@ def distill_cmd(teacher: Path, student: Path, out: Path, revision: str | None, o
     lines = [f"wrote {result} ({record['steps']} steps, {record['tokens']} tokens)", *_distill_summary(record)]
     if record["target_reached"] is False:
         lines.append("note: the --until target was not reached within the token budget")
-    output.emit("\n".join(lines), json.dumps({"output": str(result), **record}, indent=2))
+    output.emit("\n".join(lines), {"output": str(result), **record}, reads)
 
 
 class KvBudget(click.ParamType):
@@ -362,7 +378,7 @@ def inspect_cmd(src: Path, candidates: str | None, method: str, kv_budget, calib
         overwrite=output.overwrite, progress=output.progress, **calibration.kwargs(),
     )  # fmt: skip
     written = [f"wrote {what} {path}" for what, path in (("heatmap", heatmap), ("JSON", json_file)) if path is not None]
-    output.emit("\n".join([report.table(), *written]), json.dumps(report.to_json(), indent=1))
+    output.emit("\n".join([report.table(), *written]), report.to_json(), written=json_file is not None)
 
 
 DEMO_TOKENS = (("--distill-tokens",), {**DISTILL_TOKENS[1], "default": "1.5%"})
@@ -428,16 +444,64 @@ def _usage_line(err: click.UsageError) -> str:
 def _fail(message: str, code: int) -> int:
     if _debug:
         traceback.print_exc()
-    click.secho(f"headfold: error: {' '.join(message.splitlines())}", fg="red", err=True, color=color_allowed())  # one line, whatever the message
+    line = printable(" ".join(message.splitlines()))  # one line, whatever the message; no escape sequence from a file
+    click.secho(f"headfold: error: {line}", fg="red", err=True, color=color_allowed())
     return code
+
+
+class _PipeSafe(io.RawIOBase):
+    """stdout's file descriptor for a reader that may leave (`| head`, `| true`): once a write finds
+    the pipe closed, it and the rest go to /dev/null, so the command finishes and its own verdict
+    (exit code) stands, with no traceback and no extra line."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        try:
+            return os.write(self.fd, data)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.fd)
+            os.close(devnull)
+            return len(data)
+
+
+@contextmanager
+def _pipe_safe_stdout() -> Iterator[None]:
+    """sys.stdout on _PipeSafe while a command runs (only the process's real stdout: a test's capture stays)."""
+    real = sys.stdout
+    try:
+        fd = real.fileno() if real is sys.__stdout__ else None
+        real.flush()
+    except (AttributeError, OSError, ValueError):
+        fd = None
+    if fd is None:
+        yield
+        return
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_PipeSafe(fd)), encoding=real.encoding, errors=real.errors, line_buffering=True)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = real
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: every failure becomes one line on stderr and an exit code (EXIT_CODES)."""
+    with _pipe_safe_stdout():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     global _debug
     _debug = False
     try:
-        code = cli.main(args=argv, prog_name="headfold", standalone_mode=False)
+        with library_scratch():  # what libraries write to the temp folder is removed at exit
+            code = cli.main(args=argv, prog_name="headfold", standalone_mode=False)
     except HeadfoldError as e:
         return _fail(str(e), e.exit_code)
     except click.exceptions.Abort:
@@ -451,9 +515,14 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(os_error_line(e), 2)
     except MemoryError:
         return _fail("out of memory; use a machine with more memory, or fewer --calibration-tokens / a smaller --batch-size", 2)
+    except RecursionError:  # headfold's readers bound nesting; a library reading a deeper input file hit Python's limit
+        return _fail("an input file nests deeper than Python's recursion limit (a hostile or damaged JSON/YAML file?); check the inputs, --debug shows which reader", 2)
     except Exception as e:  # anything else is a bug in headfold
-        first_line = next(iter(str(e).strip().splitlines()), "")
-        return _fail(f"internal error ({type(e).__name__}: {first_line}); this is a bug: rerun with --debug for the traceback", 3)
+        return _fail(f"internal error ({type(e).__name__}: {first_line(e)}); this is a bug: rerun with --debug for the traceback", 3)
+    except BaseException as e:
+        if not is_panic(e):  # SystemExit (SIGTERM's 143), KeyboardInterrupt: as they are
+            raise
+        return _fail(f"internal error (a native library panicked: {first_line(e)}); rerun with --debug for the traceback", 3)
     return code if isinstance(code, int) else 0
 
 

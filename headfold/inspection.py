@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,7 +36,9 @@ from headfold.converter.conversion import calibration_text, layer_contexts
 from headfold.converter.layout import AttentionCodec, AttentionWeights
 from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, get_method, head_activations
 from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
-from headfold.ground.atomic import atomic_output, check_output
+from headfold.ground import VERSION
+from headfold.ground.artifacts import CREATED_BY, MARK, created_by
+from headfold.ground.atomic import atomic_outputs, check_outputs
 from headfold.ground.errors import BadInput
 from headfold.verification.metrics import log_probs
 
@@ -239,6 +241,7 @@ class Inspection:
     def to_json(self) -> dict[str, Any]:
         matrix = lambda t: [[float(x) for x in row] for row in t]  # noqa: E731
         return {
+            CREATED_BY: created_by(),  # headfold's mark: --overwrite replaces only marked files
             "source": str(self.source), "family": self.family, "kind": self.kind,
             "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "layers": len(self.layers),
             "method": self.method, "metric": METRICS[self.kind], "candidates": self.candidates, "calibration": self.calibration,
@@ -284,20 +287,6 @@ class Inspection:
 # -- running it ------------------------------------------------------------------------------
 
 
-def _check_outputs(sources: tuple[Path, ...], outputs: list[Path], overwrite: bool) -> None:
-    if len({p.resolve() for p in outputs}) < len(outputs):
-        raise BadInput("--heatmap and --json name the same file; give them different paths")
-    for path in outputs:
-        if path.is_dir():
-            raise BadInput(f"{path} is a folder; give --heatmap / --json a file path")
-        check_output(path, overwrite=overwrite, sources=sources)
-
-
-def _write_file(path: Path, write: Callable[[Path], object], overwrite: bool) -> None:
-    with atomic_output(path.resolve(), is_dir=False, overwrite=overwrite) as tmp:
-        write(tmp)
-
-
 def inspect_checkpoint(
     source: str | Path,
     *,
@@ -318,22 +307,24 @@ def inspect_checkpoint(
     source = checkpoint_folder(source, revision=revision)
     recipe = get_method(method)
     check_settings()  # $HEADFOLD_DEVICE, $HEADFOLD_CALIBRATION_RAM
-    outputs = [p for p in (heatmap, json_path) if p is not None]
+    outputs = [(p, False) for p in (heatmap, json_path) if p is not None]
     with SourceCheckpoint(source) as ckpt:
         if len(set(ckpt.layer_shapes)) > 1:
             raise BadInput(f"{source} already has per-layer kv heads; inspect the checkpoint it was converted from")
+        ckpt.facts.require_positions(WINDOW, f"inspect (it measures the loss on windows of {WINDOW} tokens)", "inspect a model that takes them", table_only=True)
         cands = parse_candidates(candidates, ckpt.shape.kv_heads)
         budget = None if kv_budget is None else budget_total(kv_budget, ckpt.shape.kv_heads * ckpt.layers)
         if budget is not None:  # infeasible budgets fail before the slow part
             best_plan([dict.fromkeys([*cands, ckpt.shape.kv_heads], 0.0)] * ckpt.layers, budget)
         text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
-        _check_outputs((source, *text_file), outputs, overwrite)  # never over an input
+        reads = (source, *text_file)
+        check_outputs(outputs, overwrite=overwrite, sources=reads)  # never over an input: before the slow part
         report = _measure(ckpt, recipe, cands, calibration, calibration_tokens, seed, budget, progress)
-    png = heatmap_png(report) if heatmap is not None else None  # rendered first: a failure writes nothing
-    if heatmap is not None:
-        _write_file(heatmap, lambda tmp: tmp.write_bytes(png), overwrite)
-    if json_path is not None:
-        _write_file(json_path, lambda tmp: tmp.write_text(json.dumps(report.to_json(), indent=1) + "\n"), overwrite)
+    with atomic_outputs(outputs, overwrite=overwrite, sources=reads) as staged:  # both appear, or neither
+        if heatmap is not None:
+            staged[heatmap].write_bytes(heatmap_png(report))
+        if json_path is not None:
+            staged[json_path].write_text(json.dumps(report.to_json(), indent=1) + "\n")
     return report
 
 
@@ -397,7 +388,7 @@ def _plan_report(plan: Plan, converter: LayerConverter, live: LiveAttention, ref
 def heatmap_png(report: Inspection) -> bytes:
     """The heatmap (heatmap_figure) as PNG bytes."""
     buffer = io.BytesIO()
-    heatmap_figure(report).savefig(buffer, format="png", dpi=110)
+    heatmap_figure(report).savefig(buffer, format="png", dpi=110, metadata={"Software": f"{MARK} {VERSION}"})  # headfold's mark
     return buffer.getvalue()
 
 

@@ -10,7 +10,9 @@ Nothing heavy is imported at module level: `headfold --help` must start without 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import math
 import os
 import sys
 import warnings
@@ -23,7 +25,9 @@ import click
 from click.core import ParameterSource
 
 from headfold.converter.recipes import DEFAULT_METHOD
+from headfold.ground.artifacts import CREATED_BY, created_by
 from headfold.ground.errors import BadInput, HeadfoldError
+from headfold.ground.inputs import printable
 from headfold.ground.units import PRECISIONS, parse_fraction
 
 log = logging.getLogger(__name__)
@@ -111,6 +115,19 @@ class Nats(Fraction):
         return super().convert(value, param, ctx)
 
 
+class Finite(click.ParamType):
+    """A finite float: inf and nan would train or gate on nothing."""
+
+    name = "FLOAT"
+
+    def convert(self, value, param, ctx):
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+FINITE = Finite()
 KV_HEADS_HELP = "one value for every layer, or one per layer comma-separated (8,4,4,2); each must divide the attention heads"
 METHOD_HELP = (
     "How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
@@ -133,8 +150,8 @@ def batch_size_spec(default: int | None) -> Spec:
     return spec("--batch-size", type=int, default=default, help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 640 steps).")
 
 
-SEED = spec("--seed", type=int, default=0, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
-OVERWRITE = spec("--overwrite", is_flag=True, help="Write where outputs exist: they are replaced atomically, only once the command succeeded, and only outputs headfold wrote (run: other files in OUT_DIR stay).")
+SEED = spec("--seed", type=click.IntRange(0, 2**32 - 1), default=0, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
+OVERWRITE = spec("--overwrite", is_flag=True, help="Replace outputs that exist, when headfold wrote them (never a file or folder of yours, never an input): atomically, once the command succeeded (run: other files in OUT_DIR stay).")
 QUIET = spec("--quiet", "-q", is_flag=True, help="Only results, warnings and errors: no progress bars or progress lines (the same as `headfold -q`).")
 VERBOSE = spec("--verbose", "-v", is_flag=True, help="Also debug lines and the libraries' own warnings, on stderr (the same as `headfold -v`).")
 JSON_HELP = "Write the result as JSON to FILE (atomically); without FILE, or with '-', print it to stdout instead of the table, and nothing else."
@@ -226,24 +243,33 @@ class Output:
     def json_to_stdout(self) -> bool:
         return self.json_path is not None and str(self.json_path) == "-"
 
-    def emit(self, table: str, as_json: str) -> None:
-        """The result: the table, or with --json - the JSON alone, or with --json FILE both (the
-        file written atomically, the table printed)."""
+    def check(self, sources: Iterable[Path] = ()) -> None:
+        """Refuse a --json FILE the policy would refuse (a link, an input, one of yours), before the work."""
+        if self.json_path is not None and not self.json_to_stdout:
+            from headfold.ground.atomic import check_outputs
+
+            check_outputs([(self.json_path, False)], overwrite=self.overwrite, sources=sources)
+
+    def emit(self, table: str, result: dict[str, Any] | str, sources: Iterable[Path] = (), *, written: bool = False) -> None:
+        """The result: the table, or with --json - the JSON alone, or with --json FILE both (the file
+        written atomically, marked as headfold's, never over one of `sources`; `written`: the stage
+        wrote it already). Strings from files are printed with their control characters escaped."""
+        text = result if isinstance(result, str) else json.dumps({CREATED_BY: created_by(), **result}, indent=2, default=str) + "\n"
         if self.json_to_stdout:
-            click.echo(as_json, nl=not as_json.endswith("\n"))
+            click.echo(text.replace("\x7f", "\\u007f"), nl=not text.endswith("\n"))  # json.dumps escapes every control but DEL
             return
-        if self.json_path is not None:
+        if self.json_path is not None and not written:
             from headfold.ground.atomic import atomic_output
 
-            with atomic_output(self.json_path, is_dir=False, overwrite=self.overwrite) as tmp:
-                tmp.write_text(as_json if as_json.endswith("\n") else as_json + "\n")
-        click.echo(table)
+            with atomic_output(self.json_path, is_dir=False, overwrite=self.overwrite, sources=sources) as tmp:
+                tmp.write_text(text)
+        click.echo(printable(table, lines=True, styles=True))
         if self.json_path is not None:
-            click.echo(f"wrote JSON {self.json_path}")
+            click.echo(printable(f"wrote JSON {self.json_path}"))
 
     def say(self, line: str) -> None:
         """A line beside the result: on stdout, or on stderr when stdout carries the JSON alone."""
-        click.echo(line, err=self.json_to_stdout)
+        click.echo(printable(line, styles=True), err=self.json_to_stdout)
 
 
 def _output(quiet: bool = False, verbose: bool = False, overwrite: bool = False, json_path: Path | None = None) -> Output:
@@ -393,11 +419,11 @@ DISTILL_TRAINING = (
     spec("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens. [default without --tokens: 40]"),
     spec("--seq-len", type=int, default=256, help="Tokens per training window."),
     batch_size_spec(None),  # None: the run's default_batch_size()
-    spec("--lr", type=float, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: by the student's kind, docs/distill.md]"),
+    spec("--lr", type=FINITE, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: by the student's kind, docs/distill.md]"),
     spec("--train", type=click.Choice(("kv", "attention", "all", "lora")), default=None, help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end. [default: attention for decoders, all for encoders]"),
     spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
-    spec("--temperature", type=float, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
-    spec("--hidden-weight", type=float, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: by the student's kind, docs/distill.md]"),
+    spec("--temperature", type=FINITE, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
+    spec("--hidden-weight", type=FINITE, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: by the student's kind, docs/distill.md]"),
     spec("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, slower."),
     SEED,
 )  # fmt: skip
@@ -484,7 +510,7 @@ class EchoHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            click.echo(self.format(record), err=True)
+            click.echo(printable(self.format(record)), err=True)  # a path or name from a file may hold escapes
         except Exception:  # a closed pipe must not turn a log line into a failure
             self.handleError(record)
 

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headfold.converter.recipes import DEFAULT_METHOD
+from headfold.converter.modeling import check_loadable
 from headfold.engines.env import engine_support
 from headfold.ground import VERSION
 from headfold.ground.artifacts import LEDGER, REPORT
-from headfold.ground.atomic import atomic_output, check_disjoint, output_lock
+from headfold.ground.atomic import atomic_output, check_disjoint, output_lock, output_path, refuse_link
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.ground.ledger import RunLedger, StageEntry
@@ -68,7 +69,7 @@ class Ledger:
                 "pass --overwrite to add the run's stage folders to it (your files stay) or choose another OUT_DIR"
             )
         if out.exists() and not out.is_dir():
-            raise BadInput(f"{out} exists and is not a folder; choose another OUT_DIR")
+            raise BadInput(f"{out} is a file, and headfold run writes a folder there; choose another OUT_DIR")
 
     def claim(self, stage: str, output: Path) -> None:
         """Record `stage` as run's own before it writes `output`; refuse an `output` it never wrote."""
@@ -91,27 +92,29 @@ class Ledger:
 
     def record(self, stage: str, entry: StageEntry) -> None:
         self.stages[stage] = entry
-        with atomic_output(self.path, is_dir=False, overwrite=True) as tmp:
+        with atomic_output(self.path, is_dir=False, overwrite=True, ours=True) as tmp:  # its presence makes the folder a run folder
             tmp.write_text(RunLedger(stages=self.stages).to_json())
 
 
-def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work: Callable[[], Any]) -> tuple[str, Any]:
+def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work: Callable[[], Any], step: str = "") -> tuple[str, Any]:
     """Run `work` unless the key matches and the output is intact; (the output's sha256, the
-    result or None when skipped). Downstream stages key on that sha256: content, not history."""
+    result or None when skipped). Downstream stages key on that sha256: content, not history.
+    Progress lines start with `step` ("[2/4] ")."""
     key = stage_key(name, inputs)
     digest, why = ledger.unchanged(name, key, output)
     if digest is not None:
-        log.info(f"{name}: unchanged, skipped ({output})")
+        log.info(f"{step}{name}: unchanged, skipped ({output})")
         return digest, None
     if why:
-        log.info(f"{name}: {why}; running it again")
-    ledger.claim(name, output)
+        log.info(f"{step}{name}: {why}; running it again")
+    ledger.claim(name, output)  # the last refusal a stage can meet: its line follows it
+    log.info(f"{step}{name} → {output}")
     start = time.perf_counter()
     result = work()
     seconds = round(time.perf_counter() - start, 2)
     digest = tree_digest(output)
     ledger.record(name, StageEntry(key=key, inputs=inputs, output=output.name, sha256=digest, seconds=seconds))
-    log.info(f"{name}: done in {seconds:.1f} s ({output})")
+    log.info(f"{step}{name}: done in {seconds:.1f} s")
     return digest, result
 
 
@@ -166,22 +169,37 @@ def run(
     from headfold.graphs.export import check_opset
 
     src = checkpoint_folder(src, revision=revision, allow_pickle=allow_pickle).resolve()
-    out = Path(out_dir).resolve()
+    out = output_path(Path(out_dir))
+    refuse_link(out)
     if resolve(src).kind != "checkpoint":
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
-    check_disjoint(out, (src,))
+    check_convertible(src, kv_heads, method, allow_pickle)
+    check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
     settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration or {}, distill, export or {}, build or {}, inputs, thresholds, progress)
+    check_disjoint(out, settings.reads(src))  # the run folder holds none of its inputs, nor lies inside one
     check_opset(settings.export.get("opset", 23))
+    budgets = settings.budgets()  # bad budgets fail first
     text, _ = read_text(inputs.text)
     with output_lock(out):  # one run per OUT_DIR
         created = not out.exists()
         ledger = Ledger(out, overwrite=overwrite)
         try:
-            return _run_stages(src, out, ledger, settings, text)
+            return _run_stages(src, out, ledger, settings, budgets, text)
         except BaseException:
             if created and not any(entry.key for entry in ledger.stages.values()):
                 shutil.rmtree(out, ignore_errors=True)  # no stage finished: a failed first run leaves nothing
             raise
+
+
+def check_convertible(src: Path, kv_heads: int | Sequence[int], method: str, allow_pickle: bool) -> None:
+    """What the convert stage would refuse (method, weights and their index, kv heads), before any stage writes."""
+    from headfold.converter.checkpoint import SourceCheckpoint
+    from headfold.converter.conversion import target_shapes
+    from headfold.converter.recipes import get_method
+
+    get_method(method)
+    with SourceCheckpoint(src, allow_pickle=allow_pickle) as ckpt:
+        target_shapes(ckpt, kv_heads)
 
 
 @dataclass(frozen=True)
@@ -204,23 +222,32 @@ class Settings:
     def dtype(self) -> str:
         return self.export.get("dtype") or "fp32"
 
+    def reads(self, src: Path) -> list[Path]:
+        """Every input the stages read: the source, texts, budget, distill data, timing cache."""
+        calibration = self.calibration.get("calibration")
+        distill = self.distill or None
+        given = (self.inputs.text, self.inputs.token_ids, self.thresholds.file, self.build.get("timing_cache"),
+                 distill and distill.data, distill and distill.eval_data, None if str(calibration) == "weights" else calibration)  # fmt: skip
+        return [src, *(Path(p) for p in given if p is not None)]
+
     def budgets(self) -> dict[str, Any]:
         """The gates as run applies them (a bad budget file fails before any stage runs)."""
         return {"loss": asdict(self.thresholds.loss(self.dtype)), "fidelity": asdict(self.thresholds.fidelity(self.dtype))}
 
 
-def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, text: str) -> Report:
+def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budgets: dict[str, Any], text: str) -> Report:
     from headfold import corpus
     from headfold.converter import convert
     from headfold.graphs.export import export
 
-    budgets = settings.budgets()
     stages: dict[str, str] = {}
     total = 4 + (settings.distill is not None)
 
+    def step() -> str:
+        return f"[{len(stages) + 1}/{total}] "
+
     def stage(name: str, inputs: dict[str, Any], output: Path, work: Callable[[], Any]) -> tuple[str, Any]:
-        log.info(f"[{len(stages) + 1}/{total}] {name} → {output}")
-        digest, done = _stage(ledger, name, inputs, output, work)
+        digest, done = _stage(ledger, name, inputs, output, work, step())
         stages[name] = _status(done)
         return digest, done
 
@@ -239,8 +266,7 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, text: 
         "export", {"checkpoint": conv_digest, **exporting}, onnx_dir,
         lambda: export(converted, onnx_dir, overwrite=True, progress=settings.progress, **exporting),
     )  # fmt: skip
-    log.info(f"[{len(stages) + 1}/{total}] build → {engines}")
-    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines, settings.build)
+    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines, settings.build, step())
 
     verify_inputs = {
         "export": exp_digest,
@@ -263,7 +289,7 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, text: 
     return report
 
 
-def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path, profile: dict[str, Any]) -> tuple[str | None, str]:
+def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path, profile: dict[str, Any], step: str) -> tuple[str | None, str]:
     """(engines' sha256, status) when the engines are current, else (None, "skipped: why they were not built")."""
     from headfold.engines.build import build_export
     from headfold.engines.plan import Unparsable
@@ -274,11 +300,11 @@ def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path,
 
         inputs = {"export": exp_digest, "tensorrt": tensorrt.__version__, "gpu": _gpu_name(), **{k: v for k, v in profile.items() if v is not None}}
         try:
-            digest, done = _stage(ledger, "build", inputs, engines, lambda: build_export(onnx_dir, engines, **profile))
+            digest, done = _stage(ledger, "build", inputs, engines, lambda: build_export(onnx_dir, engines, **profile), step)
             return digest, _status(done)
         except Unparsable as err:  # this TensorRT is too old for the graph: like no TensorRT at all
             why_not = str(err)
-    log.info(f"build: skipped, {why_not}; no engine in {engines}")
+    log.info(f"{step}build: skipped, {why_not}; no engine in {engines}")
     return None, f"skipped: {why_not}"
 
 

@@ -23,6 +23,7 @@ import onnx_ir as ir
 from onnx.reference.op_run import OpRun
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
 
+from headfold.graphs.onnx_files import load_graph
 from headfold.graphs.trt_lint import rule_set
 from headfold.ground.errors import BadInput
 from headfold.plugins import gqa_decode_attention
@@ -89,7 +90,4 @@ def _require_tensorrt_plugin_api(ops: list[PluginOp]) -> None:
 def _load(model: ir.Model | str | os.PathLike) -> ir.Model:
     if isinstance(model, ir.Model):
         return model
-    path = Path(model)
-    if not path.is_file():
-        raise BadInput(f"no ONNX file at {path}")
-    return ir.load(path)  # external weights stay on disk: the rules read shapes and attributes only
+    return load_graph(Path(model))  # external weights stay on disk: only shapes and attributes are read

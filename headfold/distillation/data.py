@@ -11,8 +11,10 @@ training windows come after them, shuffled in a seeded buffer, epoch after epoch
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -20,9 +22,10 @@ from pathlib import Path
 import torch
 
 from headfold import corpus
-from headfold.converter.checkpoint import check_links, tokenizer_location
-from headfold.converter.tokens import TOKENIZER_FILES
-from headfold.ground.errors import BadInput, HeadfoldError
+from headfold.converter.checkpoint import tokenizer_location
+from headfold.converter.tokens import TOKENIZER_FILES, auto_tokenizer, tokenizer_errors
+from headfold.ground.errors import BadInput, HeadfoldError, first_line
+from headfold.ground.inputs import check_links, contained, read_json_object
 
 TEXT_FIELD = "text"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else is read as text
@@ -69,6 +72,8 @@ def file_source(path: Path, option: str = "--data") -> TextSource:
         raise BadInput(f"{option} {path} does not exist; pass a text, .jsonl or .parquet file or a datasets save_to_disk folder")
     if path.is_dir():
         return _disk_source(path, option)
+    if not path.is_file():
+        raise BadInput(f"{option} {path} is not a regular file; pass a text, .jsonl or .parquet file or a datasets save_to_disk folder")
     if path.stat().st_size == 0:
         raise BadInput(f"{option} {path} is empty; pass a file with text in it")
     builder = BUILDERS.get(path.suffix.lower(), "text")
@@ -77,25 +82,49 @@ def file_source(path: Path, option: str = "--data") -> TextSource:
     def docs() -> Iterator[str]:
         import datasets
 
-        stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
-        try:
+        with _read_errors(path, option, f"cannot be read as {builder}"):
+            stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
             yield from _texts(stream, path, option)
-        except HeadfoldError:
-            raise
-        except Exception as err:  # datasets / pyarrow / codecs each raise their own types for a bad file
-            first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
-            raise BadInput(f"{option} {path} cannot be read as {builder} ({first_line}); pass UTF-8 text, JSON lines or parquet with a '{TEXT_FIELD}' field") from None
 
     return TextSource(str(path), _digest([path]), docs)
+
+
+@contextmanager
+def _read_errors(path: Path, option: str, problem: str) -> Iterator[None]:
+    """datasets / pyarrow / codecs each raise their own types for a bad file: one BadInput naming it
+    (datasets' own logged error would be a second line)."""
+    library = logging.getLogger("datasets")
+    level = library.level
+    library.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    except HeadfoldError:
+        raise
+    except Exception as err:
+        raise BadInput(f"{option} {path} {problem} ({type(err).__name__}: {first_line(err)}); pass UTF-8 text, JSON lines, parquet with a '{TEXT_FIELD}' field, or a datasets save_to_disk folder") from None
+    finally:
+        library.setLevel(level)
+
+
+def _check_dataset_folder(folder: Path, option: str) -> None:
+    """Every file a save_to_disk folder names (its splits, each split's arrow files) lies inside it."""
+    check_links(folder, "dataset folder")
+    fix = "save the dataset again with save_to_disk"
+    if (listing := folder / "dataset_dict.json").is_file():
+        for split in read_json_object(listing, fix).get("splits", []):
+            _check_dataset_folder(contained(folder, split, listing, fix), option)
+    if (state := folder / "state.json").is_file():
+        files = read_json_object(state, fix).get("_data_files", [])
+        for entry in files if isinstance(files, list) else [files]:
+            contained(folder, entry.get("filename") if isinstance(entry, dict) else entry, state, fix)
 
 
 def _disk_source(folder: Path, option: str) -> TextSource:
     import datasets
 
-    try:
+    _check_dataset_folder(folder, option)
+    with _read_errors(folder, option, "is not a datasets save_to_disk folder"):
         loaded = datasets.load_from_disk(str(folder))
-    except (FileNotFoundError, ValueError) as err:
-        raise BadInput(f"{option} {folder} is not a datasets save_to_disk folder ({str(err).splitlines()[0]}); pass a file or such a folder") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded and len(loaded) != 1:
             raise BadInput(f"{option} {folder} has splits {sorted(loaded)} but no 'train'; save the split to use on its own")
@@ -103,15 +132,23 @@ def _disk_source(folder: Path, option: str) -> TextSource:
     if loaded.num_rows == 0:
         raise BadInput(f"{option} {folder} holds no rows; pass a dataset with text in it")
     files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return TextSource(str(folder), _digest(files), lambda: _texts(loaded.to_iterable_dataset(), folder, option))
+
+    def docs() -> Iterator[str]:
+        with _read_errors(folder, option, "cannot be read"):
+            yield from _texts(loaded.to_iterable_dataset(), folder, option)
+
+    return TextSource(str(folder), _digest(files), docs)
 
 
 def _texts(stream, path: Path, option: str) -> Iterator[str]:
-    for row in stream:
+    for number, row in enumerate(stream, 1):
         if TEXT_FIELD not in row:
-            raise BadInput(f"{option} {path} has no '{TEXT_FIELD}' field (it has {', '.join(sorted(row))}); name the text column '{TEXT_FIELD}'")
-        if row[TEXT_FIELD]:
-            yield row[TEXT_FIELD]
+            raise BadInput(f"{option} {path} has no '{TEXT_FIELD}' field (it has {', '.join(sorted(map(str, row)))}); name the text column '{TEXT_FIELD}'")
+        text = row[TEXT_FIELD]
+        if text is not None and not isinstance(text, str):
+            raise BadInput(f"{option} {path} row {number}: '{TEXT_FIELD}' is {type(text).__name__}, not a string; give every row text (or null)")
+        if text:
+            yield text
 
 
 def encoder_for(folder: Path, vocab_size: int, encoder_model: bool) -> Encoder:
@@ -120,16 +157,17 @@ def encoder_for(folder: Path, vocab_size: int, encoder_model: bool) -> Encoder:
         if vocab_size != corpus.VOCAB_SIZE:
             raise BadInput(f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) and is not byte-level; add its tokenizer to the folder")
         return Encoder(corpus.encode, corpus.encode(corpus.SEPARATOR), list, 0, "bytes")
-    import transformers
+    tok = auto_tokenizer(folder)
+    with tokenizer_errors(folder, "run"):
+        separator = [tok.eos_token_id] if tok.eos_token_id is not None and not encoder_model else tok.encode("\n\n", add_special_tokens=False)
+        # encoders see every window framed as in training ([CLS] … [SEP]); decoders a plain slice of the stream
+        prefix, suffix = _special_frame(tok) if encoder_model else ([], [])
 
-    check_links(folder)  # like converter.tokens: no file linked from outside the folder
-    tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    separator = [tok.eos_token_id] if tok.eos_token_id is not None and not encoder_model else tok.encode("\n\n", add_special_tokens=False)
-    # encoders see every window framed as in training ([CLS] … [SEP]); decoders a plain slice of the stream
-    prefix, suffix = _special_frame(tok) if encoder_model else ([], [])
-    return Encoder(
-        lambda text: tok.encode(text, add_special_tokens=False, verbose=False), separator, lambda ids: prefix + ids + suffix, len(prefix) + len(suffix), type(tok).__name__
-    )
+    def encode(text: str) -> list[int]:
+        with tokenizer_errors(folder, "run"):
+            return tok.encode(text, add_special_tokens=False, verbose=False)
+
+    return Encoder(encode, separator, lambda ids: prefix + ids + suffix, len(prefix) + len(suffix), type(tok).__name__)
 
 
 def _special_frame(tok) -> tuple[list[int], list[int]]:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from headfold.distillation.trainable import TRAIN_MODES, merged, select, trainab
 from headfold.distillation.trainer import Trainer
 from headfold.ground import manifest as manifests
 from headfold.ground.artifacts import MANIFEST
-from headfold.ground.atomic import atomic_output, check_output
+from headfold.ground.atomic import atomic_output, check_disjoint, check_output, cleanup_on_sigterm
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 
@@ -108,7 +110,9 @@ def distill(
     teacher, student = checkpoint_folders(teacher, student, revision=revision)
     opts = requested(teacher, options)
     teacher_ckpt, student_ckpt, manifest = check_pair(teacher, student)
-    out = check_output(Path(out), overwrite=overwrite, sources=(teacher, student))
+    reads = [teacher, student, *(Path(p) for p in (data, eval_data) if p is not None)]
+    out = check_output(Path(out), overwrite=overwrite, sources=reads, is_dir=True)
+    check_disjoint(state.state_folder(out), reads)
     encoder_model = student_ckpt.spec.kind == "encoder"
     opts = resolve_defaults(opts, encoder_model)
     check_options(opts, student_ckpt, encoder_model)
@@ -129,36 +133,45 @@ def distill(
         log.info(budget_line(plan, opts, steps, accelerator.num_processes))
     identity = run_identity(teacher, student, plan, opts, accelerator.num_processes)
     folder = state.state_folder(out)
-    checkpoint = state.open_run(folder, identity, resume)
-    accelerator.wait_for_everyone()  # every process has read the state before the main one starts a new one
-    trainer = Trainer(accelerator, teacher, student_ckpt, plan, opts, steps, Objective(encoder_model, opts.loss, opts.temperature, opts.hidden_weight))
-    if checkpoint is not None:
-        trainer.restore(checkpoint)
+    keep = save_every is not None or resume
+    hold = state.claimed(folder, resume=resume, keep=keep) if accelerator.is_main_process else nullcontext()
+    with cleanup_on_sigterm(), hold:  # SIGTERM unwinds like Ctrl-C: the state goes unless kept, exit 143
+        accelerator.wait_for_everyone()  # the main process has removed a stale state before anyone reads it
+        checkpoint = state.open_run(folder, identity, resume)
+        accelerator.wait_for_everyone()  # every process has read the state before the main one starts a new one
+        trainer = Trainer(accelerator, teacher, student_ckpt, plan, opts, steps, Objective(encoder_model, opts.loss, opts.temperature, opts.hidden_weight))
+        if checkpoint is not None:
+            trainer.restore(checkpoint)
+            if accelerator.is_main_process:
+                log.info(f"distill: resumed from {checkpoint} (step {trainer.progress.step} of {steps})")
+        elif accelerator.is_main_process and save_every is not None:
+            state.begin(folder, identity)
+        start = time.perf_counter()
+        final, reached = trainer.train(folder, save_every, progress)
+        seconds = time.perf_counter() - start
+        weights = trainer.checkpoint_state()  # every process: FSDP gathers the shards to the main one
         if accelerator.is_main_process:
-            log.info(f"distill: resumed from {checkpoint} (step {trainer.progress.step} of {steps})")
-    elif accelerator.is_main_process:
-        state.begin(folder, identity)
-    start = time.perf_counter()
-    final, reached = trainer.train(folder, save_every, progress)
-    seconds = time.perf_counter() - start
-    weights = trainer.checkpoint_state()  # every process: FSDP gathers the shards to the main one
-    if accelerator.is_main_process:
-        record = {"teacher": {"path": str(teacher.resolve()), "config_sha256": identity["teacher_config_sha256"]},
-                  "student": {"path": str(student.resolve()), "manifest": manifest},
-                  "data": {"train": plan.train.name, "train_sha256": plan.train.sha256,
-                           "heldout": plan.heldout.name if plan.heldout else f"first {opts.eval_windows} windows of the training data",
-                           "heldout_sha256": (plan.heldout or plan.train).sha256, "tokenizer": plan.encoder.name},
-                  "options": asdict(opts), "processes": accelerator.num_processes, "fsdp": accelerator.is_fsdp2, "steps": trainer.progress.step,
-                  "tokens": trainer.progress.tokens, "target_reached": reached, "final_eval": final,
-                  "initial_eval": trainer.progress.log["eval"][0], "seconds": round(seconds, 1)}  # fmt: skip
-        with atomic_output(out, overwrite=overwrite) as tmp:
-            files = output.write_checkpoint(student_ckpt, weights, tmp)
-            output.write_log(tmp, trainer.progress.log, trainer.metric)
-            output.write_manifest(tmp, manifest, record, files)
-        state.finish(folder)
+            record = run_record(teacher, student, manifest, identity, plan, opts, accelerator, trainer, final, reached, seconds)
+            with atomic_output(out, overwrite=overwrite, sources=reads) as tmp:
+                files = output.write_checkpoint(student_ckpt, weights, tmp)
+                output.write_log(tmp, trainer.progress.log, trainer.metric)
+                output.write_manifest(tmp, manifest, record, files)
+            state.finish(folder)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return out
+
+
+def run_record(teacher: Path, student: Path, manifest: dict, identity: dict, plan: WindowPlan, opts: DistillOptions, accelerator, trainer: Trainer, final, reached, seconds: float) -> dict[str, Any]:
+    """The manifest's `distillation` entry: inputs and their hashes, options, the run and its scores."""
+    return {"teacher": {"path": str(teacher.resolve()), "config_sha256": identity["teacher_config_sha256"]},
+            "student": {"path": str(student.resolve()), "manifest": manifest},
+            "data": {"train": plan.train.name, "train_sha256": plan.train.sha256,
+                     "heldout": plan.heldout.name if plan.heldout else f"first {opts.eval_windows} windows of the training data",
+                     "heldout_sha256": (plan.heldout or plan.train).sha256, "tokenizer": plan.encoder.name},
+            "options": asdict(opts), "processes": accelerator.num_processes, "fsdp": accelerator.is_fsdp2, "steps": trainer.progress.step,
+            "tokens": trainer.progress.tokens, "target_reached": reached, "final_eval": final,
+            "initial_eval": trainer.progress.log["eval"][0], "seconds": round(seconds, 1)}  # fmt: skip
 
 
 def check_pair(teacher: Path, student: Path) -> tuple[SourceCheckpoint, SourceCheckpoint, dict[str, Any]]:
@@ -220,10 +233,13 @@ def check_options(opts: DistillOptions, student: SourceCheckpoint, encoder_model
         raise BadInput("an encoder has no next-token distribution: --loss kl+ce, --until-kl and --until-ppl-increase are for decoders")
     positive = {"--seq-len": opts.seq_len, "--batch-size": DEFAULT_BATCH if opts.batch_size is None else opts.batch_size, "--lr": opts.lr, "--temperature": opts.temperature, "--eval-windows": opts.eval_windows}
     for option, value in positive.items():
-        if not value > 0:
-            raise BadInput(f"{option} must be positive, got {value}")
-    if not opts.hidden_weight >= 0:
+        if not (value > 0 and math.isfinite(value)):
+            raise BadInput(f"{option} must be a positive finite number, got {value}")
+    if not (opts.hidden_weight >= 0 and math.isfinite(opts.hidden_weight)):
         raise BadInput(f"--hidden-weight must be 0 (off) or positive, got {opts.hidden_weight}")
+    for option, value in (("--until-kl", opts.until_kl), ("--until-ppl-increase", opts.until_ppl_increase)):
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise BadInput(f"{option} must be a finite number of at least 0, got {value}")
     limit = student.facts.positions
     if limit and opts.seq_len > limit:
         raise BadInput(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions; choose at most {limit}")

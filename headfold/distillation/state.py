@@ -6,15 +6,21 @@
         optimizer.pt            optimizer and LR-schedule state, torch RNG state (read weights_only)
         progress.json           step, tokens, windows consumed, the log so far
 
-A run killed at any moment leaves either the previous or the new checkpoint whole. The folder is
-removed once OUT is written.
+The folder exists only with --save-every (or --resume): a run without them leaves nothing when it
+stops, fails or is killed. A run killed at any moment leaves either the previous or the new
+checkpoint whole. The main process holds the folder's lock for the whole run, so a folder found
+under the lock was left by a writer that is gone: a fresh run (no --resume) removes it and says so.
+The folder is removed once OUT is written.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +28,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from headfold.ground.atomic import atomic_output
-from headfold.ground.errors import BadInput
+from headfold.ground.atomic import atomic_output, output_lock, refuse_link
+from headfold.ground.errors import BadInput, first_line
+from headfold.ground.inputs import read_json_object
+
+log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 CHECKPOINT = re.compile(r"step-(\d+)")
@@ -49,16 +58,39 @@ def latest(folder: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+class Diverged(BadInput):
+    """Training produced a non-finite loss or weight: nothing is written, the state is dropped."""
+
+
+@contextmanager
+def claimed(folder: Path, *, resume: bool, keep: bool) -> Iterator[None]:
+    """The main process's hold on the state folder for the whole run. Without `resume`, a folder found
+    under the lock is a stopped run's leftover: removed, and said. On failure or a signal the folder
+    is removed unless `keep` (--save-every / --resume) and it holds a checkpoint a resume can use
+    (never after Diverged)."""
+    refuse_link(folder)  # a link planted at the state's name would have run.json written through it
+    with output_lock(folder):
+        if folder.exists() and not resume:
+            step = latest(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            log.warning(f"headfold: removed {folder}, the state of an earlier run that stopped" + (f" at {step.name}" if step else "") + "; pass --resume to continue such a run instead")
+        try:
+            yield
+        except BaseException as err:
+            if not keep or isinstance(err, Diverged) or latest(folder) is None:  # nothing a resume could use
+                finish(folder)
+            raise
+
+
 def open_run(folder: Path, identity: dict[str, Any], resume: bool) -> Path | None:
-    """The checkpoint to resume from (None: start fresh); BadInput for state of another run or unasked-for state."""
+    """The checkpoint to resume from (None: start fresh); BadInput for the state of another run."""
     previous = folder / RUN_FILE
-    if not previous.is_file():
+    if not resume or not previous.is_file():
         return None
-    if not resume:
-        raise BadInput(f"{folder} holds the state of an unfinished run; pass --resume to continue it, or delete the folder to start over")
-    recorded = json.loads(previous.read_text())
+    fix = "delete the folder to start over"
+    recorded = read_json_object(previous, fix)
     if differs := sorted(k for k in identity.keys() | recorded.keys() if identity.get(k) != recorded.get(k)):
-        raise BadInput(f"{folder} is the state of a run with other {', '.join(differs)}; repeat that run's options, or delete the folder to start over")
+        raise BadInput(f"{folder} is the state of a run with other {', '.join(differs)}; repeat that run's options, or {fix}")
     return latest(folder)
 
 
@@ -83,10 +115,20 @@ def save(folder: Path, progress: Progress, tensors: dict[str, torch.Tensor], opt
 
 
 def load(checkpoint: Path) -> tuple[Progress, dict[str, torch.Tensor], dict[str, Any]]:
-    """(progress, trainable tensors, optimizer/schedule/rng states) of a checkpoint `save` wrote."""
-    states = torch.load(checkpoint / "optimizer.pt", weights_only=True)  # our own file, still no code in it
-    progress = Progress(**json.loads((checkpoint / "progress.json").read_text()))
-    return progress, load_file(str(checkpoint / "trainable.safetensors")), states
+    """(progress, trainable tensors, optimizer/schedule/rng states) of a checkpoint `save` wrote;
+    BadInput when any of its files is damaged."""
+    fix = f"delete {checkpoint.parent} to start over (or restore it)"
+    try:
+        states = torch.load(checkpoint / "optimizer.pt", weights_only=True)  # our own file, still no code in it
+        progress = Progress(**read_json_object(checkpoint / "progress.json", fix))
+        tensors = load_file(str(checkpoint / "trainable.safetensors"))
+    except BadInput:
+        raise
+    except Exception as err:  # torch.load, safetensors and a wrong progress.json each raise their own
+        raise BadInput(f"the resumable state {checkpoint} is corrupt ({type(err).__name__}: {first_line(err)}); {fix}") from None
+    if not isinstance(states, dict) or not {"optimizer", "schedule", "rng"} <= states.keys():
+        raise BadInput(f"the resumable state {checkpoint} is corrupt (optimizer.pt lacks its states); {fix}")
+    return progress, tensors, states
 
 
 def finish(folder: Path) -> None:

@@ -15,6 +15,7 @@ from headfold.distillation.data import WindowPlan
 from headfold.distillation.objective import Objective, evaluate
 from headfold.distillation.trainable import merged, select, trainable_state
 from headfold.converter.modeling import load_model, parameter_names
+from headfold.ground.errors import BadInput, first_line
 
 MAX_GRAD_NORM = 1.0
 
@@ -46,21 +47,41 @@ class Trainer:
 
     def restore(self, checkpoint: Path) -> None:
         self.progress, tensors, states = state.load(checkpoint)
+        fix = f"delete {checkpoint.parent} to start over"
         missing = set(tensors) - {n for n, _ in self.plain.named_parameters()}
         if missing:
-            raise RuntimeError(f"checkpoint {checkpoint} has tensors the model lacks: {sorted(missing)[:3]}")
-        self.plain.load_state_dict(tensors, strict=False)
-        self.optimizer.load_state_dict(states["optimizer"])
-        self.schedule.load_state_dict(states["schedule"])
-        torch.set_rng_state(states["rng"])
+            raise BadInput(f"the resumable state {checkpoint} has tensors the model lacks (e.g. {sorted(missing)[0]}); {fix}")
+        try:
+            self.plain.load_state_dict(tensors, strict=False)
+            self.optimizer.load_state_dict(states["optimizer"])
+            self.schedule.load_state_dict(states["schedule"])
+            torch.set_rng_state(states["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as err:
+            raise BadInput(f"the resumable state {checkpoint} does not fit this run ({type(err).__name__}: {first_line(err)}); {fix}") from None
 
     def evaluate(self) -> dict[str, float]:
         return evaluate(self.objective, self.plain, self.teacher, self.eval_batch, self.opts.batch_size)
 
     def _record_eval(self) -> dict[str, float]:
         scores = self.evaluate()
+        if not all(math.isfinite(v) for v in scores.values()):
+            if self.progress.step == 0:
+                raise BadInput(f"the teacher and student give non-finite held-out scores before any training ({scores}); check both checkpoints (config.json, weights)")
+            self._diverged(f"the held-out {self.metric} became {scores[self.metric]}")
+        self.check_finite()
         self.progress.log["eval"].append({"step": self.progress.step, "tokens": self.progress.tokens, **scores})
         return scores
+
+    def _diverged(self, what: str) -> None:
+        raise state.Diverged(f"distillation diverged at step {self.progress.step}: {what}; nothing was written: lower --lr (it was {self.opts.lr:g})")
+
+    def check_finite(self) -> None:
+        """Diverged when any trained weight is NaN or infinite (checked at each evaluation, save and the
+        end; every process checks its shard and all agree, so none waits for one that stopped)."""
+        local = [getattr(p, "to_local", lambda p=p: p)() for p in self.model.parameters() if p.requires_grad]
+        bad = torch.tensor(float(sum(not bool(torch.isfinite(t.detach()).all()) for t in local)), device=self.accelerator.device)
+        if float(self.accelerator.reduce(bad, "sum")) > 0:
+            self._diverged("a trained weight became NaN or infinite")
 
     def reached(self, scores: dict[str, float]) -> bool:
         o = self.opts
@@ -103,15 +124,20 @@ class Trainer:
         self.optimizer.step()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(acc.reduce(loss.detach(), "mean"))
+        value = float(acc.reduce(loss.detach(), "mean"))
+        if not math.isfinite(value):
+            self._diverged(f"the training loss became {value}")
+        return value
 
     def save(self, folder: Path) -> None:
+        self.check_finite()  # a resumable checkpoint of NaN weights would resume into nothing
         if self.accelerator.is_main_process:
             state.save(folder, self.progress, trainable_state(self.plain), self.optimizer.state_dict(), self.schedule.state_dict())
         self.accelerator.wait_for_everyone()
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """Trained tensors by checkpoint name (LoRA merged), for the output writer."""
+        self.check_finite()
         weights = self.accelerator.get_state_dict(merged(self.plain))
         return {ckpt: weights[param] for ckpt, param in self.names.items() if param in self.changed and param in weights}
 

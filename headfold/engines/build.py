@@ -12,18 +12,22 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from headfold.engines.env import Target, engine_support
 from headfold.engines.plan import BuildPlan, GraphPlan, make_plan
-from headfold.engines.sidecar import EngineSidecar, make_sidecar, save_sidecar
-from headfold.ground.atomic import atomic_output, check_output, scratch_dir
+from headfold.engines.plan import sidecar_path
+from headfold.engines.sidecar import EngineSidecar, make_sidecar
+from headfold.graphs.onnx_files import load_graph
+from headfold.ground.atomic import atomic_output, atomic_outputs, check_outputs, scratch_dir
 from headfold.ground.errors import BadInput, CheckFailed
 
 log = logging.getLogger(__name__)
@@ -114,7 +118,7 @@ def graph_for_tensorrt(graph: GraphPlan, target: Target) -> Iterator[Path]:
     from headfold import plugins as custom_ops
 
     with scratch_dir("headfold-emit") as tmp:
-        model, _ = custom_ops.emit(ir.load(graph.onnx), target.version)
+        model, _ = custom_ops.emit(load_graph(graph.onnx), target.version)
         path = Path(tmp) / graph.onnx.name
         ir.save(model, path, external_data=f"{path.name}.data")
         yield path
@@ -142,7 +146,7 @@ def _engine(network: tuple, plan: BuildPlan, graph: GraphPlan) -> Any:
     from polygraphy.exception import PolygraphyException
 
     config = CreateConfig(**config_arguments(plan, graph, trt))
-    cache = str(plan.timing_cache) if plan.timing_cache else None
+    cache = str(plan.timing_cache) if plan.timing_cache else None  # build() points it at a scratch copy
     try:
         return EngineFromNetwork(network, config, save_timing_cache=cache)()
     except PolygraphyException as err:
@@ -185,29 +189,45 @@ def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: 
     """Build every engine of `plan` (atomically) and write their sidecars; the sidecars.
 
     Raises Unparsable/BadInput (exit 2) before building anything the lint or the options refuse,
-    CheckFailed (exit 1) for an unfused engine under `require_fused_attention`.
+    CheckFailed (exit 1) for an unfused engine under `require_fused_attention`. The engines and
+    sidecars appear together; the timing cache (read and updated, TensorRT's own format) is used
+    through a scratch copy and replaced after the build, never through a link or over an input.
     """
     plan.check()
-    check_output(plan.out, overwrite=overwrite, sources=(plan.source,))
+    reads = [p for p in plan.reads if p != plan.timing_cache]
+    check_outputs(plan.outputs, overwrite=overwrite, sources=plan.reads)
+    if plan.timing_cache:
+        check_outputs([(plan.timing_cache, False)], overwrite=True, sources=reads, ours=True)  # updated by design; TensorRT's format carries no mark
     if plan.plugins:
         from headfold import plugins as custom_ops
 
         custom_ops.register_tensorrt(plan.plugins)
     _quiet_polygraphy()
-
-    def build_one(graph: GraphPlan, dest: Path) -> EngineSidecar:
-        return build_graph(plan, graph, dest, require_fused=require_fused_attention)
-
-    if plan.layout == "file":
-        with atomic_output(plan.out, is_dir=False, overwrite=overwrite) as engine:
-            sidecars = [build_one(plan.graphs[0], engine)]
-        save_sidecar(plan.out, sidecars[0])  # once the engine is in place
-        return sidecars
-    with atomic_output(plan.out, overwrite=overwrite) as folder:
-        sidecars = [build_one(graph, folder / graph.engine.name) for graph in plan.graphs]
+    with scratch_dir("headfold-build") as scratch, atomic_outputs(plan.outputs, overwrite=overwrite, sources=plan.reads) as staged:
+        local = replace(plan, timing_cache=_scratch_cache(plan.timing_cache, scratch))
+        sidecars = [build_graph(local, graph, _staged_engine(plan, graph, staged), require_fused=require_fused_attention) for graph in plan.graphs]
         for graph, sidecar in zip(plan.graphs, sidecars):
-            save_sidecar(folder / graph.engine.name, sidecar)
+            sidecar.timing_cache = str(plan.timing_cache) if plan.timing_cache else None
+            sidecar.save(staged[graph.sidecar] if plan.layout == "file" else sidecar_path(_staged_engine(plan, graph, staged)))
+        if plan.timing_cache and local.timing_cache.is_file():
+            with atomic_output(plan.timing_cache, is_dir=False, overwrite=True, ours=True, sources=reads) as cache:
+                shutil.copyfile(local.timing_cache, cache)
     return sidecars
+
+
+def _staged_engine(plan: BuildPlan, graph: GraphPlan, staged: dict[Path, Path]) -> Path:
+    """Where `graph`'s engine is built before it moves into place."""
+    return staged[plan.out] if plan.layout == "file" else staged[plan.out] / graph.engine.name
+
+
+def _scratch_cache(cache: Path | None, scratch: Path) -> Path | None:
+    """A private copy of the timing cache for TensorRT to load and save (None without one)."""
+    if cache is None:
+        return None
+    local = scratch / "timing.cache"
+    if cache.is_file():
+        shutil.copyfile(cache, local)
+    return local
 
 
 def build_export(onnx_dir: Path, out: Path) -> list[EngineSidecar]:

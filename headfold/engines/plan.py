@@ -25,12 +25,14 @@ import onnx_ir as ir
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.engines.env import Target
+from headfold.graphs.onnx_files import external_data_files, load_graph
 from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
 from headfold.graphs.trt_lint import Finding, LintReport, lint
 from headfold.ground import export_summary
-from headfold.ground.artifacts import ENGINE_SUFFIXES, SIDECAR_SUFFIX, engine_name
+from headfold.ground.artifacts import CREATED_BY, ENGINE_SUFFIXES, EXPORT_SUMMARY, SIDECAR_SUFFIX, created_by, engine_name
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
+from headfold.ground.inputs import check_links, contained
 from headfold.ground.units import PRECISIONS, parse_size
 
 _IR_PRECISION = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}
@@ -180,7 +182,7 @@ def lint_graph(model: ir.Model, path: Path, target: Target) -> tuple[LintReport,
     names = custom_ops.plan_plugins(model, target.version)
     if not names:
         return lint(model, target.version), []
-    emitted, _ = custom_ops.emit(ir.load(path), target.version)  # rewrites a fresh in-memory copy
+    emitted, _ = custom_ops.emit(load_graph(path), target.version)  # rewrites a fresh in-memory copy
     return lint(emitted, target.version, plugins=names), list(names)  # also plugin nodes already in the graph
 
 
@@ -221,6 +223,7 @@ class GraphPlan:
     profile: dict[str, list[list[int]]]
     plugins: list[str]
     lint: LintReport  # after the plugin emitter, when the graph needs plugins
+    data: list[Path] = field(default_factory=list)  # its external weight files (inside its folder)
 
     @property
     def sidecar(self) -> Path:
@@ -245,6 +248,19 @@ class BuildPlan:
     def plugins(self) -> list[str]:
         return sorted({p for g in self.graphs for p in g.plugins})
 
+    @property
+    def reads(self) -> list[Path]:
+        """Everything building reads: the source, every graph and its weights, the timing cache."""
+        graphs = [p for g in self.graphs for p in (g.onnx, *g.data)]
+        return [self.source, *graphs, *([self.timing_cache] if self.timing_cache else [])]
+
+    @property
+    def outputs(self) -> list[tuple[Path, bool]]:
+        """What building writes (besides the timing cache): the engine folder, or one engine and its sidecar."""
+        if self.layout == "folder":
+            return [(self.out, True)]
+        return [(self.out, False), (self.graphs[0].sidecar, False)]
+
     def check(self) -> None:
         """Unparsable (exit 2) when the lint says TensorRT would reject a graph."""
         if self.refusals:
@@ -252,7 +268,8 @@ class BuildPlan:
 
     def to_dict(self) -> dict[str, Any]:
         graphs = [asdict(g) | {"lint": g.lint.to_dict() | {"parsable": g.lint.parsable}} for g in self.graphs]
-        return json.loads(json.dumps(asdict(self) | {"plugins": self.plugins, "graphs": graphs}, default=str))
+        plan = {CREATED_BY: created_by()} | asdict(self) | {"plugins": self.plugins, "graphs": graphs}  # headfold's mark first
+        return json.loads(json.dumps(plan, default=str))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -306,17 +323,19 @@ def source_graphs(src: Path) -> tuple[list[Path], str]:
     if src.is_file() and src.suffix == ".onnx":
         return [src.resolve()], "file"
     if src.is_dir() and export_summary.exists(src):
+        check_links(src, "export folder")
         summary = export_summary.load(src)
         if summary.layout == "merged":  # its total length P + S is no profile dimension
             raise BadInput(f"{src} holds the merged decoder graph (ONNX Runtime, onnxruntime-genai); TensorRT builds the split pair: headfold export SRC OUT --graphs split")
-        names = list(summary.graphs)
-        missing = [n for n in names if not (src / n).is_file()]
-        if missing or not names:
+        paths = [contained(src, name, EXPORT_SUMMARY, f"re-run headfold export into {src}") for name in summary.graphs]
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing or not paths:
             raise BadInput(f"export folder {src} lacks {', '.join(missing) or 'graphs'}; re-run headfold export")
-        return [(src / n).resolve() for n in names], "folder"
+        return [p.resolve() for p in paths], "folder"
     if src.is_dir() and (src / "config.json").is_file():
         raise BadInput(f"{src} is a checkpoint folder; export it first: headfold export {src} ONNX_DIR, then headfold build ONNX_DIR OUT")
     if src.is_dir() and any(src.glob("*.onnx")):
+        check_links(src, "graph folder")
         return sorted(p.resolve() for p in src.glob("*.onnx")), "folder"
     raise BadInput(f"{src} is neither a .onnx file nor an export folder (export.json)")
 
@@ -337,17 +356,18 @@ def _out_engine(out: Path, layout: str, graph: Path) -> Path:
 
 def _graph_plan(path: Path, model: ir.Model, engine: Path, ranges: dict[str, Range], target: Target) -> GraphPlan:
     report, plugins = lint_graph(model, path, target)
-    data = path.with_name(path.name + ".data")
+    data = external_data_files(model, path)
     return GraphPlan(
         name=path.stem,
         onnx=path,
         engine=engine,
         sha256=sha256_file(path),
-        data_sha256=sha256_file(data) if data.is_file() else None,
+        data_sha256=sha256_file(data[0]) if len(data) == 1 and data[0].is_file() else None,
         attention_nodes=sum("Attention" in n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph)),
         profile=input_profile(model, path.name, ranges),
         plugins=plugins,
         lint=report,
+        data=data,
     )
 
 
@@ -382,7 +402,7 @@ def make_plan(
     graphs, layout = source_graphs(Path(src))
     limit = position_limit_for(graphs[0])
     ranges = derived_ranges(limit, **given)
-    models = {path: ir.load(path) for path in graphs}
+    models = {path: load_graph(path) for path in graphs}
     precisions = {graph_precision(m) for m in models.values()}
     if len(precisions) > 1:
         raise BadInput(f"the graphs in {src} mix precisions ({', '.join(sorted(precisions))}); re-export them with one --dtype")

@@ -87,6 +87,16 @@ class _RunnerCache:
         return self._kv_cache[artifact.path]
 
 
+def files_read(reference: Path, candidate: Path, inputs: InputSpec, thresholds: Thresholds) -> list[Path]:
+    """Every path verifying `reference` against `candidate` reads: both sides, the models and graphs
+    behind them, the text, token ids and budget (no output may land on one of them)."""
+    reads = [p for p in (inputs.text, inputs.token_ids, thresholds.file) if p is not None]
+    for side in (Path(reference), Path(candidate)):
+        artifact = resolve(side) if side.exists() else None
+        reads += [side] if artifact is None else [side, *artifact.reads]
+    return reads
+
+
 def verify(
     reference: str | os.PathLike,
     candidate: str | os.PathLike,

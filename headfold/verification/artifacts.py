@@ -19,10 +19,12 @@ from typing import Any
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.per_layer import collapse
+from headfold.graphs.onnx_files import load_graph
 from headfold.ground import export_summary, manifest
 from headfold.ground.artifacts import DECODE_GRAPH, ENGINE_SUFFIXES, MODEL_GRAPH, PREFILL_GRAPH, engine_name
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
+from headfold.ground.inputs import check_links
 from headfold.ground.units import PRECISIONS
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 
@@ -39,6 +41,12 @@ class Artifact:
     model: Path | None  # the checkpoint folder of this model; None for an ONNX file of unknown origin
     precision: str
     decode: Path | None = None  # a decoder's decode graph or engine (KV cache), next to its prefill one
+    graph: Path | None = None  # an engine's source graph
+
+    @property
+    def reads(self) -> list[Path]:
+        """The files and folders running this artifact reads."""
+        return [p for p in (self.path, self.model, self.decode, self.graph) if p is not None]
 
     def runner(self) -> BaseRunner:
         return _runner(self.kind, self.path)
@@ -113,6 +121,7 @@ def _decode_graph(graph: Path, summary: export_summary.ExportSummary) -> Path | 
 
 
 def _onnx_artifact(graph: Path) -> Artifact:
+    load_graph(graph)  # empty, garbage, or weights outside its folder: one line, before ONNX Runtime sees it
     if not export_summary.exists(graph.parent):
         return Artifact(graph, "onnx", None, "fp32")
     summary = export_summary.load(graph.parent)
@@ -128,7 +137,7 @@ def _engine_artifact(engine: Path) -> Artifact:
     graph = source_onnx(engine, info)
     decode = engine.with_name(DECODE_ENGINE)  # `headfold build` writes the pair side by side
     paired = engine.name == PREFILL_ENGINE and decode.is_file()
-    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info.precision.name, decode if paired else None)
+    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info.precision.name, decode if paired else None, graph)
 
 
 def resolve(path: Path) -> Artifact:
@@ -136,6 +145,7 @@ def resolve(path: Path) -> Artifact:
     if path.is_dir() and (path / "config.json").is_file():
         return Artifact(path.resolve(), "checkpoint", path.resolve(), _checkpoint_precision(path))
     if path.is_dir() and export_summary.exists(path):
+        check_links(path, "export folder")
         graph = next((path / g for g in GRAPHS if (path / g).is_file()), None)
         if graph is None:
             raise BadInput(f"export folder {path} has neither {' nor '.join(GRAPHS)}; re-run headfold export")

@@ -6,15 +6,14 @@ Precedence, lowest first: built-in defaults for the precision → the file's `[f
 
 from __future__ import annotations
 
-import json
-import tomllib
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from headfold.ground.errors import BadInput
+from headfold.ground.inputs import read_config_file, shown
 from headfold.ground.units import PRECISIONS, parse_fraction
 
 # atol/rtol follow Polygraphy: an element fails only when it exceeds both. The fp32 numbers
@@ -58,30 +57,17 @@ def _apply(budget, table: dict[str, Any], where: str):
         if isinstance(value, dict) and key in PRECISIONS:
             continue
         if key not in names:
-            raise BadInput(f"unknown budget key {key!r} in {where}; known keys: {', '.join(sorted(names))}")
+            raise BadInput(f"unknown budget key {shown(key)} in {where}; known keys: {', '.join(sorted(names))}")
         if value is not None:
             values[key] = parse_fraction(value, f"{where}.{key}")
     return replace(budget, **values)
 
 
-def _parse(path: Path, text: str) -> Any:
-    if path.suffix == ".toml":
-        return tomllib.loads(text)
-    if path.suffix in (".yaml", ".yml"):
-        return yaml.safe_load(text) or {}
-    if path.suffix == ".json":
-        return json.loads(text)
-    raise BadInput(f"budget file {path} must end in .toml, .yaml, .yml or .json")
-
-
 def load_budget_file(path: Path) -> dict[str, Any]:
     """Read a .toml, .yaml/.yml or .json budget file into {"fidelity": {...}, "loss": {...}}."""
-    if not path.is_file():
+    if not path.exists():
         raise BadInput(f"budget file {path} does not exist")
-    try:
-        data = _parse(path, path.read_text())
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadInput(f"cannot parse budget file {path}: {str(err).splitlines()[0]}") from None
+    data = read_config_file(path, "budget file")
     if not isinstance(data, dict) or set(data) - {"fidelity", "loss"}:
         raise BadInput(f"budget file {path} must hold only [fidelity] and [loss] tables")
     if not all(isinstance(t, dict) for t in data.values()):

@@ -63,8 +63,8 @@ def read_token_ids(path: Path, vocab_size: int) -> list[np.ndarray]:
     for number, line in enumerate(read_text_file(path, "--token-ids").splitlines(), 1):
         try:
             row = np.array([int(word) for word in line.split()], dtype=np.int64)
-        except ValueError:
-            raise BadInput(f"--token-ids {path} line {number} is not whitespace-separated integers; write one row of token ids per line") from None
+        except (ValueError, OverflowError):  # OverflowError: an id beyond int64
+            raise BadInput(f"--token-ids {path} line {number} is not whitespace-separated integers in the vocabulary [0, {vocab_size}); write one row of token ids per line") from None
         if row.size == 1 or (row.size and (row.min() < 0 or row.max() >= vocab_size)):
             raise BadInput(f"--token-ids {path} line {number} needs at least 2 ids, each in the vocabulary [0, {vocab_size})")
         if row.size:
@@ -151,6 +151,7 @@ def make_inputs(checkpoint: Path, spec: InputSpec, allow_random: bool = False) -
     if spec.decode_steps < 0:
         raise BadInput("--decode-steps must be 0 (no KV-cache check) or more")
     facts = CheckpointFacts.read(checkpoint)
+    facts.require_positions(2, "verify (a row of at least 2 tokens)")
     limit = facts.position_limit
     window = min(spec.window, limit) if limit else spec.window
     rows, source = choose_rows(facts, spec, window, need_text=not allow_random)

@@ -7,12 +7,16 @@ import math
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from headfold.ground.artifacts import CREATED_BY, created_by, mark_comment
+from headfold.ground.atomic import atomic_outputs
 from headfold.ground.errors import CheckFailed
+from headfold.ground.inputs import read_json_object
 from headfold.ground.hashing import versions
 from headfold.verification.checks import CheckResult
 
@@ -63,6 +67,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return _finite(
             {
+                CREATED_BY: created_by(),  # headfold's mark: --overwrite replaces only marked files
                 "passed": self.passed,
                 "created": self.created,
                 "inputs": self.inputs,
@@ -72,19 +77,19 @@ class Report:
             }
         )
 
-    def write(self, json_path: Path | None = None, markdown_path: Path | None = None, junit_path: Path | None = None, *, overwrite: bool = False) -> None:
-        """The reports asked for, each written atomically; an existing one replaced only with `overwrite`."""
-        from headfold.ground.atomic import atomic_output
-
-        for path, text in ((json_path, self.to_json), (markdown_path, self.markdown), (junit_path, self.junit)):
-            if path is not None:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-                with atomic_output(Path(path), is_dir=False, overwrite=overwrite) as tmp:
-                    tmp.write_text(text())
+    def write(
+        self, json_path: Path | None = None, markdown_path: Path | None = None, junit_path: Path | None = None, *, overwrite: bool = False, sources: Iterable[Path] = ()
+    ) -> None:
+        """The reports asked for, all appearing together or none (ground.atomic: never over a file
+        of `sources`, an existing one only with `overwrite` and only when headfold wrote it)."""
+        texts = [(path, text) for path, text in ((json_path, self.to_json), (markdown_path, self.markdown), (junit_path, self.junit)) if path is not None]
+        with atomic_outputs([(path, False) for path, _ in texts], overwrite=overwrite, sources=sources) as staged:
+            for path, text in texts:
+                staged[path].write_text(text())
 
     @classmethod
     def load(cls, path: Path) -> Report:
-        data = json.loads(path.read_text())
+        data = read_json_object(path, "remove it to verify again")
         checks = [CheckResult.from_dict(c) for c in data["checks"]]
         return cls(checks, data["inputs"], data["versions"], data["created"], data["stages"])
 
@@ -111,7 +116,7 @@ class Report:
 
     def markdown(self) -> str:
         verdict = "✅ passed" if self.passed else "❌ failed"
-        lines = [f"## headfold verify: {verdict}", "", f"Text: `{self.inputs['text']}`, {self.inputs['tokens']} tokens in {self.inputs['rows']} rows (seed {self.inputs['seed']}).", ""]
+        lines = [mark_comment(), f"## headfold verify: {verdict}", "", f"Text: `{self.inputs['text']}`, {self.inputs['tokens']} tokens in {self.inputs['rows']} rows (seed {self.inputs['seed']}).", ""]
         for check in self.checks:
             lines += [f"### {'✅' if check.passed else '❌'} {self._title(check)}", "", "| metric | value | budget | result |", "|---|---:|---|---|"]
             lines += [f"| {m} | {v} | {b} | {r} |" for m, v, b, r in self.rows(check)]
@@ -130,7 +135,8 @@ class Report:
         )  # fmt: skip
         props = ET.SubElement(suite, "properties")
         for key in ("text", "text_sha256", "input_ids_sha256", "tokens"):
-            ET.SubElement(props, "property", name=key, value=str(self.inputs[key]))
+            if key in self.inputs:  # random ids and --token-ids have no text hash
+                ET.SubElement(props, "property", name=key, value=str(self.inputs[key]))
         for check in self.checks:
             case = ET.SubElement(suite, "testcase", classname=f"headfold.verification.{check.kind}", name=check.name, time=f"{check.seconds:.3f}")
             if not check.passed:
@@ -139,7 +145,7 @@ class Report:
             rows = [f"{m} = {v} {b} {r}".rstrip() for m, v, b, r in self.rows(check)]
             ET.SubElement(case, "system-out").text = "\n".join(rows + [f"note: {n}" for n in check.notes])
         ET.indent(root)
-        return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+        return f'<?xml version="1.0" encoding="UTF-8"?>\n{mark_comment()}\n' + ET.tostring(root, encoding="unicode") + "\n"
 
     def table(self, color: bool = False) -> str:
         """The terminal summary: one block per check; with `color`, verdicts in green and red (the CLI

@@ -27,7 +27,7 @@ from polygraphy.datatype import DataType
 from polygraphy.exception import PolygraphyException
 from polygraphy.logger import G_LOGGER
 
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, first_line
 from headfold.verification.inputs import wants_token_type_ids
 
 Runner = BaseRunner  # what verify runs: headfold's runners below, or any of Polygraphy's own
@@ -45,8 +45,7 @@ def polygraphy_errors(subject: str, fix: str) -> Iterator[None]:
         try:
             yield
         except PolygraphyException as err:
-            first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
-            raise BadInput(f"{subject} ({first_line}); {fix}") from None
+            raise BadInput(f"{subject} ({first_line(err)}); {fix}") from None
 
 
 def token_metadata(names: Sequence[str]) -> TensorMetadata:
@@ -111,8 +110,7 @@ class SessionFromGraph(BaseLoader):
         try:
             return ort.InferenceSession(str(self.graph), options, providers=providers)
         except Exception as err:  # ORT's errors subclass only Exception; a graph it cannot load is bad input
-            first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
-            raise BadInput(f"ONNX Runtime cannot load {self.graph} ({first_line}); re-run headfold export (a truncated .onnx.data?)") from None
+            raise BadInput(f"ONNX Runtime cannot load {self.graph} ({first_line(err)}); re-run headfold export (a truncated .onnx.data?)") from None
 
 
 class OnnxRuntimeRunner(OnnxrtRunner):

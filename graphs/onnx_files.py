@@ -1,0 +1,53 @@
+"""Reading an ONNX graph file, the one way build, the lint, the plugins, ONNX convert and verify do.
+
+A graph is refused in one line when it is empty (a 0-byte file parses as an empty model), is not
+ONNX, or names external data outside its own folder (a location `../x` or `/etc/passwd`): headfold
+reads nothing outside the folder of the graph it was given. External weights stay on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx_ir as ir
+
+from headfold.ground.errors import BadInput, first_line
+from headfold.ground.inputs import contained
+
+__all__ = ["load_graph", "external_data_files"]
+
+
+def load_graph(path: Path) -> ir.Model:
+    """The ONNX model at `path` (external weights left on disk); BadInput for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"no ONNX file at {path}")
+    if path.stat().st_size == 0:
+        raise BadInput(f"{path} is empty (0 bytes), not an ONNX model; re-export it")
+    try:
+        model = ir.load(path)
+    except Exception as err:  # protobuf and onnx_ir raise several unrelated types for a corrupt file
+        raise BadInput(f"{path} is not a valid ONNX model ({type(err).__name__}: {first_line(err)}); re-export it") from None
+    if model.ir_version < 1 or not model.opset_imports:
+        raise BadInput(f"{path} is not an ONNX model (no IR version or opset: garbage that happened to parse); re-export it")
+    external_data_files(model, path)
+    return model
+
+
+def external_data_files(model: ir.Model, path: Path) -> list[Path]:
+    """The files `model` (loaded from `path`) keeps its weights in; BadInput for a location outside the graph's folder."""
+    fix = "re-export the graph with its weights beside it"
+    found = {contained(path.parent, tensor.location, path, fix) for tensor in _external_tensors(model)}
+    return sorted(found)
+
+
+def _external_tensors(model: ir.Model) -> Iterator[ir.ExternalTensor]:
+    for graph in (model.graph, *(f for f in model.functions.values())):
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            for attribute in node.attributes.values():
+                if isinstance(getattr(attribute, "value", None), ir.ExternalTensor):
+                    yield attribute.value
+        for value in getattr(graph, "initializers", {}).values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                yield value.const_value
