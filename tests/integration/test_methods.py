@@ -92,7 +92,7 @@ def test_grouped_records_its_groups(tiny_checkpoint, tmp_path: Path) -> None:
     layers = groups if isinstance(groups[0][0], list) else [groups]
     for layer in layers:
         assert sorted(j for g in layer for j in g) == list(range(HEADS)) and all(len(g) == 4 for g in layer)
-    assert conversion["method"] == "grouped+aligned" and conversion["calibration"]["text"] == "built-in"
+    assert conversion["method"] == "aligned+grouped" and conversion["calibration"]["text"] == "built-in"
 
 
 @pytest.mark.parametrize("name", ["median", "mean+first", "aligned+aligned", ""])
