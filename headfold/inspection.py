@@ -129,8 +129,7 @@ class LiveAttention:
 def expand_kv(attn: AttentionWeights, kv_heads: int) -> AttentionWeights:
     """The same layer with `kv_heads` K/V heads: each pooled head repeated for the source heads of its
     group. The method already made groups contiguous, so query head h reads kv head h // (H / kv_heads)."""
-    repeat = lambda t: None if t is None else t.repeat_interleave(kv_heads // attn.kv_heads, 0)  # noqa: E731
-    return attn.with_kv(repeat(attn.k), repeat(attn.v), repeat(attn.k_bias), repeat(attn.v_bias))
+    return attn.map_kv(lambda t: t.repeat_interleave(kv_heads // attn.kv_heads, 0))
 
 
 class LayerConverter:
