@@ -29,6 +29,7 @@ from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import copy_hashed, sha256_file, versions
 from headfold.ground.manifest import Conversion, Manifest, ManifestSource, load_raw
+from headfold.ground.manifest import load as load_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -332,6 +333,19 @@ def output_loader(ckpt: SourceCheckpoint, kv_heads: int | list[int], retarget: R
     spec = spec_for(retarget.model_type) if retarget else ckpt.spec
     # per-layer kv heads are headfold's own config key: transformers would refuse them
     return "transformers" if spec.native_gqa and isinstance(kv_heads, int) else "headfold.load_model"
+
+
+def load_hint(folder: Path) -> str | None:
+    """How to load a conversion that plain transformers cannot (convert's last line); None when it can."""
+    manifest = load_manifest(folder)
+    if manifest.loader == "transformers":
+        return None
+    why = (
+        "its layers have different kv-head counts" if isinstance(manifest.conversion.kv_heads, list)
+        else f"transformers has no grouped-query {manifest.source.model_type}"
+    )  # fmt: skip
+    entries = ["headfold.load_model"] + ["headfold.sentence_transformer (SentenceTransformer)"] * (folder / "modules.json").is_file()
+    return f"plain transformers cannot load {folder} ({why}): load it with {' or '.join(entries)}"
 
 
 def build_manifest(

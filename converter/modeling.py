@@ -256,10 +256,10 @@ class GPTJGQAAttention(_SeparateKV, GPTJAttention):
 
 def _alibi_any_mask(self: BloomModel, attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """BloomModel.build_alibi_tensor, also for the [B, 1, S, P + S] boolean mask of the merged export
-    graph: a key counts as real when some query sees it (past pads stay out; new tokens count, which
-    shifts a row's real keys by a constant at most, and softmax ignores that)."""
+    graph: its last query sees every real key (and itself, the last key, which no other key follows),
+    so its row is the padding mask ALiBi counts positions over."""
     if attention_mask.dim() == 4 and attention_mask.dtype == torch.bool:
-        attention_mask = attention_mask.any(dim=2)[:, 0].long()
+        attention_mask = attention_mask[:, 0, -1].long()
     return bloom_alibi(attention_mask, num_heads, dtype)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from headfold.ground import VERSION as __version__
 
-__all__ = ["convert", "distill", "load_model", "verify", "run", "__version__"]
+__all__ = ["convert", "distill", "load_model", "sentence_transformer", "verify", "run", "__version__"]
 
 
 def convert(source, output, kv_heads, method: str = "mean", **options):
@@ -30,6 +30,10 @@ def __getattr__(name: str):  # lazy: `import headfold` stays cheap
         from headfold.converter.modeling import load_model
 
         return load_model
+    if name == "sentence_transformer":
+        from headfold.converter.sentence import sentence_transformer
+
+        return sentence_transformer
     if name == "verify":
         from headfold.verification import verify
 

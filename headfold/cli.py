@@ -123,6 +123,10 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
         progress=output.progress, builtin_text=corpus.calibration_text(), **calibration.kwargs(),
     )  # fmt: skip
     click.echo(f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})")
+    from headfold.converter.conversion import load_hint
+
+    if hint := load_hint(result):
+        click.echo(hint)
 
 
 @cli.command("export")

@@ -32,6 +32,9 @@ FAMILIES: tuple[str, ...] = (
     "bloom",
 )
 ENCODERS: frozenset[str] = frozenset({"bert", "roberta"})
+# One conversion per later-added family (kv across h/2, h/4, 1), exported as a merged graph once per
+# session (fixture tiny_export) and shared by the export and onnxruntime-genai tests.
+MERGED_CASES: tuple[tuple[str, int], ...] = (("phi", 2), ("gemma", 4), ("olmo", 1), ("stablelm", 2), ("gptj", 2), ("bloom", 2))
 
 VOCAB = 160
 HEADS = 8
