@@ -265,3 +265,16 @@ def test_chained_conversion_records_its_parent(tiny_checkpoint, tmp_path: Path) 
 def test_encoder_output_shape(family: str, tiny_checkpoint, tmp_path: Path) -> None:
     out = convert(tiny_checkpoint(family), tmp_path / "out", kv_heads=1, progress=False)
     assert outputs(out).shape == outputs(tiny_checkpoint(family)).shape
+
+
+def test_convert_says_what_loads_the_output(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    """The last line names the loader when plain transformers cannot load the output (nothing more otherwise)."""
+    from headfold.cli import main
+
+    cases = [("gpt2", "2", "transformers has no grouped-query gpt2"), ("llama", "4,2", "its layers have different kv-head counts"), ("llama", "2", None), ("gpt2", "1", None)]
+    for family, kv, why in cases:
+        out = tmp_path / f"{family}-{kv}"
+        assert main(["convert", str(tiny_checkpoint(family)), str(out), "--kv-heads", kv, "-q"]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        expected = f"plain transformers cannot load {out} ({why}): load it with headfold.load_model" if why else f"wrote {out} ("
+        assert last.startswith(expected), last
