@@ -107,7 +107,7 @@ class ArchitectureSpec:
             return "transformers (MQA only)" if self.mqa_only else "transformers"
         if self.mqa_as:
             return f"headfold.load_model; MQA as {self.mqa_as.model_type}: transformers"
-        return "headfold.sentence_transformer / headfold.load_model" if self.kind == "encoder" else "headfold.load_model"
+        return "headfold.load_model (sentence-transformers models: headfold.sentence_transformer)" if self.kind == "encoder" else "headfold.load_model"
 
     def head_norm_suffixes(self, role: str, heads: int) -> list[str]:
         """The per-head norm suffixes of `role` ("q"/"k") for `heads` heads; [] without per-head norms."""
