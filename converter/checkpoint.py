@@ -110,12 +110,6 @@ class AttentionLayout:
 
 
 # -- staying inside the folder --------------------------------------------------------
-def _ranges(layers: set[int]) -> str:
-    """{0, 1, 2} → "0..2"; other sets as a list."""
-    ordered = sorted(layers)
-    return f"{ordered[0]}..{ordered[-1]}" if ordered and ordered == list(range(ordered[0], ordered[-1] + 1)) else str(ordered)
-
-
 def _allowed_roots(folder: Path) -> tuple[Path, ...]:
     """The folder, and for a Hugging Face cache snapshot (…/snapshots/REV) its repo's blobs/,
     where the snapshot's own links point."""
@@ -475,6 +469,12 @@ def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
         raise BadInput(f"{file} is not a loadable weights-only pickle ({type(e).__name__}); download it again") from None
 
 
+def _ranges(layers: set[int]) -> str:
+    """{0, 1, 2} → "0..2"; other sets as a list."""
+    ordered = sorted(layers)
+    return f"{ordered[0]}..{ordered[-1]}" if ordered and ordered == list(range(ordered[0], ordered[-1] + 1)) else str(ordered)
+
+
 class SourceCheckpoint:
     """A checkpoint folder headfold converts: its facts, attention tensors located and checked,
     tensors read only when asked for."""
@@ -508,7 +508,9 @@ class SourceCheckpoint:
         layers: list[dict[str, str]] = [{} for _ in range(self.layers)]
         for suffix, by_layer in found.items():
             if set(by_layer) != expected[suffix]:
-                raise BadInput(f"tensor '*{suffix}' found for layers {sorted(by_layer)}, expected {_ranges(expected[suffix])}; weights and config.json disagree")
+                raise BadInput(
+                    f"tensor '*{suffix}' found for layers {sorted(by_layer)}, expected {_ranges(expected[suffix])}; weights and config.json disagree"
+                )
             for i, name in by_layer.items():
                 self._check_tensor(name, sizes[i][suffix], self.layer_shapes[i])
                 layers[i][suffix] = name

@@ -2,8 +2,9 @@
 
 Canonical form puts heads first: Q/K/V weights are [heads, head_dim, hidden], their biases
 [heads, head_dim], the O weight is [heads, head_dim, hidden] (its input side split into
-heads), per-head norm scales after W_Q / W_K (StableLM) [heads, head_dim]. Pooling methods only ever see this form, so a fused or transposed layout is written
-once, here, and never again in a method. The codec takes torch tensors (the data-aware maths)
+heads), per-head norm scales after W_Q / W_K (StableLM) [heads, head_dim]. Pooling methods only
+ever see this form, so a fused or transposed layout is written once, here, and never again in a
+method. The codec takes torch tensors (the data-aware maths)
 or numpy arrays (mean/first over raw bytes, converter/rawpool.py) alike: it only reshapes,
 slices, swaps the two axes of a 2-D tensor and concatenates.
 """
@@ -157,7 +158,6 @@ class AttentionCodec:
             if bias is not None:
                 out[p.bias] = merge_heads(bias, 0)
         return out
-
 
 
 def head_axis_sizes(spec: ArchitectureSpec, shape: HeadShape) -> dict[str, tuple[int, int]]:

@@ -75,7 +75,8 @@ def sentence_transformer(path: str | os.PathLike, **options: Any):
     folder = Path(path)
     if not folder.is_dir():
         raise BadInput(f"{folder} is not a folder; pass a sentence-transformers checkpoint folder")
-    classes = {ref: _headfold_transformer(cls) for ref in _module_types(folder) if isinstance(cls := _sentence_transformers_class(ref), type) and issubclass(cls, base)}
+    known = {ref: _sentence_transformers_class(ref) for ref in _module_types(folder)}
+    classes = {ref: _headfold_transformer(cls) for ref, cls in known.items() if isinstance(cls, type) and issubclass(cls, base)}
     if not classes:
         raise BadInput(f"{folder / MODULES} lists no sentence-transformers Transformer module; load the model with headfold.load_model")
     options = {"local_files_only": True, "trust_remote_code": False, **options}

@@ -164,6 +164,16 @@ def test_llama_family_loads_in_plain_transformers(family: str, tiny_checkpoint, 
     assert torch.equal(logits, outputs(out))
 
 
+def test_phi_with_qk_layernorm_keeps_keys_unrotated(tiny_checkpoint, tmp_path: Path) -> None:
+    """Phi's optional q/k LayerNorm is shared by all heads: identical heads pool losslessly, and the
+    data-aware methods leave K unrotated (a LayerNorm is no rotation invariant), lossless at identity."""
+    src = tiny_checkpoint("phi", qk_layernorm=True)
+    same = with_identical_heads(src, tmp_path / "same", 4)
+    assert (outputs(same) - outputs(convert(same, tmp_path / "mean", kv_heads=2, progress=False))).abs().max().item() <= 1e-5
+    best = convert(src, tmp_path / "best", kv_heads=HEADS, method="aligned+grouped+refit", calibration="weights", progress=False)
+    assert (outputs(src) - outputs(best)).abs().max().item() <= 1e-4
+
+
 def test_stablelm_pools_one_norm_per_kv_head(tiny_checkpoint, tmp_path: Path) -> None:
     """qk_layernorm: 8 query-head norms stay, the 8 kv-head norms become 2, pooled like their K heads."""
     src = tiny_checkpoint("stablelm")
@@ -271,7 +281,12 @@ def test_convert_says_what_loads_the_output(tiny_checkpoint, tmp_path: Path, cap
     """The last line names the loader when plain transformers cannot load the output (nothing more otherwise)."""
     from headfold.cli import main
 
-    cases = [("gpt2", "2", "transformers has no grouped-query gpt2"), ("llama", "4,2", "its layers have different kv-head counts"), ("llama", "2", None), ("gpt2", "1", None)]
+    cases = [
+        ("gpt2", "2", "transformers has no grouped-query gpt2"),
+        ("llama", "4,2", "its layers have different kv-head counts"),
+        ("llama", "2", None),
+        ("gpt2", "1", None),  # written as gpt_bigcode
+    ]
     for family, kv, why in cases:
         out = tmp_path / f"{family}-{kv}"
         assert main(["convert", str(tiny_checkpoint(family)), str(out), "--kv-heads", kv, "-q"]) == 0

@@ -39,6 +39,7 @@ MERGED_CASES: tuple[tuple[str, int], ...] = (("phi", 2), ("gemma", 4), ("olmo", 
 VOCAB = 160
 HEADS = 8
 _IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 # Per-family config kwargs: (config class, architecture, kwargs). Hidden 64 / 8 heads -> head_dim 8.
 _LLAMA_LIKE = dict(
@@ -156,7 +157,7 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gptj": (
         "GPTJConfig",
         "GPTJForCausalLM",
-        dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=HEADS, n_inner=96, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **_IDS),
+        dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=HEADS, n_inner=96, rotary_dim=4, **_NO_DROPOUT, **_IDS),
     ),
     "bloom": (
         "BloomConfig",
