@@ -64,7 +64,7 @@ def train(family: str, folder: Path, steps: int, seed: int = 0) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step(), schedule.step(), optimizer.zero_grad()
     model.eval().save_pretrained(folder)
-    return {"steps": steps, "batch": 16, "window": WINDOW, "train_s": round(time.perf_counter() - start, 1), "final_train_loss": float(loss)}
+    return {"steps": steps, "batch": 16, "window": WINDOW, "train_s": round(time.perf_counter() - start, 1), "final_train_loss": round(loss.item(), 4)}
 
 
 def allowed(source: Path, method: str) -> bool:
