@@ -163,8 +163,10 @@ def test_methods_whose_maths_does_not_hold_are_refused(family: str, config: dict
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
 
 
-def test_clip_qkv_still_pools_and_groups(tiny_checkpoint, tmp_path: Path) -> None:
-    """A permutation commutes with an elementwise clamp: grouped stays lossless at identity there."""
-    src = tiny_checkpoint("olmo", clip_qkv=0.5)  # small enough to clamp: the check bites
-    out = convert(src, tmp_path / "out", kv_heads=HEADS, method="grouped", calibration="weights", progress=False)
-    assert (outputs(src) - outputs(out)).abs().max().item() <= 1e-5
+def test_clip_qkv_allows_grouped_but_not_rotations(tiny_checkpoint, tmp_path: Path) -> None:
+    """A permutation commutes with OLMo's elementwise q/k/v clamp (so grouped stays allowed), a rotation does not."""
+    src = tiny_checkpoint("olmo", clip_qkv=0.5)  # small enough to clamp these activations
+    permuted = edit_attention(src, tmp_path / "permuted", reverse_heads)
+    assert (outputs(src) - outputs(permuted)).abs().max().item() <= 1e-5
+    rotated = edit_attention(src, tmp_path / "rotated", align_in_pairs)
+    assert (outputs(src) - outputs(rotated)).abs().max().item() > 1e-3
