@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from headfold.converter import layerwise
-from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
+from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.methods import compute_device
 from headfold.converter.tokens import load_tokenizer
 from headfold.ground.errors import BadInput
@@ -40,15 +40,9 @@ def window_starts(length: int, tokens: int, seed: int, window: int = WINDOW) -> 
     return sorted(rng.randrange(length - window + 1) for _ in range(max(1, tokens // window)))
 
 
-def window_for(facts: CheckpointFacts) -> int:
-    """Calibration window length: WINDOW, or the model's position limit when that is shorter (a
-    position table ends there, GPT-J's and GPT-2's; past it, activations are out of distribution)."""
-    return min(WINDOW, facts.position_limit or WINDOW)
-
-
 def attention_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool = True) -> list[torch.Tensor]:
     """Per layer [tokens, hidden]: what the attention projections of the source model read."""
-    batch = sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed, window_for(ckpt.facts))
+    batch = sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed)
     return calibrate(ckpt, batch, progress)
 
 

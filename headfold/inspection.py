@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from headfold import corpus
-from headfold.converter.calibration import WINDOW, calibrate, check_settings, sample_windows, token_ids, window_for, window_starts
+from headfold.converter.calibration import WINDOW, calibrate, check_settings, sample_windows, token_ids, window_starts
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import calibration_text, check_method, layer_contexts
 from headfold.converter.layout import AttentionCodec, AttentionWeights
@@ -51,26 +51,26 @@ EVAL_CHUNK = 8  # windows per forward pass
 
 @dataclass(frozen=True)
 class Windows:
-    fit: torch.Tensor | None  # [count, window] token ids the method calibrates on; None: weights only
-    eval: torch.Tensor  # [count, window] token ids the loss is measured on
+    fit: torch.Tensor | None  # [count, WINDOW] token ids the method calibrates on; None: weights only
+    eval: torch.Tensor  # [count, WINDOW] token ids the loss is measured on
     held_out: bool  # the eval windows overlap no fit window
 
 
-def held_out_starts(length: int, count: int, taken: list[int], seed: int, window: int = WINDOW) -> list[int]:
+def held_out_starts(length: int, count: int, taken: list[int], seed: int) -> list[int]:
     """Up to `count` seeded non-overlapping windows that overlap none of the `taken` ones."""
-    free = [s for s in range(0, length - window + 1, window) if all(abs(s - t) >= window for t in taken)]
+    free = [s for s in range(0, length - WINDOW + 1, WINDOW) if all(abs(s - t) >= WINDOW for t in taken)]
     return sorted(random.Random(seed).sample(free, min(count, len(free))))
 
 
-def choose_windows(ids: list[int], tokens: int, seed: int, fit: bool, window: int = WINDOW) -> Windows:
+def choose_windows(ids: list[int], tokens: int, seed: int, fit: bool) -> Windows:
     """Fit windows exactly as `headfold convert` samples them; eval windows elsewhere in the text
     (the fit windows themselves only when the text is too short to hold any out)."""
-    fit_windows = sample_windows(ids, tokens, seed, window)  # also rejects a text shorter than a window
-    taken = window_starts(len(ids), tokens, seed, window) if fit else []
-    starts = held_out_starts(len(ids), len(fit_windows), taken, seed, window)
+    fit_windows = sample_windows(ids, tokens, seed)  # also rejects a text shorter than a window
+    taken = window_starts(len(ids), tokens, seed) if fit else []
+    starts = held_out_starts(len(ids), len(fit_windows), taken, seed)
     if not starts:
         return Windows(fit_windows, fit_windows, held_out=False)
-    return Windows(fit_windows if fit else None, torch.tensor([ids[s : s + window] for s in starts]), held_out=True)
+    return Windows(fit_windows if fit else None, torch.tensor([ids[s : s + WINDOW] for s in starts]), held_out=True)
 
 
 # -- measurement -----------------------------------------------------------------------------
@@ -264,7 +264,7 @@ class Inspection:
         where = f"windows of {c['eval_text']} not used for fitting" if c["eval_held_out"] else "the fit windows (the text is too short to hold any out)"
         lines = [
             f"{self.source}: {self.family} {self.kind}, {len(self.layers)} layers, {self.heads} heads, {self.kv_heads} kv heads, head_dim {self.head_dim}",
-            f"method {self.method}, " + (f"fit on {c['text']} ({c['fit_windows']} windows × {c['window']} tokens, seed {c['seed']})" if c["fit_windows"] else "fit on the weights alone"),
+            f"method {self.method}, " + (f"fit on {c['text']} ({c['fit_windows']} windows × {WINDOW} tokens, seed {c['seed']})" if c["fit_windows"] else "fit on the weights alone"),
             f"predicted loss = {METRICS[self.kind]}, one layer converted, on {c['eval_windows']} {where}",
             "similarity = mean K/V cosine of two heads after the best function-preserving rotation (mean over pairs, max for the closest pair)",
             "",
@@ -348,7 +348,7 @@ def _measure(
     model = load_model(ckpt.facts, dtype=torch.float32)  # the facts and tensor index convert read
     fit_text = calibration_text(calibration, corpus.calibration_text())  # None under --calibration weights: methods see weights only
     ids = token_ids(ckpt.folder, fit_text if fit_text is not None else corpus.calibration_text(), ckpt.facts.vocab_size)
-    windows = choose_windows(ids, tokens, seed, fit=fit_text is not None, window=window_for(ckpt.facts))
+    windows = choose_windows(ids, tokens, seed, fit=fit_text is not None)
     contexts = layer_contexts(ckpt, None, 0, seed, False)  # RoPE dims and K rules, no inputs yet
     if windows.fit is not None:
         contexts = [replace(ctx, inputs=x) for ctx, x in zip(contexts, calibrate(ckpt, windows.fit, progress))]
@@ -363,7 +363,7 @@ def _measure(
         uniform = chosen and _plan_report(chosen, converter, live, reference)
     used = "weights" if fit_text is None else str(calibration or "built-in text")
     info = {"text": used, "eval_text": "built-in text" if fit_text is None else used, "tokens": tokens, "seed": seed, "fit_windows": 0 if windows.fit is None else len(windows.fit),
-            "eval_windows": len(windows.eval), "eval_held_out": windows.held_out, "window": windows.eval.shape[1]}  # fmt: skip
+            "eval_windows": len(windows.eval), "eval_held_out": windows.held_out, "window": WINDOW}  # fmt: skip
     s = ckpt.shape
     return Inspection(ckpt.folder, ckpt.spec.family, ckpt.spec.kind, s.heads, s.kv_heads, s.head_dim, recipe.name, candidates, info, layers, budget, plan, uniform)  # fmt: skip
 

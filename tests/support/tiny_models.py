@@ -154,10 +154,11 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "StableLmForCausalLM",
         dict(_LLAMA_LIKE, partial_rotary_factor=0.5, use_qkv_bias=True, qk_layernorm=True, hidden_dropout=0.0),
     ),
+    # GPT-J's RoPE is a sinusoid table of n_positions rows: room for calibration's 256-token windows
     "gptj": (
         "GPTJConfig",
         "GPTJForCausalLM",
-        dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=HEADS, n_inner=96, rotary_dim=4, **_NO_DROPOUT, **_IDS),
+        dict(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=HEADS, n_inner=96, rotary_dim=4, **_NO_DROPOUT, **_IDS),
     ),
     "bloom": (
         "BloomConfig",
