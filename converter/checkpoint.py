@@ -238,6 +238,10 @@ def _head_shape(config: dict[str, Any], keys: ConfigKeys) -> HeadShape:
     """Heads, kv heads (the largest layer's) and head_dim under a family's config key names."""
     heads = _positive_int(config, keys.heads)
     kv_heads = _positive_int(config, keys.kv_heads) if config.get(keys.kv_heads) is not None else heads
+    if keys.multi_query and config.get(keys.multi_query) is not None:  # gpt_bigcode: transformers derives kv heads from it
+        if not isinstance(config[keys.multi_query], bool):
+            raise BadInput(f"config.json: {keys.multi_query!r} must be true or false, found {config[keys.multi_query]!r}")
+        kv_heads = 1 if config[keys.multi_query] else heads
     hidden = _positive_int(config, keys.hidden)
     if keys.head_dim and config.get(keys.head_dim) is not None:
         head_dim = _positive_int(config, keys.head_dim)
@@ -265,6 +269,11 @@ def _rotary(config: dict[str, Any], spec: ArchitectureSpec | None, head_dim: int
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     fraction = params.get("partial_rotary_factor") or config.get("partial_rotary_factor") or config.get("rotary_pct") or 1.0
     theta = params.get("rope_theta") or config.get("rope_theta") or config.get("rotary_emb_base")
+    if config.get("rotary_dim") is not None:  # GPT-J states the rotated dims themselves
+        dims = _positive_int(config, "rotary_dim")
+        if dims > head_dim or dims % 2:
+            raise BadInput(f"config.json: rotary_dim {dims} must be an even number of dims of a {head_dim}-dim head; fix config.json")
+        return Rotary(dims, dims / head_dim, theta)
     return Rotary(int(head_dim * fraction) // 2 * 2, float(fraction), theta)
 
 
@@ -344,8 +353,9 @@ class CheckpointFacts:
     def require_positions(self, needed: int, why: str, fix: str = "fix config.json", *, table_only: bool = False) -> None:
         """BadInput unless the model takes `needed` positions (its limit less SPARE_POSITIONS).
         `table_only`: only where the limit is the size of a learned position table, which holds
-        `positions` rows (RoPE models run past their configured limit; a table has no row there)."""
-        if table_only and self.rotary.dims:
+        `positions` rows (RoPE models run past their configured limit unless their sin/cos are such a
+        table too, as GPT-J's; a table has no row past its end)."""
+        if table_only and self.rotary.dims and not (self.spec and self.spec.rotary_table):
             return
         limit = self.positions if table_only else self.position_limit
         if limit is not None and limit < needed:
@@ -505,6 +515,12 @@ def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
         raise BadInput(f"{file} is not a loadable weights-only pickle ({type(e).__name__}); download it again") from None
 
 
+def _ranges(layers: set[int]) -> str:
+    """{0, 1, 2} → "0..2"; other sets as a list."""
+    ordered = sorted(layers)
+    return f"{ordered[0]}..{ordered[-1]}" if ordered and ordered == list(range(ordered[0], ordered[-1] + 1)) else str(ordered)
+
+
 class SourceCheckpoint:
     """A checkpoint folder headfold converts: its facts, attention tensors located and checked,
     tensors read only when asked for."""
@@ -524,9 +540,10 @@ class SourceCheckpoint:
     def _locate_attention(self) -> AttentionLayout:
         hidden = self.config[self.spec.config.hidden]
         sizes = [expected_shapes(self.spec, shape, hidden) for shape in self.layer_shapes]
+        expected = {s: {i for i, layer in enumerate(sizes) if s in layer} for layer in sizes for s in layer}  # per-head norms: per layer
         found: dict[str, dict[int, str]] = defaultdict(dict)
         prefixes: set[str] = set()
-        for suffix in sizes[0]:
+        for suffix in expected:
             pattern = self.spec.tensor_pattern(suffix)
             for name in self.tensors:
                 if m := pattern.match(name):
@@ -536,14 +553,20 @@ class SourceCheckpoint:
             raise BadInput(f"attention tensors under several prefixes ({', '.join(sorted(prefixes))}); only single-model checkpoints are supported")
         layers: list[dict[str, str]] = [{} for _ in range(self.layers)]
         for suffix, by_layer in found.items():
-            if set(by_layer) != set(range(self.layers)):
-                raise BadInput(f"tensor '*{suffix}' found for layers {sorted(by_layer)}, expected 0..{self.layers - 1}; weights and config.json disagree")
+            if set(by_layer) != expected[suffix]:
+                raise BadInput(
+                    f"tensor '*{suffix}' found for layers {sorted(by_layer)}, expected {_ranges(expected[suffix])}; weights and config.json disagree"
+                )
             for i, name in by_layer.items():
                 self._check_tensor(name, sizes[i][suffix], self.layer_shapes[i])
                 layers[i][suffix] = name
         required = self._required_suffixes()
         if missing := [s for s in required if s not in found]:
             raise BadInput(f"no '{missing[0]}' tensors for {self.spec.family}; is this a {self.spec.family} checkpoint?")
+        for role in self.spec.head_norms or {}:  # optional (StableLM's qk_layernorm), but then one per head
+            norms = self.spec.head_norm_suffixes(role, self.shape.heads if role == "q" else self.shape.kv_heads)
+            if any(n in found for n in norms) and (absent := [n for n in norms if n not in found]):
+                raise BadInput(f"no '{absent[0]}' tensors although other heads have their norm; the checkpoint is incomplete")
         return AttentionLayout(layers)
 
     def _required_suffixes(self) -> list[str]:

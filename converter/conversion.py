@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import replace
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,10 +19,11 @@ from tqdm.auto import tqdm
 
 from headfold.converter import rawpool
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, dtype_code
-from headfold.converter.layout import AttentionCodec, HeadShape, head_axis_sizes
+from headfold.converter.layout import AttentionCodec, HeadShape, expected_shapes, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.recipes import DEFAULT_METHOD, LayerContext, Recipe, contiguous_groups, get_method
 from headfold.converter.sources import checkpoint_folder, hub_origin
+from headfold.converter.spec import Retarget, layer_tensor_pattern, spec_for
 from headfold.converter.tokens import can_tokenize, read_text
 from headfold.converter.writer import PlannedTensor, ShardedWriter
 from headfold.ground.artifacts import MANIFEST
@@ -29,6 +31,7 @@ from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import copy_hashed, sha256_file, versions
 from headfold.ground.manifest import Conversion, Manifest, ManifestSource, load_raw
+from headfold.ground.manifest import load as load_manifest
 from headfold.ground.units import parse_size
 
 if TYPE_CHECKING:
@@ -67,13 +70,14 @@ def convert(
     Raises BadInput (nothing written) for anything wrong with the request or the source.
     """
     source = checkpoint_folder(source, revision=revision, allow_pickle=allow_pickle)
-    recipe = get_method(method)
-    if recipe.data_aware:
+    if get_method(method).data_aware:
         from headfold.converter.calibration import check_settings  # torch: data-aware methods only
 
         check_settings()  # a bad $HEADFOLD_DEVICE or $HEADFOLD_CALIBRATION_RAM fails before the slow calibration
     with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
         targets = target_shapes(ckpt, kv_heads)
+        recipe = method_for(ckpt, method)
+        retarget = retarget_for(ckpt, targets)
         text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
         out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
         shard_bytes = parse_size(max_shard_size, "shard size") if max_shard_size is not None else default_shard_bytes(ckpt)
@@ -81,11 +85,11 @@ def convert(
         text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware and pools else None
         contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)
         with atomic_output(out, overwrite=overwrite) as tmp:
-            files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress)
-            files |= write_config(ckpt, targets, tmp)
+            files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress, retarget)
+            files |= write_config(ckpt, targets, tmp, retarget)
             copied, skipped = copy_other_files(ckpt, tmp)
             files |= copied
-            manifest = build_manifest(ckpt, targets, recipe, groups, files, skipped)
+            manifest = build_manifest(ckpt, targets, recipe, groups, files, skipped, retarget)
             if recipe.data_aware and pools:
                 used = "weights" if text is None else str(calibration or "built-in")
                 manifest.conversion.calibration = {"text": used, "tokens": calibration_tokens, "seed": seed}
@@ -108,7 +112,62 @@ def target_shapes(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int]) -> list
     """Each layer's target; a list must have one entry per layer dividing that layer's kv heads."""
     per_layer = expand(kv_heads, ckpt.layers)
     by_layer = not isinstance(kv_heads, int) or len(set(ckpt.layer_shapes)) > 1  # name the layer in errors
-    return [target_shape(src, kv, i if by_layer else None) for i, (src, kv) in enumerate(zip(ckpt.layer_shapes, per_layer))]
+    targets = [target_shape(src, kv, i if by_layer else None) for i, (src, kv) in enumerate(zip(ckpt.layer_shapes, per_layer))]
+    if ckpt.spec.mqa_only and len({t.kv_heads for t in targets} | {1}) > 1:
+        raise BadInput(
+            f"transformers' {ckpt.spec.family} has multi-query attention (1 kv head) or none, nothing between: "
+            "use --kv-heads 1 for every layer"
+        )
+    return targets
+
+
+def refused_modifiers(ckpt: SourceCheckpoint) -> dict[str, str]:
+    """Modifier → why this model's maths does not allow it (its function would change)."""
+    why: dict[str, str] = {}
+    if ckpt.spec.alibi:
+        why["grouped"] = f"{ckpt.spec.family} uses ALiBi, whose slope belongs to each query head's position, so grouped (which moves query heads) would change the model"
+    if ckpt.config.get("clip_qkv") is not None:
+        why["aligned"] = why["refit"] = "config.json sets clip_qkv: the q/k/v clamp does not commute with the rotations and refits of aligned and refit"
+    return why
+
+
+def method_for(ckpt: SourceCheckpoint, method: str) -> Recipe:
+    """The recipe `method` names for this model. The default (DEFAULT_METHOD) leaves out what the model
+    refuses, saying so in a warning; any other method that needs a refused modifier is BadInput."""
+    recipe = get_method(method)
+    refused = {m: why for m, why in refused_modifiers(ckpt).items() if getattr(recipe, m)}
+    if not refused:
+        return recipe
+    reasons = "; ".join(dict.fromkeys(refused.values()))
+    if method == DEFAULT_METHOD:
+        kept = replace(recipe, **dict.fromkeys(refused, False))
+        log.warning(f"headfold: the default method is {kept.name} for this model, without {' and '.join(refused)}: {reasons}")
+        return kept
+    allowed = [m for m in ("mean", "first", "aligned", "grouped", "refit", "aligned+refit") if not set(m.split("+")) & set(refused)]
+    raise BadInput(f"{reasons}; use {', '.join(allowed)}")
+
+
+def retarget_for(ckpt: SourceCheckpoint, targets: list[HeadShape]) -> Retarget | None:
+    """The family an all-MQA conversion is written as, when its spec names one and the config fits it."""
+    retarget = ckpt.spec.mqa_as
+    return retarget if retarget and all(t.kv_heads == 1 for t in targets) and retarget.applies(ckpt.config) else None
+
+
+def tensors_matching(ckpt: SourceCheckpoint, suffixes: Sequence[str]) -> set[str]:
+    """Names of the source tensors that end in one of the per-layer `suffixes`."""
+    patterns = [layer_tensor_pattern(s) for s in suffixes]
+    return {name for name in ckpt.tensors if any(p.match(name) for p in patterns)}
+
+
+def dropped_tensors(ckpt: SourceCheckpoint, targets: list[HeadShape], retarget: Retarget | None) -> set[str]:
+    """Source tensors the output has no place for: per-head norms of pooled-away kv heads, and what
+    the retarget family lacks."""
+    hidden = ckpt.config[ckpt.spec.config.hidden]
+    dropped = tensors_matching(ckpt, retarget.drop) if retarget else set()
+    for layer, target in zip(ckpt.attention.layers, targets):
+        kept = expected_shapes(ckpt.spec, target, hidden)
+        dropped |= {name for suffix, name in layer.items() if suffix not in kept}
+    return dropped
 
 
 def default_shard_bytes(ckpt: SourceCheckpoint) -> int:
@@ -118,19 +177,23 @@ def default_shard_bytes(ckpt: SourceCheckpoint) -> int:
     return max(f.stat().st_size for f in ckpt.weight_files)
 
 
-def plan_outputs(ckpt: SourceCheckpoint, targets: list[HeadShape]) -> list[PlannedTensor]:
+def plan_outputs(ckpt: SourceCheckpoint, targets: list[HeadShape], retarget: Retarget | None = None) -> list[PlannedTensor]:
     """Every output tensor's name, dtype and shape, in source storage order."""
     resized: dict[str, tuple[int, int]] = {}  # attention tensor → (head axis, its new size)
     for layer, target in zip(ckpt.attention.layers, targets):
         sizes = head_axis_sizes(ckpt.spec, target)
-        resized |= {name: sizes[suffix] for suffix, name in layer.items()}
+        resized |= {name: sizes[suffix] for suffix, name in layer.items() if suffix in sizes}
+    dropped = dropped_tensors(ckpt, targets, retarget)
+    transposed = tensors_matching(ckpt, retarget.transpose) if retarget else set()
     planned = []
     for info in ckpt.tensors.values():
+        if info.name in dropped:
+            continue
         shape = list(info.shape)
         if info.name in resized:
             axis, size = resized[info.name]
             shape[axis] = size
-        planned.append(PlannedTensor(info.name, info.code, tuple(shape)))
+        planned.append(PlannedTensor(info.name, info.code, tuple(shape[::-1] if info.name in transposed else shape)))
     return planned
 
 
@@ -154,9 +217,12 @@ def layer_contexts(ckpt: SourceCheckpoint, text: str | None, tokens: int, seed: 
         from headfold.converter.calibration import attention_inputs  # torch and transformers: only when calibrating
 
         inputs = attention_inputs(ckpt, text, tokens, seed, progress)
-    rotary = ckpt.facts.rotary.dims
-    normed = ckpt.spec.qk_norm is not None and any(ckpt.spec.tensor_pattern(ckpt.spec.qk_norm).match(n) for n in ckpt.tensors)
-    return [LayerContext(x, rotary, rotate_keys=not normed) for x in inputs]
+    spec, rotary = ckpt.spec, ckpt.facts.rotary.dims
+    norms = [spec.qk_norm] if spec.qk_norm else []
+    norms += spec.head_norm_suffixes("k", 1)  # StableLM: one norm per kv head, as little rotation-invariant
+    normed = any(spec.tensor_pattern(norm).match(n) for norm in norms for n in ckpt.tensors)
+    interleaved = spec.rotary_pairs == "interleaved"
+    return [LayerContext(x, rotary, rotate_keys=not normed, interleaved=interleaved) for x in inputs]
 
 
 def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, recipe: Recipe, ctx: LayerContext) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
@@ -188,14 +254,17 @@ def untouched_suffixes(ckpt: SourceCheckpoint, recipe: Recipe) -> set[str]:
     if recipe.data_aware:
         return set()
     kept = [p for role, p in ckpt.spec.projections.items() if role in "qo"]
-    return {s for p in kept for s in (p.weight, p.bias) if s}
+    return {s for p in kept for s in (p.weight, p.bias) if s} | set(ckpt.spec.head_norm_suffixes("q", ckpt.shape.heads))
 
 
 def write_weights(
-    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, contexts: list[LayerContext], folder: Path, shard_bytes: int, progress: bool
+    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, contexts: list[LayerContext], folder: Path, shard_bytes: int, progress: bool,
+    retarget: Retarget | None = None,
 ) -> tuple[dict[str, str], list[list[list[int]]]]:
     """Stream every tensor to the output; return file hashes and each layer's head groups."""
-    plan = plan_outputs(ckpt, targets)
+    plan = plan_outputs(ckpt, targets, retarget)
+    transposed = tensors_matching(ckpt, retarget.transpose) if retarget else set()
+    turn = lambda name, t: t.T if name in transposed else t  # noqa: E731 - the retarget family's layout
     owner = ckpt.attention.owner()
     raw = not recipe.data_aware and rawpool.readable(ckpt)  # mean/first without torch
     pending: dict[str, Any] = {}  # converted tensors (torch) or arrays (raw) of the current layer not yet written
@@ -215,25 +284,31 @@ def write_weights(
                 pending.update(converted)
             if t.name in pending:
                 if raw:
-                    writer.write_array(t.name, dtype_code(t.dtype), pending.pop(t.name))
+                    writer.write_array(t.name, dtype_code(t.dtype), turn(t.name, pending.pop(t.name)))
                 else:
-                    writer.write(t.name, pending.pop(t.name))
-            elif source := ckpt.byte_range(t.name):  # unchanged tensor: no trip through Python
+                    writer.write(t.name, turn(t.name, pending.pop(t.name)))
+            elif (source := ckpt.byte_range(t.name)) and t.name not in transposed:  # unchanged tensor: no trip through Python
                 writer.copy(t.name, t.dtype, t.shape, source)
             else:
-                writer.write(t.name, ckpt.get(t.name))
+                writer.write(t.name, turn(t.name, ckpt.get(t.name)))
             bar.update(t.nbytes)
         return writer.finish(), groups
 
 
-def write_config(ckpt: SourceCheckpoint, targets: list[HeadShape], folder: Path) -> dict[str, str]:
-    """The source config with the new kv heads: the largest layer's, plus the per-layer list when they differ."""
+def write_config(ckpt: SourceCheckpoint, targets: list[HeadShape], folder: Path, retarget: Retarget | None = None) -> dict[str, str]:
+    """The source config with the new kv heads: the largest layer's, plus the per-layer list when they
+    differ; as the retarget family's config when there is one."""
     config = dict(ckpt.config)
     per_layer = [t.kv_heads for t in targets]
-    config[ckpt.spec.config.kv_heads] = max(per_layer)
+    keys = ckpt.spec.config
+    config[keys.kv_heads] = max(per_layer)
+    if keys.multi_query:
+        config[keys.multi_query] = max(per_layer) == 1
     config.pop(KV_HEADS_PER_LAYER, None)  # a per-layer source converted to one count
     if len(set(per_layer)) > 1:
         config[KV_HEADS_PER_LAYER] = per_layer
+    if retarget:
+        config |= {"model_type": retarget.model_type, "architectures": [retarget.architectures[config["architectures"][0]]], **retarget.config}
     raw = (json.dumps(config, indent=2) + "\n").encode()
     (folder / "config.json").write_bytes(raw)
     return {"config.json": hashlib.sha256(raw).hexdigest()}
@@ -259,8 +334,29 @@ def copy_other_files(ckpt: SourceCheckpoint, folder: Path) -> tuple[dict[str, st
     return copied, skipped
 
 
+def output_loader(ckpt: SourceCheckpoint, kv_heads: int | list[int], retarget: Retarget | None) -> str:
+    """What loads the output: plain transformers when its family knows these kv heads, else headfold.load_model."""
+    spec = spec_for(retarget.model_type) if retarget else ckpt.spec
+    # per-layer kv heads are headfold's own config key: transformers would refuse them
+    return "transformers" if spec.native_gqa and isinstance(kv_heads, int) else "headfold.load_model"
+
+
+def load_hint(folder: Path) -> str | None:
+    """How to load a conversion that plain transformers cannot (convert's last line); None when it can."""
+    manifest = load_manifest(folder)
+    if manifest.loader == "transformers":
+        return None
+    why = (
+        "its layers have different kv-head counts" if isinstance(manifest.conversion.kv_heads, list)
+        else f"transformers has no grouped-query {manifest.source.model_type}"
+    )  # fmt: skip
+    entries = ["headfold.load_model"] + ["headfold.sentence_transformer (SentenceTransformer)"] * (folder / "modules.json").is_file()
+    return f"plain transformers cannot load {folder} ({why}): load it with {' or '.join(entries)}"
+
+
 def build_manifest(
-    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, groups: list[list[list[int]]], files: dict[str, str], skipped: list[str]
+    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, groups: list[list[list[int]]], files: dict[str, str], skipped: list[str],
+    retarget: Retarget | None = None,
 ) -> Manifest:
     src = ckpt.shape
     uniform = all(layer == groups[0] for layer in groups)
@@ -281,8 +377,7 @@ def build_manifest(
             kv_head_of_query_head=query_map[0] if len(set(map(tuple, query_map))) == 1 else query_map,
             source_kv_heads_of_kv_head=groups[0] if uniform else groups,
         ),
-        # per-layer kv heads are headfold's own config key: transformers would refuse them
-        loader="transformers" if ckpt.spec.native_gqa and isinstance(kv_heads, int) else "headfold.load_model",
+        loader=output_loader(ckpt, kv_heads, retarget),
         versions=versions(PACKAGES),
         files=files,
         skipped_weight_files=skipped,

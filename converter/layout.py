@@ -2,8 +2,9 @@
 
 Canonical form puts heads first: Q/K/V weights are [heads, head_dim, hidden], their biases
 [heads, head_dim], the O weight is [heads, head_dim, hidden] (its input side split into
-heads). Pooling methods only ever see this form, so a fused or transposed layout is written
-once, here, and never again in a method. The codec takes torch tensors (the data-aware maths)
+heads), per-head norm scales after W_Q / W_K (StableLM) [heads, head_dim]. Pooling methods only
+ever see this form, so a fused or transposed layout is written once, here, and never again in a
+method. The codec takes torch tensors (the data-aware maths)
 or numpy arrays (mean/first over raw bytes, converter/rawpool.py) alike: it only reshapes,
 slices, swaps the two axes of a 2-D tensor and concatenates.
 """
@@ -41,6 +42,8 @@ class AttentionWeights:
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # one norm scale per query head
+    k_norm: torch.Tensor | None = None  # one per kv head: pooled and permuted with K
 
     @property
     def kv_heads(self) -> int:
@@ -48,6 +51,20 @@ class AttentionWeights:
 
     def with_kv(self, k, v, k_bias, v_bias) -> AttentionWeights:
         return replace(self, k=k, v=v, k_bias=k_bias, v_bias=v_bias)
+
+    def map_kv(self, fn) -> AttentionWeights:
+        """`fn` applied to every per-kv-head tensor (K, V, their biases and norms) that exists."""
+        kv = ("k", "v", "k_bias", "v_bias", "k_norm")
+        return replace(self, **{name: None if (t := getattr(self, name)) is None else fn(t) for name in kv})
+
+
+def _stack(parts: list):
+    """torch.stack or np.stack, whichever the parts are."""
+    if isinstance(parts[0], np.ndarray):
+        return np.stack(parts)
+    import torch
+
+    return torch.stack(parts)
 
 
 def _concatenate(parts: list, axis: int = 0):
@@ -115,6 +132,9 @@ class AttentionCodec:
                 parts[role] = split_heads(tensors[p.weight], p.head_axis, heads)
                 if p.bias in tensors:
                     parts[f"{role}_bias"] = split_heads(tensors[p.bias], 0, heads)
+        for role, heads in (("q", shape.heads), ("k", shape.kv_heads)):
+            if (norms := spec.head_norm_suffixes(role, heads)) and norms[0] in tensors:
+                parts[f"{role}_norm"] = _stack([tensors[n] for n in norms])
         return AttentionWeights(**parts)
 
     def encode(self, attn: AttentionWeights) -> dict[str, torch.Tensor]:
@@ -122,6 +142,9 @@ class AttentionCodec:
         spec = self.spec
         o = spec.projections["o"]
         out = {o.weight: merge_heads(attn.o, o.head_axis)}
+        for role in "qk":
+            if (norm := getattr(attn, f"{role}_norm")) is not None:
+                out |= dict(zip(spec.head_norm_suffixes(role, len(norm)), norm))
         if spec.fused_qkv:
             f = spec.fused_qkv
             out[f.weight] = merge_fused(attn.q, attn.k, attn.v, f, f.head_axis)
@@ -135,13 +158,6 @@ class AttentionCodec:
             if bias is not None:
                 out[p.bias] = merge_heads(bias, 0)
         return out
-
-    def suffixes(self) -> list[str]:
-        """Every tensor suffix this codec may read (biases included; absent ones are skipped)."""
-        projections = list(self.spec.projections.values())
-        if self.spec.fused_qkv:
-            projections.append(self.spec.fused_qkv)
-        return [s for p in projections for s in (p.weight, p.bias) if s]
 
 
 def head_axis_sizes(spec: ArchitectureSpec, shape: HeadShape) -> dict[str, tuple[int, int]]:
@@ -173,4 +189,6 @@ def expected_shapes(spec: ArchitectureSpec, shape: HeadShape, hidden: int) -> di
         shapes[suffix] = ((size, hidden) if axis == 0 else (hidden, size)) if suffix in weights else (size,)
     if (o_bias := spec.projections["o"].bias) is not None:
         shapes[o_bias] = (hidden,)
+    for role, heads in (("q", shape.heads), ("k", shape.kv_heads)):
+        shapes |= dict.fromkeys(spec.head_norm_suffixes(role, heads), (shape.head_dim,))
     return shapes

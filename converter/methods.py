@@ -57,6 +57,9 @@ def _convert(recipe: Recipe, attn: AttentionWeights, kv_heads: int, ctx: LayerCo
     groups = contiguous_groups(attn.kv_heads, kv_heads)
     if not recipe.data_aware:
         return LayerResult(_pool(attn, groups, recipe.pool), groups)
+    if ctx.interleaved and ctx.rotary:  # the maths pairs (i, i + r/2): reorder Q/K dims there and back
+        result = _convert(recipe, pairs_as_halves(attn, ctx.rotary), kv_heads, replace(ctx, interleaved=False))
+        return replace(result, attn=pairs_as_halves(result.attn, ctx.rotary, inverse=True))
     keys, values = head_activations(attn.k, attn.k_bias, ctx), head_activations(attn.v, attn.v_bias, ctx)
     key_rotary = ctx.rotary if ctx.rotate_keys else None
     if recipe.grouped:
@@ -87,6 +90,19 @@ def compute_device() -> torch.device:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise BadInput(f"{DEVICE_VARIABLE}={requested} but torch sees {torch.cuda.device_count()} CUDA GPU(s); unset it or use cpu")
     return device
+
+
+def pairs_as_halves(attn: AttentionWeights, rotary: int, inverse: bool = False) -> AttentionWeights:
+    """Q/K head dims reordered so interleaved RoPE pairs (2i, 2i + 1) sit at (i, i + rotary/2)
+    (`inverse`: back). Q and K move alike, so every score and the model are unchanged."""
+    d = attn.q.shape[1]
+    order = torch.cat([torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, d)])
+    if inverse:
+        order = torch.argsort(order)
+    take = lambda t: None if t is None else t[:, order.to(t.device)]  # noqa: E731
+    return replace(
+        attn, q=take(attn.q), k=take(attn.k), q_bias=take(attn.q_bias), k_bias=take(attn.k_bias), q_norm=take(attn.q_norm), k_norm=take(attn.k_norm),
+    )  # fmt: skip
 
 
 def _moved(attn: AttentionWeights, device: torch.device) -> AttentionWeights:
@@ -234,9 +250,8 @@ def permute(attn: AttentionWeights, order: list[int]) -> AttentionWeights:
     """Reorder kv heads, their query heads and O rows with them: the function is unchanged."""
     queries = _queries_of(attn, order)
     return replace(
-        attn, q=attn.q[queries], o=attn.o[queries], q_bias=_take(attn.q_bias, queries),
-        k=attn.k[order], v=attn.v[order], k_bias=_take(attn.k_bias, order), v_bias=_take(attn.v_bias, order),
-    )  # fmt: skip
+        attn, q=attn.q[queries], o=attn.o[queries], q_bias=_take(attn.q_bias, queries), q_norm=_take(attn.q_norm, queries),
+    ).map_kv(lambda t: t[order])  # fmt: skip
 
 
 def _group_queries(pooled: AttentionWeights, source: AttentionWeights, groups: list[list[int]]) -> AttentionWeights:
@@ -245,7 +260,7 @@ def _group_queries(pooled: AttentionWeights, source: AttentionWeights, groups: l
     if order == sorted(order):  # already contiguous: nothing moves
         return pooled
     queries = _queries_of(source, order)
-    return replace(pooled, q=pooled.q[queries], o=pooled.o[queries], q_bias=_take(pooled.q_bias, queries))
+    return replace(pooled, q=pooled.q[queries], o=pooled.o[queries], q_bias=_take(pooled.q_bias, queries), q_norm=_take(pooled.q_norm, queries))
 
 
 # -- pooling and what follows it --------------------------------------------------------------
@@ -263,7 +278,7 @@ def _pool(attn: AttentionWeights, groups: list[list[int]], how: str) -> Attentio
         grouped = (t if index is None else t[index.to(t.device)]).unflatten(0, (len(groups), -1))
         return grouped.mean(1, dtype=torch.float32) if how == "mean" else grouped[:, 0]
 
-    return attn.with_kv(pool(attn.k), pool(attn.v), pool(attn.k_bias), pool(attn.v_bias))
+    return attn.map_kv(pool)
 
 
 def _restore_norms(pooled: AttentionWeights, groups, keys, values, ctx: LayerContext) -> AttentionWeights:

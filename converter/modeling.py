@@ -2,11 +2,13 @@
 as an empty skeleton whose parts calibration loads one at a time: `empty_model`).
 
 Families whose transformers code knows `num_key_value_heads` (llama, mistral, qwen2, qwen3,
-phi3, ...) and every unconverted checkpoint load with plain `from_pretrained`. gpt2, gpt_neox,
-opt, bert and roberta have no GQA in transformers: for them each self-attention module is
-swapped for a small subclass that projects K/V at N heads and sets `num_key_value_groups`, so
-transformers' own SDPA attention (masks, RoPE, DynamicCache, generate) runs the grouping,
-exactly as it does for llama. Weights are then loaded strictly from the safetensors files.
+phi3, phi, gemma, olmo, stablelm; gpt_bigcode's multi_query) and every unconverted checkpoint load
+with plain `from_pretrained`. gpt2, gpt_neox, opt, bert, roberta and gptj have no GQA in
+transformers: for them each self-attention module is swapped for a small subclass that projects
+K/V at N heads and sets `num_key_value_groups`, so transformers' own SDPA attention (masks, RoPE,
+DynamicCache, generate) runs the grouping, exactly as it does for llama. bloom computes attention
+by hand (ALiBi, no SDPA in transformers): its swapped-in module, used for MHA checkpoints too, runs
+SDPA with the ALiBi bias as its mask. Weights are then loaded strictly from the safetensors files.
 
 A config with `num_key_value_heads_per_layer` (headfold's per-layer conversions) gives each layer
 its own kv heads: the GQA subclasses are adopted per layer, and native-GQA families get each
@@ -29,15 +31,19 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.nn import functional as F
 from transformers.cache_utils import Cache
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.initialization import no_init_weights
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.bloom.modeling_bloom import BloomAttention, BloomModel, dropout_add
+from transformers.models.bloom.modeling_bloom import build_alibi_tensor as bloom_alibi
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, apply_rotary_pos_emb
 from transformers.models.gpt_neox.modeling_gpt_neox import eager_attention_forward as neox_eager
+from transformers.models.gptj.modeling_gptj import GPTJAttention
 from transformers.models.opt.modeling_opt import OPTAttention
 from transformers.models.opt.modeling_opt import eager_attention_forward as opt_eager
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
@@ -46,7 +52,7 @@ from transformers.pytorch_utils import Conv1D
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER
-from headfold.converter.spec import spec_for
+from headfold.converter.spec import HEAD, spec_for, supported_model_types
 from headfold.ground.errors import BadInput, first_line, read_json_object
 
 __all__ = ["load_model", "empty_model", "parameter_names", "check_loadable", "GQA_ATTENTION"]
@@ -84,6 +90,12 @@ class _GQA:
     """
 
     base: ClassVar[type[nn.Module]]
+    attn_implementation: ClassVar[str] = _ATTN_IMPLEMENTATION  # what the model is built with
+    always: ClassVar[bool] = False  # swapped in for MHA checkpoints too (transformers' own cannot serve)
+
+    @classmethod
+    def prepare(cls, model: nn.Module) -> None:
+        """Whatever the model around the swapped modules needs (nothing by default)."""
 
     @classmethod
     def adopt(cls, module: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
@@ -177,6 +189,15 @@ class OPTGQAAttention(_SeparateKV, OPTAttention):
         return self.out_proj(attn_output), attn_weights
 
 
+def _split_grouped(qkv: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """[B, S, (H + 2N)·d] laid out per kv head g as [its G query heads | k_g | v_g] → Q [B, H, S, d], K/V [B, N, S, d]."""
+    input_shape = qkv.shape[:-1]
+    qkv = qkv.view(*input_shape, kv_heads, -1, head_dim)
+    query = qkv[..., :-2, :].reshape(*input_shape, -1, head_dim)
+    key, value = qkv[..., -2, :], qkv[..., -1, :]
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
 class GPTNeoXGQAAttention(_GQA, GPTNeoXAttention):
     """query_key_value rows are grouped per kv head g: [G query heads | k_g | v_g] (each d rows).
 
@@ -190,13 +211,7 @@ class GPTNeoXGQAAttention(_GQA, GPTNeoXAttention):
         module.query_key_value = _resized_linear(module.query_key_value, q_size + 2 * kv_size)
 
     def _split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        input_shape = hidden_states.shape[:-1]
-        groups = self.num_key_value_groups
-        qkv = self.query_key_value(hidden_states)
-        qkv = qkv.view(*input_shape, self.num_key_value_heads, groups + 2, self.head_size)
-        query = qkv[..., :groups, :].reshape(*input_shape, -1, self.head_size)
-        key, value = qkv[..., groups, :], qkv[..., groups + 1, :]
-        return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        return _split_grouped(self.query_key_value(hidden_states), self.num_key_value_heads, self.head_size)
 
     # Mirrors GPTNeoXAttention.forward (transformers 5.x) with the grouped split above.
     def forward(
@@ -233,6 +248,69 @@ class GPTNeoXGQAAttention(_GQA, GPTNeoXAttention):
         return self.dense(attn_output), attn_weights
 
 
+class GPTJGQAAttention(_SeparateKV, GPTJAttention):
+    """The parent views K/V with `-1` heads; interleaved RoPE rotates each head alike at any count."""
+
+    base = GPTJAttention
+    kv_names = ("k_proj", "v_proj")
+
+
+def _alibi_any_mask(self: BloomModel, attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """BloomModel.build_alibi_tensor, also for the [B, 1, S, P + S] boolean mask of the merged export
+    graph: its last query sees every real key (and itself, the last key, which no other key follows),
+    so its row is the padding mask ALiBi counts positions over."""
+    if attention_mask.dim() == 4 and attention_mask.dtype == torch.bool:
+        attention_mask = attention_mask[:, 0, -1].long()
+    return bloom_alibi(attention_mask, num_heads, dtype)
+
+
+class BloomGQAAttention(_GQA, BloomAttention):
+    """query_key_value rows grouped per kv head like GPT-NeoX's ([G query heads | k_g | v_g]; G = 1 is
+    bloom's own per-head interleave). Scores run through SDPA with ALiBi (per query head, so pooling
+    K/V keeps every head's slope) plus the causal mask as the additive mask: one fused Attention node
+    per layer in an export. Bloom's mask code is eager's (a float mask, always made)."""
+
+    base = BloomAttention
+    attn_implementation = "eager"
+    always = True
+
+    @classmethod
+    def prepare(cls, model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, BloomModel):
+                module.build_alibi_tensor = _alibi_any_mask.__get__(module)
+
+    @classmethod
+    def _shrink(cls, module: nn.Module, q_size: int, kv_size: int) -> None:
+        module.query_key_value = _resized_linear(module.query_key_value, q_size + 2 * kv_size)
+
+    # Replaces BloomAttention.forward (transformers 5.x): same arguments and results, SDPA inside.
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        alibi: torch.Tensor,
+        attention_mask: torch.Tensor,
+        layer_past: Cache | None = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        batch, length, _ = hidden_states.shape
+        query, key, value = _split_grouped(self.query_key_value(hidden_states), self.num_key_value_heads, self.head_dim)
+        if layer_past is not None:
+            key, value = layer_past.update(key, value, self.layer_idx)
+        if attention_mask.dtype == torch.bool:  # True = attend (the merged export's mask)
+            attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask, torch.finfo(query.dtype).min)
+        bias = alibi.view(batch, self.num_heads, 1, -1).to(query.dtype) + attention_mask
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=bias, dropout_p=self.attention_dropout.p if self.training else 0.0,
+            scale=self.inv_norm_factor, enable_gqa=self.num_key_value_groups > 1,
+        )  # fmt: skip
+        out = self.dense(out.transpose(1, 2).reshape(batch, length, -1))
+        return dropout_add(out, residual, self.hidden_dropout, self.training), None
+
+
 # model_type -> GQA attention class, for families whose transformers code has no GQA.
 GQA_ATTENTION: dict[str, type[_GQA]] = {
     "gpt2": GPT2GQAAttention,
@@ -240,6 +318,8 @@ GQA_ATTENTION: dict[str, type[_GQA]] = {
     "opt": OPTGQAAttention,
     "bert": BertGQASelfAttention,
     "roberta": RobertaGQASelfAttention,
+    "gptj": GPTJGQAAttention,
+    "bloom": BloomGQAAttention,
 }
 
 
@@ -295,16 +375,22 @@ def _model_class(config: transformers.PretrainedConfig) -> type[transformers.Pre
 
 def _gqa_class(config: transformers.PretrainedConfig, heads: int, kv_heads: tuple[int, ...]) -> type[_GQA] | None:
     """The attention class to swap in, or None when transformers' own class serves (resized per layer if need be)."""
+    gqa = GQA_ATTENTION.get(config.model_type)
     if all(kv == heads for kv in kv_heads):
-        return None
-    if config.model_type in GQA_ATTENTION:
-        return GQA_ATTENTION[config.model_type]
-    if hasattr(type(config), "num_key_value_heads"):  # native GQA: the config class declares it
+        return gqa if gqa and gqa.always else None
+    if gqa:
+        return gqa
+    if hasattr(type(config), "num_key_value_heads") or _spec_native(config):  # native GQA: the config class declares it
         return None
     raise BadInput(
         f"model_type {config.model_type!r} has no grouped-query support in transformers or headfold "
         f"(headfold adds it for {', '.join(GQA_ATTENTION)}); use num_key_value_heads={heads}"
     )
+
+
+def _spec_native(config: transformers.PretrainedConfig) -> bool:
+    """Whether headfold's spec says transformers groups this family's K/V itself (gpt_bigcode: multi_query)."""
+    return config.model_type in supported_model_types() and spec_for(config.model_type).native_gqa
 
 
 def _open(file: Path) -> safe_open:
@@ -352,6 +438,9 @@ def _resize_native(model: nn.Module, facts: CheckpointFacts) -> None:
         for projection in kv_projections:
             attribute = projection.weight.removesuffix(".weight")
             setattr(module, attribute, _resized_linear(getattr(module, attribute), sizes[projection.weight][1]))
+        norms = (spec.head_norms or {}).get("k", "").split("." + HEAD)[0]  # StableLM: a ModuleList, one norm per kv head
+        if norms and norms.split(".")[0] in module._modules:  # present with qk_layernorm only
+            del module.get_submodule(norms)[kv_heads[layer] :]
         module.num_key_value_groups = heads // kv_heads[layer]
         if hasattr(module, "num_key_value_heads"):
             module.num_key_value_heads = kv_heads[layer]
@@ -371,9 +460,10 @@ def _build(
     """The model with GQA attention swapped in, weights uninitialized (they are loaded next), tied."""
     config = copy.deepcopy(config)  # _from_config writes dtype / attention choice into it
     with torch.device(device), no_init_weights():
-        model = cls._from_config(config, dtype=dtype, attn_implementation=_ATTN_IMPLEMENTATION)
+        model = cls._from_config(config, dtype=dtype, attn_implementation=gqa.attn_implementation if gqa else _ATTN_IMPLEMENTATION)
         if gqa is not None:
             _swap_attention(model, gqa, facts)
+            gqa.prepare(model)
         elif len(set(facts.kv_heads)) > 1:
             _resize_native(model, facts)
     model.tie_weights()  # no_init_weights also skipped tying

@@ -71,7 +71,7 @@ def pool_heads(heads: np.ndarray, kv_heads: int, how: str, code: str) -> np.ndar
 
 
 def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, how: str) -> dict[str, np.ndarray]:
-    """One layer's K/V tensors (or its fused QKV tensors) pooled to `target`, by tensor name."""
+    """One layer's K/V tensors (or its fused QKV tensors) and per-head K norms pooled to `target`, by tensor name."""
     spec, shape, layer = ckpt.spec, ckpt.layer_shapes[index], ckpt.attention.layers[index]
 
     def read(suffix: str) -> tuple[np.ndarray, str]:
@@ -80,6 +80,10 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, how: st
         return read_array(ckpt.byte_range(info.name), code, info.shape), code
 
     out: dict[str, np.ndarray] = {}
+    if (norms := spec.head_norm_suffixes("k", shape.kv_heads)) and norms[0] in layer:  # one per kv head: pooled alike
+        stacked = np.stack([read(n)[0] for n in norms])
+        pooled = pool_heads(stacked, target.kv_heads, how, ckpt.tensors[layer[norms[0]]].code)
+        out |= {layer[n]: norm for n, norm in zip(norms, pooled)}
     if f := spec.fused_qkv:
         for suffix, axis in ((f.weight, f.head_axis), (f.bias, 0)):
             if suffix in layer:

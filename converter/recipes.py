@@ -26,6 +26,7 @@ class LayerContext:
     inputs: Any = None  # torch.Tensor [tokens, hidden]: this layer's attention input on calibration text
     rotary: int = 0  # leading head dims that RoPE rotates in (i, i + rotary/2) pairs; 0 = no RoPE
     rotate_keys: bool = True  # False when a per-dimension norm follows W_Q / W_K
+    interleaved: bool = False  # RoPE pairs dims (2i, 2i + 1) (GPT-J) instead of (i, i + rotary/2)
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,17 @@ A spec names tensors by their suffix below an arbitrary prefix (``model.``, ``be
 none), with ``{layer}`` standing for the layer index. ``head_axis`` is the weight axis that
 is split into heads: 0 for ``nn.Linear`` Q/K/V, 1 for its O projection, the reverse for
 GPT-2's transposed ``Conv1D``.
+
+Optional facts a family may add: per-head norms after W_Q / W_K (``head_norms``, ``{head}`` standing
+for the head index), RoPE's pairing of dimensions, ALiBi, MQA as the only grouping transformers
+knows (``multi_query``), and another family an MQA conversion is written as (``mqa_as``).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Any, Literal
@@ -19,6 +23,8 @@ from headfold.ground.errors import BadInput
 
 Role = Literal["q", "k", "v", "o"]
 FusedLayout = Literal["blocks", "grouped"]
+RotaryPairs = Literal["half", "interleaved"]
+HEAD = "{head}"  # stands for the head index in a per-head tensor suffix
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,28 @@ class ConfigKeys:
     layers: str
     kv_heads: str = "num_key_value_heads"
     head_dim: str | None = "head_dim"
+    multi_query: str | None = None  # a boolean key meaning 1 kv head (gpt_bigcode); kv_heads then follows it
+
+
+@dataclass(frozen=True)
+class Retarget:
+    """Writing a conversion as another transformers family with the same maths (GPT-2 MQA as gpt_bigcode).
+
+    ``transpose`` and ``drop`` are tensor suffixes (``{layer}`` for the index, any prefix before):
+    weights the target stores transposed (GPT-2's Conv1D → nn.Linear) and stale buffers it lacks.
+    ``refuse_if`` are source config values the target cannot express: such a source keeps its family.
+    """
+
+    model_type: str
+    architectures: dict[str, str]  # source class → target class
+    config: dict[str, Any]  # values set in the source's config.json
+    transpose: tuple[str, ...] = ()
+    drop: tuple[str, ...] = ()
+    refuse_if: dict[str, Any] = field(default_factory=dict)
+
+    def applies(self, config: dict[str, Any]) -> bool:
+        known = config.get("architectures") or []
+        return bool(known) and known[0] in self.architectures and not any(config.get(k) == v for k, v in self.refuse_if.items())
 
 
 @dataclass(frozen=True)
@@ -65,11 +93,37 @@ class ArchitectureSpec:
     projections: dict[Role, Projection]  # q/k/v/o, or only o when fused
     fused_qkv: FusedQKV | None = None
     qk_norm: str | None = None  # per-dimension norm after W_K (Qwen3): K may not be rotated
+    # -- optional facts added later (kept last, with defaults: specs without them are unchanged) --
+    head_norms: dict[str, str] | None = None  # "q"/"k" → per-head norm suffix with {head} (StableLM qk_layernorm)
+    rotary_pairs: RotaryPairs = "half"  # RoPE rotates dims (i, i + r/2) ("half", rotate_half) or (2i, 2i + 1) (GPT-J)
+    alibi: bool = False  # ALiBi: each query head has its own fixed slope, so query heads may not move
+    mqa_only: bool = False  # transformers knows 1 kv head or all, nothing between (gpt_bigcode's multi_query)
+    mqa_as: Retarget | None = None  # an MQA conversion is written as this family (GPT-2 → gpt_bigcode)
+    rotary_table: bool = False  # RoPE's sin/cos are a table of max-positions rows (GPT-J): no position past it
+
+    @property
+    def loads_in(self) -> str:
+        """Where a converted checkpoint of this family loads (the README's family table says the same)."""
+        if self.native_gqa:
+            return "transformers (MQA only)" if self.mqa_only else "transformers"
+        if self.mqa_as:
+            return f"headfold.load_model; MQA as {self.mqa_as.model_type}: transformers"
+        return "headfold.load_model (sentence-transformers models: headfold.sentence_transformer)" if self.kind == "encoder" else "headfold.load_model"
+
+    def head_norm_suffixes(self, role: str, heads: int) -> list[str]:
+        """The per-head norm suffixes of `role` ("q"/"k") for `heads` heads; [] without per-head norms."""
+        template = (self.head_norms or {}).get(role)
+        return [template.replace(HEAD, str(h)) for h in range(heads)] if template else []
 
     def tensor_pattern(self, suffix: str) -> re.Pattern[str]:
-        """Regex for a per-layer tensor: group 1 = prefix, group 2 = layer index."""
-        literal = re.escape(self.layer_prefix + suffix).replace(re.escape("{layer}"), r"(\d+)")
-        return re.compile(r"^(.*?)" + literal + "$")
+        """Regex for a per-layer attention tensor: group 1 = prefix, group 2 = layer index."""
+        return layer_tensor_pattern(self.layer_prefix + suffix)
+
+
+def layer_tensor_pattern(suffix: str) -> re.Pattern[str]:
+    """Regex for a tensor named `suffix` ({layer} for the index) below any prefix: group 1 = prefix, group 2 = layer."""
+    literal = re.escape(suffix).replace(re.escape("{layer}"), r"(\d+)")
+    return re.compile(r"^(.*?)" + literal + "$")
 
 
 def _projection(raw: dict[str, Any], cls: type[Projection] = Projection) -> Projection:
@@ -78,6 +132,7 @@ def _projection(raw: dict[str, Any], cls: type[Projection] = Projection) -> Proj
 
 def _parse(raw: dict[str, Any]) -> ArchitectureSpec:
     fused = raw.pop("fused_qkv", None)
+    retarget = raw.get("mqa_as")
     return ArchitectureSpec(
         family=raw["family"],
         model_types=tuple(raw["model_types"]),
@@ -89,6 +144,12 @@ def _parse(raw: dict[str, Any]) -> ArchitectureSpec:
         projections={role: _projection(p) for role, p in raw["projections"].items()},
         fused_qkv=_projection(fused, FusedQKV) if fused else None,
         qk_norm=raw.get("qk_norm"),
+        head_norms=raw.get("head_norms"),
+        rotary_pairs=raw.get("rotary_pairs", "half"),
+        alibi=raw.get("alibi", False),
+        mqa_only=raw.get("mqa_only", False),
+        rotary_table=raw.get("rotary_table", False),
+        mqa_as=Retarget(**{**retarget, "transpose": tuple(retarget.get("transpose", ())), "drop": tuple(retarget.get("drop", ()))}) if retarget else None,
     )
 
 

@@ -32,7 +32,7 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.modeling import load_model
 from headfold.converter.per_layer import collapse
 from headfold.converter.sources import checkpoint_folder
-from headfold.graphs.genai import write_model_folder
+from headfold.graphs.genai import copy_tokenizer, write_model_folder
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
@@ -417,5 +417,7 @@ def export(
             summary.genai = write_model_folder(
                 facts, tmp, model.config, MODEL_GRAPH, attention=attention, position_ids=explicit_positions
             )
+        else:  # encoder and split graphs: ORT users tokenize with the folder's own files too
+            copy_tokenizer(facts.folder, tmp)
         summary.save_in(tmp)
     return summary.to_dict()

@@ -21,7 +21,7 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.ground.artifacts import GENAI_CONFIG
 from headfold.ground.errors import read_json_object
 
-__all__ = ["TOKENIZER_FILES", "genai_config", "write_model_folder"]
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer", "genai_config", "write_model_folder"]
 
 # What Hugging Face tokenizers read, and what og.Tokenizer reads (tokenizer.json + tokenizer_config.json).
 TOKENIZER_FILES = (
@@ -31,6 +31,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "tokenizer.model",
     "vocab.json",
+    "vocab.txt",
     "merges.txt",
     "chat_template.jinja",
 )
@@ -49,6 +50,21 @@ _SEARCH = {
     "diversity_penalty": 0.0,
     "early_stopping": True,
 }
+
+
+# og needs a context length (its default max_length and the size of shared K/V buffers). A model
+# without a position limit (ALiBi: BLOOM) gets its tokenizer's model_max_length, else this.
+UNLIMITED_CONTEXT = 2048
+
+
+def _context_length(facts: CheckpointFacts) -> int:
+    if facts.positions:
+        return facts.positions
+    try:
+        stated = json.loads((facts.folder / "tokenizer_config.json").read_text()).get("model_max_length")
+    except (OSError, ValueError, AttributeError):  # none, or not a JSON object: the default
+        stated = None
+    return stated if isinstance(stated, int) and 0 < stated < 1 << 24 else UNLIMITED_CONTEXT
 
 
 def _token_ids(src: Path, config: transformers.PretrainedConfig) -> dict[str, Any]:
@@ -72,7 +88,7 @@ def genai_config(
 ) -> dict[str, Any]:
     """The genai_config.json of a merged decoder graph exported from the checkpoint `facts` describes;
     the position_ids input is named only when the graph has one (og then feeds its positions)."""
-    length = facts.positions
+    length = _context_length(facts)
     decoder = {
         "filename": graph,
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
@@ -101,8 +117,12 @@ def write_model_folder(
     """genai_config.json and the checkpoint's tokenizer files into `folder`; what was written."""
     config_text = json.dumps(genai_config(facts, config, graph, attention=attention, position_ids=position_ids), indent=2)
     (folder / GENAI_CONFIG).write_text(config_text + "\n")
-    src = facts.folder
+    return {"config": GENAI_CONFIG, "tokenizer_files": copy_tokenizer(facts.folder, folder)}
+
+
+def copy_tokenizer(src: Path, folder: Path) -> list[str]:
+    """The checkpoint's tokenizer files into an export folder (decoders and encoders alike); their names."""
     copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
     for name in copied:
         shutil.copyfile(src / name, folder / name)
-    return {"config": GENAI_CONFIG, "tokenizer_files": copied}
+    return copied

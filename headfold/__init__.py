@@ -6,7 +6,7 @@ as ``headfold.converter``, ``headfold.graphs`` and ``headfold.plugins``; heavy d
 (torch, transformers, onnx) load only when a function runs.
 """
 
-from headfold.api import build, convert, distill, export, inspect, load_model, run, verify
+from headfold.api import build, convert, distill, export, inspect, load_model, run, sentence_transformer, verify
 from headfold.ground import VERSION as __version__
 
-__all__ = ["convert", "inspect", "distill", "export", "build", "verify", "run", "load_model", "__version__"]
+__all__ = ["convert", "inspect", "distill", "export", "build", "verify", "run", "load_model", "sentence_transformer", "__version__"]

@@ -18,6 +18,7 @@ from headfold.converter.recipes import DEFAULT_METHOD
 
 if TYPE_CHECKING:
     import transformers
+    from sentence_transformers import SentenceTransformer
 
     from headfold.engines.plan import BuildPlan
     from headfold.engines.sidecar import EngineSidecar
@@ -418,6 +419,20 @@ def load_model(path: PathLike) -> transformers.PreTrainedModel:
     from headfold.converter.modeling import load_model as load
 
     return load(path)
+
+
+def sentence_transformer(path: PathLike, *, device: str | None = None) -> SentenceTransformer:
+    """A sentence-transformers checkpoint folder, converted or not, as a `SentenceTransformer`: its
+    own modules (pooling, normalize, …) as saved, the transformer built by `load_model` (plain
+    sentence-transformers cannot load a converted BERT: transformers has no GQA for it).
+
+    Args:
+        path: the folder (modules.json and the module folders, as `convert` copies them).
+        device: the torch device to run on ("cpu", "cuda"); None: sentence-transformers' choice.
+    """
+    from headfold.converter.sentence import sentence_transformer as load
+
+    return load(path, **({} if device is None else {"device": device}))
 
 
 def _path(value: PathLike | None) -> Path | None:

@@ -138,10 +138,10 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
         src, out, kv_heads, method, overwrite=output.overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle,
         progress=output.progress, builtin_text=corpus.calibration_text(), **calibration.kwargs(),
     )  # fmt: skip
+    from headfold.converter.conversion import load_hint
+
     record = manifest.load(result)
-    lines = [f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})"]
-    if record.loader != "transformers":
-        lines.append(f"load it with headfold.load_model({str(result)!r}): plain transformers has no GQA for {record.source.model_type} (docs/deploying.md)")
+    lines = [f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})", *filter(None, [load_hint(result)])]
     output.emit("\n".join(lines), {"output": str(result), **record.to_dict()}, reads)
 
 

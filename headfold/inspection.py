@@ -30,9 +30,9 @@ from tqdm.auto import tqdm
 from headfold import corpus
 from headfold.converter.calibration import WINDOW, calibrate, check_settings, sample_windows, token_ids, window_starts
 from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.conversion import calibration_text, layer_contexts, method_for
 from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.converter.sources import checkpoint_folder
-from headfold.converter.conversion import calibration_text, layer_contexts
 from headfold.converter.layout import AttentionCodec, AttentionWeights
 from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, get_method, head_activations
 from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
@@ -132,8 +132,7 @@ class LiveAttention:
 def expand_kv(attn: AttentionWeights, kv_heads: int) -> AttentionWeights:
     """The same layer with `kv_heads` K/V heads: each pooled head repeated for the source heads of its
     group. The method already made groups contiguous, so query head h reads kv head h // (H / kv_heads)."""
-    repeat = lambda t: None if t is None else t.repeat_interleave(kv_heads // attn.kv_heads, 0)  # noqa: E731
-    return attn.with_kv(repeat(attn.k), repeat(attn.v), repeat(attn.k_bias), repeat(attn.v_bias))
+    return attn.map_kv(lambda t: t.repeat_interleave(kv_heads // attn.kv_heads, 0))
 
 
 class LayerConverter:
@@ -312,7 +311,12 @@ def inspect_checkpoint(
         if len(set(ckpt.layer_shapes)) > 1:
             raise BadInput(f"{source} already has per-layer kv heads; inspect the checkpoint it was converted from")
         ckpt.facts.require_positions(WINDOW, f"inspect (it measures the loss on windows of {WINDOW} tokens)", "inspect a model that takes them", table_only=True)
+        recipe = method_for(ckpt, method)  # ALiBi refuses grouped, clip_qkv rotations: as convert does
         cands = parse_candidates(candidates, ckpt.shape.kv_heads)
+        if ckpt.spec.mqa_only:  # gpt_bigcode: 1 kv head in every layer, or none pooled
+            if kv_budget is not None:
+                raise BadInput(f"{ckpt.spec.family} has multi-query attention in every layer or none, so no per-layer plan; drop --kv-budget")
+            cands = [1]
         budget = None if kv_budget is None else budget_total(kv_budget, ckpt.shape.kv_heads * ckpt.layers)
         if budget is not None:  # infeasible budgets fail before the slow part
             best_plan([dict.fromkeys([*cands, ckpt.shape.kv_heads], 0.0)] * ckpt.layers, budget)

@@ -194,12 +194,13 @@ def run(
 def check_convertible(src: Path, kv_heads: int | Sequence[int], method: str, allow_pickle: bool) -> None:
     """What the convert stage would refuse (method, weights and their index, kv heads), before any stage writes."""
     from headfold.converter.checkpoint import SourceCheckpoint
-    from headfold.converter.conversion import target_shapes
+    from headfold.converter.conversion import method_for, target_shapes
     from headfold.converter.recipes import get_method
 
     get_method(method)
     with SourceCheckpoint(src, allow_pickle=allow_pickle) as ckpt:
         target_shapes(ckpt, kv_heads)
+        method_for(ckpt, method)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ before the checkpoint is written, so the output is a plain checkpoint again.
 from __future__ import annotations
 
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.ground.errors import BadInput
@@ -47,7 +48,8 @@ def select(model: nn.Module, ckpt: SourceCheckpoint, names: dict[str, str], mode
 def _lora(model: nn.Module, attention: set[str]) -> tuple[nn.Module, set[str]]:
     import peft
 
-    weights = sorted(n for n in attention if n.endswith(".weight"))
+    projections = (nn.Linear, Conv1D)  # what LoRA adapts: not the per-head norms (StableLM) among attention tensors
+    weights = sorted(n for n in attention if n.endswith(".weight") and isinstance(model.get_submodule(n.removesuffix(".weight")), projections))
     config = peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0, target_modules=[w.removesuffix(".weight") for w in weights])
     return peft.get_peft_model(model, config), set(weights)
 

@@ -12,12 +12,14 @@ import torch
 import transformers
 from support.checkpoint_edits import edit_attention, identical_heads
 from safetensors import safe_open
+from safetensors.torch import save_file
 from support.tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
 from headfold import convert
 from headfold.converter.modeling import load_model
+from headfold.ground.errors import BadInput
 
-NATIVE_GQA = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+NATIVE_GQA = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi", "gemma", "olmo", "stablelm")
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -116,6 +118,8 @@ POOLED = {  # family → (tensor-name suffixes that change, reference)
     "gpt2": (("c_attn.weight", "c_attn.bias"), expected_gpt2),
     "phi3": (("qkv_proj.weight",), expected_phi3),
     "gpt_neox": (("query_key_value.weight", "query_key_value.bias"), expected_neox),
+    "bloom": (("query_key_value.weight", "query_key_value.bias"), expected_neox),  # the same per-head interleave
+    "gptj": (("attn.k_proj.weight", "attn.v_proj.weight"), expected_separate),
 }
 
 
@@ -163,9 +167,73 @@ def test_llama_family_loads_in_plain_transformers(family: str, tiny_checkpoint, 
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert model.config.num_key_value_heads == 2
     assert model.model.layers[0].self_attn.config.num_key_value_heads == 2
+    assert json.loads((out / "headfold.json").read_text())["loader"] == "transformers"
     logits = outputs(out, model)
     assert torch.isfinite(logits).all()
     assert torch.equal(logits, outputs(out))
+
+
+def test_phi_with_qk_layernorm_keeps_keys_unrotated(tiny_checkpoint, tmp_path: Path) -> None:
+    """Phi's optional q/k LayerNorm is shared by all heads: identical heads pool losslessly, and the
+    data-aware methods leave K unrotated (a LayerNorm is no rotation invariant), lossless at identity."""
+    src = tiny_checkpoint("phi", qk_layernorm=True)
+    same = with_identical_heads(src, tmp_path / "same", 4)
+    assert (outputs(same) - outputs(convert(same, tmp_path / "mean", kv_heads=2, progress=False))).abs().max().item() <= 1e-5
+    best = convert(src, tmp_path / "best", kv_heads=HEADS, method="aligned+grouped+refit", calibration="weights", progress=False)
+    assert (outputs(src) - outputs(best)).abs().max().item() <= 1e-4
+
+
+def test_stablelm_pools_one_norm_per_kv_head(tiny_checkpoint, tmp_path: Path) -> None:
+    """qk_layernorm: 8 query-head norms stay, the 8 kv-head norms become 2, pooled like their K heads."""
+    src = tiny_checkpoint("stablelm")
+    for method in ("mean", "first"):
+        out = convert(src, tmp_path / method, kv_heads=2, method=method, progress=False)
+        before, after = read_tensors(src), read_tensors(out)
+        for layer in range(2):
+            norm = lambda i: f"model.layers.{layer}.self_attn.k_layernorm.norms.{i}.weight"  # noqa: E731
+            expected = pool(torch.stack([before[norm(i)] for i in range(HEADS)]), 2, method)
+            assert [torch.equal(after[norm(i)], expected[i]) for i in range(2)] == [True, True]
+            assert norm(2) not in after and f"model.layers.{layer}.self_attn.q_layernorm.norms.7.weight" in after
+        assert len(after) == len(before) - 2 * (HEADS - 2)
+
+
+def test_gpt2_mqa_is_written_as_gpt_bigcode(tiny_checkpoint, tmp_path: Path) -> None:
+    """kv 1: GPTBigCode (multi_query, nn.Linear weights) that plain transformers loads; logits equal
+    headfold.load_model's of the same folder and, with identical heads, the source's."""
+    src = with_identical_heads(tiny_checkpoint("gpt2"), tmp_path / "same", HEADS)
+    out = convert(src, tmp_path / "mqa", kv_heads=1, method="mean", progress=False)
+    config, manifest = (json.loads((out / name).read_text()) for name in ("config.json", "headfold.json"))
+    assert (config["model_type"], config["architectures"], config["multi_query"]) == ("gpt_bigcode", ["GPTBigCodeForCausalLM"], True)
+    assert (manifest["loader"], manifest["source"]["model_type"]) == ("transformers", "gpt2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == "GPTBigCodeForCausalLM"
+    assert torch.equal(outputs(out, model), outputs(out))
+    assert (outputs(src) - outputs(out)).abs().max().item() <= 1e-5
+    before, after = read_tensors(src), read_tensors(out)
+    assert torch.equal(after["transformer.h.0.mlp.c_fc.weight"], before["transformer.h.0.mlp.c_fc.weight"].T)
+    per_layer = convert(src, tmp_path / "plan", kv_heads=[1, 2], method="mean", progress=False)  # bigcode's multi_query is all layers or none
+    assert json.loads((per_layer / "config.json").read_text())["model_type"] == "gpt2"
+
+
+def test_gpt_bigcode_converts_to_mqa_only(tiny_checkpoint, tmp_path: Path) -> None:
+    """An MHA gpt_bigcode (multi_query false) converts natively to MQA; 2 kv heads are refused."""
+    mqa = convert(tiny_checkpoint("gpt2"), tmp_path / "mqa", kv_heads=1, method="mean", progress=False)
+    mha = tmp_path / "mha"
+    mha.mkdir()
+    config = json.loads((mqa / "config.json").read_text())
+    tensors = read_tensors(mqa)  # MQA rows [Q | k | v] → MHA per-head rows [q_h | k | v], K/V repeated
+    for name, t in tensors.items():
+        if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+            q, k, v = t.split([HEADS * 8, 8, 8])
+            tensors[name] = torch.cat([torch.cat([q_h, k, v]) for q_h in q.split(8)])
+    save_file(tensors, mha / "model.safetensors", metadata={"format": "pt"})
+    (mha / "config.json").write_text(json.dumps({**config, "multi_query": False, "num_key_value_heads": HEADS}))
+    assert (outputs(mha) - outputs(mqa)).abs().max().item() <= 1e-5  # the MHA twin computes the same
+    again = convert(mha, tmp_path / "again", kv_heads=1, method="mean", progress=False)
+    assert json.loads((again / "config.json").read_text())["multi_query"] is True
+    assert (outputs(again) - outputs(mqa)).abs().max().item() <= 1e-5
+    with pytest.raises(BadInput, match="multi-query attention .* or none"):
+        convert(mha, tmp_path / "two", kv_heads=2, method="mean", progress=False)
 
 
 def test_already_gqa_source_converts_further(tmp_path: Path) -> None:
@@ -216,3 +284,21 @@ def test_chained_conversion_records_its_parent(tiny_checkpoint, tmp_path: Path) 
 def test_encoder_output_shape(family: str, tiny_checkpoint, tmp_path: Path) -> None:
     out = convert(tiny_checkpoint(family), tmp_path / "out", kv_heads=1, method="mean", progress=False)
     assert outputs(out).shape == outputs(tiny_checkpoint(family)).shape
+
+
+def test_convert_says_what_loads_the_output(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    """The last line names the loader when plain transformers cannot load the output (nothing more otherwise)."""
+    from headfold.cli import main
+
+    cases = [
+        ("gpt2", "2", "transformers has no grouped-query gpt2"),
+        ("llama", "4,2", "its layers have different kv-head counts"),
+        ("llama", "2", None),
+        ("gpt2", "1", None),  # written as gpt_bigcode
+    ]
+    for family, kv, why in cases:
+        out = tmp_path / f"{family}-{kv}"
+        assert main(["convert", str(tiny_checkpoint(family)), str(out), "--kv-heads", kv, "-q"]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        expected = f"plain transformers cannot load {out} ({why}): load it with headfold.load_model" if why else f"wrote {out} ("
+        assert last.startswith(expected), last

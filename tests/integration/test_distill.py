@@ -74,6 +74,22 @@ def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, t
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["phi", "gemma", "olmo", "stablelm", "gptj", "bloom"])
+def test_added_families_distill(family: str, tiny_checkpoint, text_file: Path, tmp_path: Path) -> None:
+    """A student equal to its teacher stays byte-identical; a pooled StableLM gets closer in a few LoRA
+    steps (adapters on the projections only, not on its per-head norms)."""
+    teacher = tiny_checkpoint(family, **TINY)
+    same = convert(teacher, tmp_path / "kv8", 8, method="mean", progress=False)
+    out = distill(teacher, same, tmp_path / "same-out", data=text_file, steps=2, **FAST)
+    assert record(out)["final_eval"]["kl"] < 1e-6 and weights(out).keys() == weights(same).keys()
+    assert all(torch.equal(weights(same)[k], t) for k, t in weights(out).items())
+    if family == "stablelm":
+        student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
+        out = distill(teacher, student, tmp_path / "lora", data=text_file, steps=3, train="lora", lr=1e-2, **FAST)
+        assert record(out)["final_eval"]["kl"] < record(out)["initial_eval"]["kl"]
+
+
 def test_until_stops_at_the_first_evaluation_that_meets_the_target(teacher: Path, text_file: Path, tmp_path: Path) -> None:
     student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=5, until_kl=1e9, **FAST)

@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 from support.ort_decoding import session
-from support.tiny_models import HEADS
+from support.tiny_models import HEADS, MERGED_CASES
 
 from headfold import convert
 from headfold.converter.modeling import load_model
@@ -23,18 +23,21 @@ ATOL = 1e-4
 LAYERS = 2
 CHUNKS = (5, 6, 1, 3)  # a prompt, a multi-token append, one generated token, another append (15 tokens)
 
-# (family, kv heads); the first two run by default, the rest are slow.
+# (family, kv heads); the first two run by default, the rest are slow. gpt2 at kv 1 is written as gpt_bigcode.
 CASES = [("llama", 2), ("gpt2", 1)] + [
-    pytest.param(*case, marks=pytest.mark.slow) for case in [("qwen2", 4), ("phi3", 2), ("gpt_neox", 2), ("opt", 4), ("qwen3", (4, 2))]
+    pytest.param(*case, marks=pytest.mark.slow) for case in [("qwen2", 4), ("phi3", 2), ("gpt_neox", 2), ("opt", 4), ("qwen3", (4, 2)), *MERGED_CASES]
 ]
 
 
 @pytest.fixture(scope="module")
-def merged(tiny_checkpoint, tmp_path_factory):
-    """merged(family, kv, config={overrides}, **export options) → (checkpoint, export folder), cached."""
+def merged(tiny_checkpoint, tiny_export, tmp_path_factory):
+    """merged(family, kv, config={overrides}, **export options) → (checkpoint, export folder), cached
+    (the session's, shared with other modules, for the family's own tiny model)."""
     cache: dict[tuple, tuple[Path, Path]] = {}
 
     def get(family: str, kv, config: dict | None = None, **options) -> tuple[Path, Path]:
+        if not config:
+            return tiny_export(family, None if kv == HEADS else kv, graphs="merged", **options)
         key = (family, kv, tuple(sorted((config or {}).items())), tuple(sorted(options.items())))
         if key not in cache:
             folder = tmp_path_factory.mktemp(f"{family}-merged")

@@ -55,7 +55,7 @@ def test_minilm_kv4_ort_matches_torch(tmp_path: Path) -> None:
     summary = json.loads((onnx_dir / "export.json").read_text())
     assert summary["graphs"]["model.onnx"]["attention_kv_heads"] == [4] * 6
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(onnx_dir)  # the export folder carries the tokenizer
     batch = tokenizer(TEXTS, padding=True, truncation=True, max_length=128, return_tensors="pt")
     assert (batch["attention_mask"] == 0).any()  # padding is exercised
     with torch.no_grad():

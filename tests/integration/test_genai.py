@@ -19,6 +19,8 @@ import onnx
 import pytest
 import torch
 
+from support.tiny_models import MERGED_CASES, VOCAB
+
 from headfold import convert, corpus
 from headfold.converter.modeling import load_model
 from headfold.graphs.export import export
@@ -155,6 +157,15 @@ def test_per_layer_plan_generates_torch_tokens(folders) -> None:
 def test_tiny_conversions_generate_torch_tokens(folders, name: str) -> None:
     checkpoint, folder = folders(name)
     _assert_same_tokens(checkpoint, folder, _tiny_prompts(json.loads((checkpoint / "config.json").read_text())["vocab_size"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "kv"), MERGED_CASES)
+def test_added_families_generate_torch_tokens(tiny_export, family: str, kv: int) -> None:
+    """og runs any merged decoder graph (model type "decoder"), whatever the family: batch 1 and a
+    right-padded batch 4, generated tokens after the pads (ALiBi positions count real tokens only)."""
+    checkpoint, folder = tiny_export(family, kv, graphs="merged")
+    _assert_same_tokens(checkpoint, folder, _tiny_prompts(VOCAB))
 
 
 @pytest.mark.slow

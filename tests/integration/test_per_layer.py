@@ -29,7 +29,7 @@ from headfold.ground.errors import BadInput
 from headfold.verification.artifacts import attention_info
 
 MIXED = (4, 2)
-LOSSLESS_FAMILIES = ("llama", "qwen3", "phi3", "gpt2", "gpt_neox", "opt", "bert")
+LOSSLESS_FAMILIES = ("llama", "qwen3", "phi3", "gpt2", "gpt_neox", "opt", "bert", "stablelm", "gptj", "bloom")
 HEAD_DIM = 8  # tiny models: hidden 64 / 8 heads (qwen3: explicit head_dim 8)
 
 

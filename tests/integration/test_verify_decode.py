@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 from polygraphy.backend.base import BaseRunner
+from support.tiny_models import MERGED_CASES
 
 from headfold import convert
 from headfold.cli import main
@@ -101,6 +102,16 @@ def test_decode_fidelity_passes(exports, name: str) -> None:
     assert decode.candidate["runner"] == f"onnxruntime:{graphs[1]}" and decode.candidate["decode_steps"] == 16
     assert {f"{graph}_sha256" for graph in graphs} <= set(decode.candidate)
     print(f"{name}: decode max abs {decode.metrics['max_abs_err']:.3g}, prefill max abs {prefill.metrics['max_abs_err']:.3g}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "kv"), MERGED_CASES)
+def test_added_families_verify_against_their_export(tiny_export, family: str, kv: int) -> None:
+    """Prefill and KV-cache decode fidelity of each added family's merged graph (random ids: no tokenizer)."""
+    checkpoint, onnx_dir = tiny_export(family, kv, graphs="merged")  # shared with the export and genai tests
+    report = verify(checkpoint, onnx_dir, inputs=SPEC)
+    assert [c.name for c in report.checks] == ["fidelity", "fidelity-decode"] and report.passed
+    assert all(c.metrics["top1"] == 1.0 and c.metrics["max_abs_err"] <= ATOL for c in report.checks)
 
 
 @pytest.mark.slow

@@ -33,7 +33,6 @@ def identical_heads(group: int) -> Callable[[AttentionWeights, LayerContext], At
     """K/V heads identical inside each contiguous group of `group` heads."""
 
     def edit(attn: AttentionWeights, ctx: LayerContext) -> AttentionWeights:
-        same = (t if t is None else t[::group].repeat_interleave(group, 0) for t in (attn.k, attn.v, attn.k_bias, attn.v_bias))
-        return attn.with_kv(*same)
+        return attn.map_kv(lambda t: t[::group].repeat_interleave(group, 0))
 
     return edit

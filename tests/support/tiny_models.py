@@ -24,12 +24,22 @@ FAMILIES: tuple[str, ...] = (
     "opt",
     "bert",
     "roberta",
+    "phi",
+    "gemma",
+    "olmo",
+    "stablelm",
+    "gptj",
+    "bloom",
 )
 ENCODERS: frozenset[str] = frozenset({"bert", "roberta"})
+# One conversion per later-added family (kv across h/2, h/4, 1), exported as a merged graph once per
+# session (fixture tiny_export) and shared by the export and onnxruntime-genai tests.
+MERGED_CASES: tuple[tuple[str, int], ...] = (("phi", 2), ("gemma", 4), ("olmo", 1), ("stablelm", 2), ("gptj", 2), ("bloom", 2))
 
 VOCAB = 160
 HEADS = 8
 _IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 # Per-family config kwargs: (config class, architecture, kwargs). Hidden 64 / 8 heads -> head_dim 8.
 _LLAMA_LIKE = dict(
@@ -133,6 +143,27 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
             bos_token_id=0,
             eos_token_id=2,
         ),
+    ),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(_LLAMA_LIKE, resid_pdrop=0.0, embd_pdrop=0.0, partial_rotary_factor=0.5)),
+    # head_dim 8 with hidden 32: 8 heads of 8 dims are twice the model width, like Gemma-7B's 16 × 256 > 3072
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_LLAMA_LIKE, hidden_size=32, head_dim=8)),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(_LLAMA_LIKE)),
+    # partial rotary, q/k biases and one LayerNorm per head on Q and K (qk_layernorm, StableLM-2-12B's)
+    "stablelm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        dict(_LLAMA_LIKE, partial_rotary_factor=0.5, use_qkv_bias=True, qk_layernorm=True, hidden_dropout=0.0),
+    ),
+    # GPT-J's RoPE is a sinusoid table of n_positions rows: room for calibration's 256-token windows
+    "gptj": (
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        dict(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=HEADS, n_inner=96, rotary_dim=4, **_NO_DROPOUT, **_IDS),
+    ),
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0, **_IDS),
     ),
 }
 

@@ -41,8 +41,9 @@ def test_facts_equal_what_transformers_reads(family: str, tiny_checkpoint) -> No
     assert (facts.layers, facts.heads, facts.hidden) == (config.num_hidden_layers, heads, config.hidden_size)
     assert facts.kv_heads == ((getattr(config, "num_key_value_heads", None) or heads),) * config.num_hidden_layers
     assert facts.head_dim == (getattr(config, "head_dim", None) or config.hidden_size // heads)
-    assert facts.positions == (getattr(config, "max_position_embeddings", None) or config.n_positions)
-    assert facts.position_limit == facts.positions - 2
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)  # bloom (ALiBi): none
+    assert facts.positions == positions
+    assert facts.position_limit == (positions - 2 if positions else None)
     assert facts.vocab_size == config.vocab_size
     assert facts.dtype == torch.float32 and facts.tokenizer is None
 
@@ -66,7 +67,7 @@ def test_tensor_index_offsets_read_the_stored_tensors(family: str, tiny_checkpoi
 
 @pytest.mark.parametrize(
     "family, dims, fraction",
-    [("llama", 8, 1.0), ("qwen3", 8, 1.0), ("gpt_neox", 4, 0.5), ("gpt2", 0, 0.0), ("bert", 0, 0.0)],
+    [("llama", 8, 1.0), ("qwen3", 8, 1.0), ("gpt_neox", 4, 0.5), ("gpt2", 0, 0.0), ("bert", 0, 0.0), ("phi", 4, 0.5), ("gptj", 4, 0.5), ("bloom", 0, 0.0)],
 )
 def test_rotary_dims_and_fraction(family: str, dims: int, fraction: float, tiny_checkpoint) -> None:
     rotary = CheckpointFacts.read(tiny_checkpoint(family)).rotary

@@ -16,9 +16,10 @@ from support.tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, samp
 from headfold.converter.modeling import load_model
 from headfold.ground.errors import BadInput
 
-NON_NATIVE = ("gpt2", "gpt_neox", "opt", "bert", "roberta")
-NATIVE = ("llama", "mistral", "qwen2", "qwen3")  # phi3 (fused qkv_proj) is covered by the parity test only
-DECODERS = ("gpt2", "gpt_neox", "opt", "llama")  # llama: native-GQA control
+NON_NATIVE = ("gpt2", "gpt_neox", "opt", "bert", "roberta", "gptj", "bloom")
+# phi3 (fused qkv_proj) and stablelm (one norm per kv head) are covered by test_convert's identical heads
+NATIVE = ("llama", "mistral", "qwen2", "qwen3", "phi", "gemma", "olmo")
+DECODERS = ("gpt2", "gpt_neox", "opt", "gptj", "bloom", "llama")  # llama: native-GQA control
 
 
 def _output(model: transformers.PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -84,6 +85,8 @@ _KV_TENSORS: dict[str, tuple[str, Callable[..., torch.Tensor]]] = {
     **dict.fromkeys(NATIVE, (r"\.self_attn\.[kv]_proj\.(weight|bias)$", _separate)),
     "bert": (r"\.attention\.self\.(key|value)\.(weight|bias)$", _separate),
     "roberta": (r"\.attention\.self\.(key|value)\.(weight|bias)$", _separate),
+    "gptj": (r"\.attn\.[kv]_proj\.weight$", _separate),
+    "bloom": (r"\.self_attention\.query_key_value\.(weight|bias)$", _neox),  # the same per-head interleave
 }
 
 
@@ -135,7 +138,8 @@ def test_source_checkpoint_matches_from_pretrained(tmp_path: Path, family: str) 
     folder = make_checkpoint(family, tmp_path)
     model = load_model(folder)
     batch = sample_batch(model.config)
-    assert not model.training and model.config._attn_implementation == "sdpa"
+    # bloom's mask code is eager's; its swapped-in attention runs SDPA (modeling.BloomGQAAttention)
+    assert not model.training and model.config._attn_implementation == ("eager" if family == "bloom" else "sdpa")
     diff = _max_diff(_output(model, batch), _output(_hf_model(folder), batch))
     assert diff <= 1e-6
 
