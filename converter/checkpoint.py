@@ -20,13 +20,14 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from safetensors import SafetensorError, safe_open
 
 from headfold.converter.layout import HeadShape, expected_shapes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
 from headfold.converter.spec import ArchitectureSpec, ConfigKeys, spec_for, supported_model_types
+from headfold.converter.support import common_keys, export_blocker, unconverted_kind, unsupported
 from headfold.ground import inputs
 from headfold.ground.errors import BadInput
 
@@ -59,7 +60,6 @@ DEQUANTIZE = "headfold pools floating-point weights: dequantize first (e.g. load
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 # Leave room for position offsets such as RoBERTa's padding_idx + 1.
 SPARE_POSITIONS = 2
-COMMON_KEYS = ConfigKeys("num_attention_heads", "hidden_size", "num_hidden_layers")  # families without a spec
 WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|onnx_data|onnx\.data|ot|gguf)$|.*\.(safetensors|bin)\.index\.json$")
 
 
@@ -140,7 +140,7 @@ def _check_config(config: dict[str, Any], spec: ArchitectureSpec | None) -> None
     if quantization := config.get("quantization_config"):
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         raise BadInput(f"config.json has a quantization_config (quant_method {inputs.shown(method)}): {DEQUANTIZE}")
-    keys = spec.config if spec else COMMON_KEYS
+    keys = spec.config if spec else common_keys(config.get("model_type"))
     for key in (keys.heads, keys.hidden, keys.layers, keys.kv_heads, keys.head_dim, "vocab_size", "intermediate_size", "max_position_embeddings", "n_positions"):
         if key and config.get(key) is not None:
             _positive_int(config, key)
@@ -232,6 +232,17 @@ def _positive_int(config: dict[str, Any], key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise BadInput(f"config.json: {key!r} must be a positive integer, found {inputs.shown(value)}")
     return value
+
+
+def _spec_or_refusal(config: dict[str, Any], convertible: bool) -> ArchitectureSpec | None:
+    """The family's spec; None for a family headfold does not convert but exports as it is. Any
+    other model (or any unconverted one, when `convertible`) gets the one unsupported line."""
+    model_type = config.get("model_type")
+    if model_type in supported_model_types():
+        return spec_for(model_type)
+    if convertible or export_blocker(config):
+        raise unsupported(config)
+    return None
 
 
 def _head_shape(config: dict[str, Any], keys: ConfigKeys) -> HeadShape:
@@ -328,10 +339,9 @@ class CheckpointFacts:
             raise BadInput(f"source {folder} is not a folder; pass a Hugging Face checkpoint folder")
         check_links(folder)
         config = _read_config(folder)
-        model_type = config.get("model_type")
-        spec = spec_for(model_type) if convertible or model_type in supported_model_types() else None
+        spec = _spec_or_refusal(config, convertible)
         _check_config(config, spec)
-        keys = spec.config if spec else COMMON_KEYS
+        keys = spec.config if spec else common_keys(config.get("model_type"))
         shape = _head_shape(config, keys)
         layers = _positive_int(config, keys.layers)
         return cls(
@@ -349,6 +359,11 @@ class CheckpointFacts:
             vocab_size=config.get("vocab_size"),
             tokenizer=tokenizer_location(folder),
         )
+
+    @property
+    def kind(self) -> Literal["decoder", "encoder"]:
+        """Decoder (causal LM: generates, exports with a KV cache) or encoder: the one place that says."""
+        return self.spec.kind if self.spec else unconverted_kind(self.config)
 
     def require_positions(self, needed: int, why: str, fix: str = "fix config.json", *, table_only: bool = False) -> None:
         """BadInput unless the model takes `needed` positions (its limit less SPARE_POSITIONS).
@@ -528,7 +543,7 @@ class SourceCheckpoint:
     def __init__(self, folder: Path, *, allow_pickle: bool = False) -> None:
         self.facts = CheckpointFacts.read(folder, convertible=True)
         self.folder, self.config, self.spec = self.facts.folder, self.facts.config, self.facts.spec
-        assert self.spec is not None  # convertible=True: spec_for raised otherwise
+        assert self.spec is not None  # convertible=True: read refused the family otherwise
         self.shape = self.facts.shape  # kv_heads: the largest layer's
         self.layers = self.facts.layers
         self.layer_shapes = self.facts.layer_shapes

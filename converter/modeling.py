@@ -380,7 +380,7 @@ def _gqa_class(config: transformers.PretrainedConfig, heads: int, kv_heads: tupl
         return gqa if gqa and gqa.always else None
     if gqa:
         return gqa
-    if hasattr(type(config), "num_key_value_heads") or _spec_native(config):  # native GQA: the config class declares it
+    if _native_gqa(config):
         return None
     raise BadInput(
         f"model_type {config.model_type!r} has no grouped-query support in transformers or headfold "
@@ -388,9 +388,12 @@ def _gqa_class(config: transformers.PretrainedConfig, heads: int, kv_heads: tupl
     )
 
 
-def _spec_native(config: transformers.PretrainedConfig) -> bool:
-    """Whether headfold's spec says transformers groups this family's K/V itself (gpt_bigcode: multi_query)."""
-    return config.model_type in supported_model_types() and spec_for(config.model_type).native_gqa
+def _native_gqa(config: transformers.PretrainedConfig) -> bool:
+    """Whether transformers groups this family's K/V itself: the spec says so (gpt_bigcode: multi_query);
+    for a family without a spec, its config class declares num_key_value_heads."""
+    if config.model_type in supported_model_types():
+        return spec_for(config.model_type).native_gqa
+    return hasattr(type(config), "num_key_value_heads")
 
 
 def _open(file: Path) -> safe_open:
@@ -609,7 +612,7 @@ def load_model(path: str | os.PathLike | CheckpointFacts, *, dtype: torch.dtype 
         _plan(_build(cls, config, facts, gqa, model_dtype, device="meta"), facts, meta, converters_ok=False)  # before allocating
         model = _build(cls, config, facts, gqa, model_dtype, device="cpu")
         _load_weights(model, _plan(model, facts, meta, converters_ok=False), files)
-        _finish_like_from_pretrained(model, folder)
+        _finish_like_from_pretrained(model, facts)
     return model.eval()
 
 
@@ -630,10 +633,10 @@ def empty_model(facts: CheckpointFacts, shapes: dict[str, tuple[int, ...]]) -> t
     return model.eval(), plan
 
 
-def _finish_like_from_pretrained(model: transformers.PreTrainedModel, folder: Path) -> None:
+def _finish_like_from_pretrained(model: transformers.PreTrainedModel, facts: CheckpointFacts) -> None:
     """What from_pretrained also does: record the source and use its generation defaults."""
-    model.config.name_or_path = str(folder)
-    if model.can_generate() and (generation := _generation_config(folder)) is not None:
+    model.config.name_or_path = str(facts.folder)
+    if facts.kind == "decoder" and (generation := _generation_config(facts.folder)) is not None:
         model.generation_config = generation
 
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, first_line
 
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})")
@@ -86,5 +86,4 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
     except hub.RepositoryNotFoundError:
         raise BadInput(f"{repo_id} is neither a local folder nor a model on the Hugging Face hub (or it is private: set HF_TOKEN); check the name") from None
     except (hub.HfHubHTTPError, OSError) as err:
-        first_line = next(iter(str(err).strip().splitlines()), type(err).__name__)
-        raise BadInput(f"cannot fetch {at} from the Hugging Face hub ({first_line}); check the network, or use a local folder") from None
+        raise BadInput(f"cannot fetch {at} from the Hugging Face hub ({first_line(err)}); check the network, or use a local folder") from None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
 from headfold.ground.artifacts import DECODE_GRAPH, MODEL_GRAPH, PREFILL_GRAPH
 from headfold.ground.atomic import atomic_output, check_output
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, HeadfoldError, first_line
 from headfold.ground.export_summary import ExportSummary
 
 __all__ = [
@@ -347,6 +348,25 @@ def export_graph(
     return summary
 
 
+@contextmanager
+def _answered_for_unconverted(facts: CheckpointFacts) -> Iterator[None]:
+    """torch.onnx failing on a family headfold has no spec for is an answer about the model, not a bug."""
+    try:
+        yield
+    except HeadfoldError:
+        raise
+    except Exception as err:
+        if facts.spec is not None:
+            raise
+        root = err
+        while root.__cause__ is not None:
+            root = root.__cause__
+        raise BadInput(
+            f"torch.onnx cannot export this {facts.config.get('model_type')!r} model ({first_line(root)}); "
+            f"headfold exports it unconverted only where torch.onnx traces it as it is"
+        ) from None
+
+
 def export(
     src: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -398,20 +418,21 @@ def export(
     facts = CheckpointFacts.read(src)
     model = load_model(facts, dtype=torch_dtype)
     layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
-    if attention == "ort-gqa" and not model.can_generate():
+    decoder = facts.kind == "decoder"
+    if attention == "ort-gqa" and not decoder:
         raise BadInput(f"--attention ort-gqa is for decoders (ORT's GroupQueryAttention is causal); {src} is an encoder")
-    if explicit_positions and not model.can_generate():
+    if explicit_positions and not decoder:
         raise BadInput(f"position_ids is an input of decoder graphs; {src} is an encoder")
-    specs = decoder_graphs(model, layers, graphs, explicit_positions=explicit_positions) if model.can_generate() else encoder_graphs(model)
+    specs = decoder_graphs(model, layers, graphs, explicit_positions=explicit_positions) if decoder else encoder_graphs(model)
     summary = ExportSummary(
         source=str(src), model_type=model.config.model_type, opset=opset, dtype=dtype, attention=attention, layers=layers,
-        heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=graphs if model.can_generate() else "encoder", graphs={},
+        heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=graphs if decoder else "encoder", graphs={},
     )  # fmt: skip
-    with atomic_output(out, overwrite=overwrite) as tmp:
+    with atomic_output(out, overwrite=overwrite) as tmp, _answered_for_unconverted(facts):
         for spec in tqdm(specs, desc="export", unit="graph", disable=not progress):
             summary.graphs[spec.file] = export_graph(
                 spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version,
-                ort_fusions=optimize == "ort", positions=facts.positions if model.can_generate() else None,
+                ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
             )  # fmt: skip
         if summary.layout == "merged":
             summary.genai = write_model_folder(

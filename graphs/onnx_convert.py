@@ -30,7 +30,7 @@ from headfold.converter.layout import AttentionWeights, HeadShape, merge_heads, 
 from headfold.converter.methods import Recipe, get_method
 from headfold.converter.per_layer import collapse, expand
 from headfold.graphs.onnx_files import external_data_files, load_graph
-from headfold.graphs.rewrite import attention_nodes, check_attention
+from headfold.graphs.rewrite import attention_nodes, check_attention, is_attention_node
 from headfold.ground import VERSION
 from headfold.ground.artifacts import CREATED_BY, MARK
 from headfold.ground.atomic import atomic_outputs, check_outputs
@@ -98,7 +98,7 @@ def convert_onnx(
         raise BadInput(f"{src}: no standard ONNX Attention node found; export with opset ≥ 23 (headfold export)")
     per_layer = expand(kv_heads, len(nodes))
     by_layer = not isinstance(kv_heads, int)  # name the layer in errors
-    graph_nodes = [n for n in model.graph if _is_attention(n)]
+    graph_nodes = [n for n in model.graph if is_attention_node(n, "onnx")]
     source_kv = {
         _convert_attention(node, kv, recipe, i if by_layer else None) for i, (node, kv) in enumerate(zip(graph_nodes, per_layer))
     }
@@ -124,10 +124,6 @@ def _load(src: Path) -> ir.Model:
     except Exception as e:  # onnx raises several unrelated types for corrupt files
         raise BadInput(f"{src} is not a valid ONNX model: {first_line(e)}") from None
     return model
-
-
-def _is_attention(node: ir.Node) -> bool:
-    return node.op_type == "Attention" and node.domain in ("", "ai.onnx")
 
 
 def _convert_attention(node: ir.Node, kv_heads: int, recipe: Recipe, layer: int | None = None) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, first_line
 
 MAX_JSON_BYTES = 64 << 20  # far above any config, index, manifest or report headfold reads
 MAX_CONFIG_BYTES = 1 << 20  # budget files: a few tables of numbers
@@ -141,7 +141,7 @@ def read_config_file(path: Path, what: str) -> Any:
     except RecursionError:
         raise BadInput(f"cannot parse {what} {path}: nested deeper than Python reads; fix the file") from None
     except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as err:
-        raise BadInput(f"cannot parse {what} {path}: {str(err).splitlines()[0]}") from None
+        raise BadInput(f"cannot parse {what} {path}: {first_line(err)}") from None
     if too_deep(value):
         raise BadInput(f"cannot parse {what} {path}: nested deeper than {MAX_DEPTH} levels; fix the file")
     return value

@@ -345,7 +345,7 @@ def _measure(
     contexts = layer_contexts(ckpt, None, 0, seed, False)  # RoPE dims and K rules, no inputs yet
     if windows.fit is not None:
         contexts = [replace(ctx, inputs=x) for ctx, x in zip(contexts, calibrate(ckpt, windows.fit, progress))]
-    reference, live = Reference(model, windows.eval, ckpt.spec.kind), LiveAttention(model, ckpt)
+    reference, live = Reference(model, windows.eval, ckpt.facts.kind), LiveAttention(model, ckpt)
     converter = LayerConverter(ckpt, recipe, contexts)
     layers = _layer_reports(converter, live, reference, candidates, progress)
     plan = uniform = None
@@ -358,7 +358,7 @@ def _measure(
     info = {"text": used, "eval_text": "built-in text" if fit_text is None else used, "tokens": tokens, "seed": seed, "fit_windows": 0 if windows.fit is None else len(windows.fit),
             "eval_windows": len(windows.eval), "eval_held_out": windows.held_out, "window": WINDOW}  # fmt: skip
     s = ckpt.shape
-    return Inspection(ckpt.folder, ckpt.spec.family, ckpt.spec.kind, s.heads, s.kv_heads, s.head_dim, recipe.name, candidates, info, layers, budget, plan, uniform)  # fmt: skip
+    return Inspection(ckpt.folder, ckpt.spec.family, ckpt.facts.kind, s.heads, s.kv_heads, s.head_dim, recipe.name, candidates, info, layers, budget, plan, uniform)  # fmt: skip
 
 
 def _layer_reports(converter: LayerConverter, live: LiveAttention, reference: Reference, candidates: list[int], progress: bool) -> list[LayerReport]:

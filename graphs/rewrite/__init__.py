@@ -33,6 +33,7 @@ __all__ = [
     "optimize",
     "attention_nodes",
     "check_attention",
+    "is_attention_node",
 ]
 
 RULES: tuple[RewriteRule, ...] = (*decomposed.rules, *repeat_kv.rules)
@@ -83,14 +84,18 @@ def optimize(
     return report
 
 
+def is_attention_node(node: ir.Node, kind: AttentionKind | None = None) -> bool:
+    """Whether `node` is a fused attention node of `kind` (None: of any kind headfold writes)."""
+    ops = [ATTENTION_OPS[kind]] if kind else ATTENTION_OPS.values()
+    return any(node.op_type == op_type and node.domain in (("", "ai.onnx") if domain == "" else (domain,)) for domain, op_type in ops)
+
+
 def attention_nodes(model: ir.Model, kind: AttentionKind = "onnx") -> list[AttentionNode]:
     """The fused attention nodes of `kind` in graph order, with their layer and K/V head count."""
-    domain, op_type = ATTENTION_OPS[kind]
-    domains = ("", "ai.onnx") if domain == "" else (domain,)
     return [
         AttentionNode(node.name or f"#{i}", _layer(node), _kv_heads(node))
         for i, node in enumerate(model.graph)
-        if node.op_type == op_type and node.domain in domains
+        if is_attention_node(node, kind)
     ]
 
 

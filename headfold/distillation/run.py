@@ -113,7 +113,7 @@ def distill(
     reads = [teacher, student, *(Path(p) for p in (data, eval_data) if p is not None)]
     out = check_output(Path(out), overwrite=overwrite, sources=reads, is_dir=True)
     check_disjoint(state.state_folder(out), reads)
-    encoder_model = student_ckpt.spec.kind == "encoder"
+    encoder_model = student_ckpt.facts.kind == "encoder"
     opts = resolve_defaults(opts, encoder_model)
     check_options(opts, student_ckpt, encoder_model)
     plan = window_plan(teacher, student_ckpt, data, eval_data, opts, encoder_model)

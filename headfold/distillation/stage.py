@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from headfold import corpus
-from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.checkpoint import CheckpointFacts
 from headfold.distillation.data import builtin_source, file_source
 from headfold.distillation.run import DistillOptions, distill, requested, resolve_defaults
 
@@ -29,7 +29,7 @@ class DistillStage:
         (one process), so that a changed default re-runs the stage as a changed option does."""
         source = builtin_source(corpus.train_text(), "built-in") if self.data is None else file_source(Path(self.data))
         heldout = None if self.eval_data is None else file_source(Path(self.eval_data), "--distill-eval-data").sha256
-        encoder_model = SourceCheckpoint(student).spec.kind == "encoder"
+        encoder_model = CheckpointFacts.read(student).kind == "encoder"
         options = resolve_defaults(requested(teacher, self.options), encoder_model, processes=1)
         return {"data_sha256": source.sha256, "eval_data_sha256": heldout, "options": asdict(options)}
 

@@ -26,6 +26,7 @@ import onnx_ir as ir
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.engines.env import Target
 from headfold.graphs.onnx_files import external_data_files, load_graph
+from headfold.graphs.rewrite import is_attention_node
 from headfold.graphs.rewrite.decompose import DECOMPOSITIONS
 from headfold.graphs.trt_lint import Finding, LintReport, lint
 from headfold.ground import export_summary
@@ -363,7 +364,7 @@ def _graph_plan(path: Path, model: ir.Model, engine: Path, ranges: dict[str, Ran
         engine=engine,
         sha256=sha256_file(path),
         data_sha256=sha256_file(data[0]) if len(data) == 1 and data[0].is_file() else None,
-        attention_nodes=sum("Attention" in n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph)),
+        attention_nodes=sum(map(is_attention_node, ir.traversal.RecursiveGraphIterator(model.graph))),
         profile=input_profile(model, path.name, ranges),
         plugins=plugins,
         lint=report,

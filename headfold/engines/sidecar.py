@@ -18,7 +18,7 @@ from typing import Any
 from headfold.engines.plan import BuildPlan, GraphPlan, sidecar_path
 from headfold.ground import VERSION
 from headfold.ground.artifacts import Malformed, Record, keep_unknown
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, first_line
 
 FORMAT = "headfold.engine/1"
 
@@ -105,7 +105,7 @@ def load_sidecar(engine: Path) -> EngineSidecar:
     except FileNotFoundError:
         raise BadInput(f"{engine} has no sidecar {path.name}; rebuild it with headfold build") from None
     except (OSError, ValueError) as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise BadInput(f"cannot read {path}: {str(err).splitlines()[0]}") from None
+        raise BadInput(f"cannot read {path}: {first_line(err)}") from None
     try:
         return EngineSidecar.from_dict(data)
     except NotASidecar:

@@ -62,12 +62,14 @@ class TorchRunner(BaseRunner):
     def __init__(self, checkpoint: Path) -> None:
         self.checkpoint = Path(checkpoint)
         super().__init__(name=f"torch:{self.checkpoint.name}")
-        self.model = None
+        self.facts, self.model = None, None
 
     def activate_impl(self) -> None:
+        from headfold.converter.checkpoint import CheckpointFacts
         from headfold.converter.modeling import load_model
 
-        self.model = load_model(self.checkpoint)
+        self.facts = CheckpointFacts.read(self.checkpoint)
+        self.model = load_model(self.facts)
 
     def deactivate_impl(self) -> None:
         self.model = None
@@ -82,7 +84,7 @@ class TorchRunner(BaseRunner):
         with torch.no_grad():
             out = self.model(**inputs)
         self.inference_time = time.perf_counter() - start
-        if self.model.can_generate():
+        if self.facts.kind == "decoder":
             return {"logits": out.logits.float().numpy()}
         return {"last_hidden_state": out.last_hidden_state.float().numpy()}
 

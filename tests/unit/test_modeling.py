@@ -236,7 +236,7 @@ def test_architecture_of_another_family(tmp_path: Path) -> None:
 
 def test_unknown_model_type(tmp_path: Path) -> None:
     _edit_config(make_checkpoint("llama", tmp_path), model_type="surely_not_a_model")
-    _bad_input(tmp_path, "cannot read")
+    _bad_input(tmp_path, "does not convert model_type 'surely_not_a_model'.*transformers has no built-in model_type")
 
 
 @pytest.mark.parametrize("family", ("gpt2", "gpt_neox", "bert", "llama"))
