@@ -128,7 +128,10 @@ class OnnxRuntimeRunner(OnnxrtRunner):
         return getattr(self, "sess", None)
 
     def infer(self, feed_dict: Mapping[str, np.ndarray], check_inputs: bool = True, *args: Any, **kwargs: Any) -> dict[str, np.ndarray]:
-        """Polygraphy's infer, with a merged decoder graph's past K/V filled in empty when the feed has none."""
+        """Polygraphy's infer, with a merged decoder graph's past K/V filled in empty when the feed has none.
+
+        `infer`, not `infer_impl`: Polygraphy checks the feed against the graph's inputs before
+        `infer_impl`, and a prompt fed without past must pass that check as the full feed."""
         if not self.is_active:  # Polygraphy refuses it: a bug of the caller, not bad input
             return super().infer(feed_dict, check_inputs, *args, **kwargs)
         feed = {**self._empty_past(feed_dict), **feed_dict}

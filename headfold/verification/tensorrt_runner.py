@@ -78,7 +78,10 @@ class TensorRTRunner(TrtRunner):
             custom_ops.register_tensorrt(self.plugins)
 
     def infer(self, feed_dict: Mapping[str, np.ndarray], check_inputs: bool = True, *args: Any, **kwargs: Any) -> dict[str, np.ndarray]:
-        """Polygraphy's infer on the feed cast to the engine's dtypes, in the profile that fits its shapes."""
+        """Polygraphy's infer on the feed cast to the engine's dtypes, in the profile that fits its shapes.
+
+        `infer`, not `infer_impl`: Polygraphy checks the feed's dtypes before `infer_impl`, and a
+        bf16 engine's inputs have no numpy dtype the feed could already hold."""
         if not self.is_active:  # Polygraphy refuses it: a bug of the caller, not bad input
             return super().infer(feed_dict, check_inputs, *args, **kwargs)
         feed = self.engine_feed(feed_dict)
