@@ -234,7 +234,7 @@ def test_run_keeps_user_files_and_reruns_a_corrupted_stage(tmp_path: Path, capsy
     (out / "notes.txt").write_text("mine")
     small = ["--max-rows", "4", "--window", "64", "--decode-steps", "2"]
     loose = ["--max-kl", "10", "--max-ppl-increase", "10", "--min-top1", "0"]  # the gates are not the point here
-    args = ["run", default_model_path(), out, "--kv-heads", "4", *small, *loose]
+    args = ["run", default_model_path(), out, "--kv-heads", "4", "--method", "mean", *small, *loose]
     assert main([str(a) for a in args + ["--overwrite"]]) == 0
     assert (out / "notes.txt").read_text() == "mine" and json.loads((out / "stages.json").read_text())["format"] == 1
     capsys.readouterr()
