@@ -44,6 +44,7 @@ def convert(
     allow_pickle: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    pool: str | None = None,
 ) -> Path:
     """Convert a checkpoint to `kv_heads` K/V heads (`headfold convert`); the output folder.
 
@@ -62,13 +63,15 @@ def convert(
         allow_pickle: accept pytorch_model.bin pickles (loaded with weights_only=True).
         overwrite: replace an output headfold wrote before.
         progress: show progress bars.
+        pool: encoder-decoders (T5, BART, Whisper) only: the attentions to pool, "self", "cross",
+            "decoder" (both: the default), "encoder" or "all" (`--pool`; docs/convert.md).
     """
     from headfold import corpus
     from headfold.converter import convert as convert_checkpoint
 
     return convert_checkpoint(
         source, output, kv_heads, method, revision=revision, overwrite=overwrite, max_shard_size=max_shard_size, allow_pickle=allow_pickle,
-        calibration=calibration, calibration_tokens=calibration_tokens, seed=seed, progress=progress, builtin_text=corpus.calibration_text(),
+        calibration=calibration, calibration_tokens=calibration_tokens, seed=seed, progress=progress, builtin_text=corpus.calibration_text(), pool=pool,
     )  # fmt: skip
 
 

@@ -1,0 +1,182 @@
+"""Encoder-decoders (T5, BART, Whisper): conversion exactness per attention kind, loading with GQA
+self- and cross-attention, generate() with the EncoderDecoderCache, the manifest's cache bytes, and
+one-line refusals of what is not there yet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from support.checkpoint_edits import edit_attention, identical_heads
+from support.tiny_models import HEADS, SEQ2SEQ, seq2seq_batch
+
+from headfold import convert
+from headfold.cli import main
+from headfold.converter.modeling import load_model
+from headfold.converter.seq2seq import POOL_CHOICES
+from headfold.ground.errors import BadInput
+
+KIND_PATHS = {  # family → attention kind → a module path piece only that kind's tensors have
+    "t5": {"encoder_self": "encoder.block", "decoder_self": "layer.0.SelfAttention", "decoder_cross": "EncDecAttention"},
+    "bart": {"encoder_self": "encoder.layers", "decoder_self": "decoder.layers.{}.self_attn", "decoder_cross": "encoder_attn"},
+    "whisper": {"encoder_self": "encoder.layers", "decoder_self": "decoder.layers.{}.self_attn", "decoder_cross": "encoder_attn"},
+}
+KV_SUFFIXES = (".k.weight", ".v.weight", "k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
+
+
+def kind_of(family: str, name: str) -> str | None:
+    """The attention kind a tensor belongs to (None: not an attention tensor)."""
+    if "attn" not in name.lower() and "Attention" not in name:
+        return None
+    if name.startswith(("encoder.", "model.encoder.")):
+        return "encoder_self"
+    return "decoder_cross" if KIND_PATHS[family]["decoder_cross"] in name else "decoder_self"
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**seq2seq_batch(model.config, batch=3)).logits
+
+
+@pytest.fixture(scope="module")
+def identical(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    """identical(family, group) → a copy of the tiny model whose K/V heads are equal inside each group of `group`, in every attention."""
+    cache: dict[tuple[str, int], Path] = {}
+
+    def get(family: str, group: int) -> Path:
+        if (family, group) not in cache:
+            cache[family, group] = edit_attention(tiny_checkpoint(family), tmp_path_factory.mktemp(f"{family}-same{group}") / "src", identical_heads(group))
+        return cache[family, group]
+
+    return get
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+def test_identity_is_byte_identical(family: str, tiny_checkpoint, tmp_path: Path) -> None:
+    src = tiny_checkpoint(family)
+    out = convert(src, tmp_path / "out", kv_heads=HEADS, method="aligned+refit", pool="all", progress=False)
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert torch.equal(logits(load_model(src)), logits(load_model(out)))
+
+
+@pytest.mark.parametrize("pool", ["decoder", "self", "cross", "all"])
+@pytest.mark.parametrize("family", SEQ2SEQ)
+def test_identical_heads_are_lossless(family: str, pool: str, identical, tmp_path: Path) -> None:
+    src = identical(family, 4)
+    out = convert(src, tmp_path / "out", kv_heads=2, method="mean", pool=pool, progress=False)
+    kinds = json.loads((out / "config.json").read_text())["num_key_value_heads_per_attention"]
+    assert kinds == {kind: 2 if kind in POOL_CHOICES[pool] else HEADS for kind in kinds}
+    diff = (logits(load_model(src)) - logits(load_model(out))).abs().max().item()
+    assert diff <= 1e-5, f"{family} --pool {pool}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+def test_only_the_pooled_kinds_change(family: str, tiny_checkpoint, tmp_path: Path) -> None:
+    """--pool cross: the cross-attention K/V are the mean of each group; every other tensor is byte-identical."""
+    src = tiny_checkpoint(family)
+    out = convert(src, tmp_path / "out", kv_heads=2, method="mean", pool="cross", progress=False)
+    before, after = read_tensors(src), read_tensors(out)
+    changed = [n for n in before if kind_of(family, n) == "decoder_cross" and n.endswith(KV_SUFFIXES)]
+    assert len(changed) == 2 * (3 if family == "whisper" else 4 if family == "bart" else 2)  # two layers; Whisper's K has no bias, T5 none
+    for name, tensor in before.items():
+        expected = tensor.reshape(2, HEADS // 2, -1, *tensor.shape[1:]).mean(1).reshape(-1, *tensor.shape[1:]) if name in changed else tensor
+        torch.testing.assert_close(after[name], expected, rtol=0, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+def test_data_aware_default_is_lossless_on_identical_heads(family: str, identical, tmp_path: Path, caplog) -> None:
+    """The default method runs on the weights alone (said in a warning); T5 leaves out grouped (its position bias is per query head)."""
+    src = identical(family, 2)
+    out = convert(src, tmp_path / "out", kv_heads=4, progress=False)
+    conversion = json.loads((out / "headfold.json").read_text())["conversion"]
+    assert conversion["method"] == ("aligned+refit" if family == "t5" else "aligned+grouped+refit")
+    assert conversion["calibration"]["text"] == "weights"
+    assert "weights alone" in caplog.text
+    diff = (logits(load_model(src)) - logits(load_model(out))).abs().max().item()
+    assert diff <= 1e-4, f"{family}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+def test_generate_with_the_cache_equals_the_original(family: str, identical, tmp_path: Path) -> None:
+    """Greedy generate() keeps the EncoderDecoderCache, its self and cross halves at kv heads, and the tokens of the original."""
+    src = identical(family, 4)
+    out = convert(src, tmp_path / "out", kv_heads=2, method="mean", progress=False)
+    original, converted = load_model(src), load_model(out)
+    batch = {k: v for k, v in seq2seq_batch(original.config).items() if k != "decoder_input_ids"}
+    options = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected, result = original.generate(**batch, **options), converted.generate(**batch, **options)
+    assert torch.equal(expected.sequences, result.sequences)
+    cache = result.past_key_values
+    assert type(cache).__name__ == "EncoderDecoderCache"
+    assert cache.self_attention_cache.layers[0].keys.shape[1] == 2
+    assert cache.cross_attention_cache.layers[0].keys.shape[1] == 2
+    assert expected.past_key_values.cross_attention_cache.layers[0].keys.shape[1] == HEADS
+
+
+def test_manifest_reports_kinds_and_cache_bytes(tiny_checkpoint, tmp_path: Path) -> None:
+    out = convert(tiny_checkpoint("bart"), tmp_path / "out", kv_heads=[2, 4], method="mean", pool="self", progress=False)
+    conversion = json.loads((out / "headfold.json").read_text())["conversion"]
+    assert conversion["attentions"] == {
+        "encoder_self": {"heads": HEADS, "kv_heads": HEADS, "pooled": False},
+        "decoder_self": {"heads": HEADS, "kv_heads": [2, 4], "pooled": True},
+        "decoder_cross": {"heads": HEADS, "kv_heads": HEADS, "pooled": False},
+    }
+    per_head = 2 * 8 * 4  # K and V, head_dim 8, fp32
+    assert conversion["cache_bytes_per_token"] == {
+        "self": {"before": 2 * HEADS * per_head, "after": (2 + 4) * per_head},
+        "cross": {"before": 2 * HEADS * per_head, "after": 2 * HEADS * per_head},
+    }
+    assert json.loads((out / "headfold.json").read_text())["loader"] == "headfold.load_model"
+
+
+# -- refusals: one line, exit 2, nothing written -------------------------------------------------
+
+
+def refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main([*args, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("headfold: error: ")
+    return err
+
+
+def test_kv_count_that_does_not_divide_the_cross_attention(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    err = refused(["convert", str(tiny_checkpoint("t5")), str(tmp_path / "out"), "--kv-heads", "3", "--pool", "cross"], capsys)
+    assert "--kv-heads 3 for decoder cross-attention is impossible" in err and "1, 2, 4, 8" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_encoder_given_to_the_seq2seq_path(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    err = refused(["convert", str(tiny_checkpoint("bert")), str(tmp_path / "out"), "--kv-heads", "2", "--pool", "cross"], capsys)
+    assert "bert is an encoder" in err and "drop --pool" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibration_text_and_grouped_t5_are_refused(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("some text " * 200)
+    err = refused(["convert", str(tiny_checkpoint("bart")), str(tmp_path / "out"), "--kv-heads", "2", "--calibration", str(text)], capsys)
+    assert "calibration on text is not implemented for encoder-decoders" in err
+    err = refused(["convert", str(tiny_checkpoint("t5")), str(tmp_path / "out"), "--kv-heads", "2", "--method", "grouped"], capsys)
+    assert "relative attention bias belongs to each query head" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_and_verify_refuse_encoder_decoders(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    src = tiny_checkpoint("whisper")
+    out = convert(src, tmp_path / "out", kv_heads=2, method="mean", progress=False)
+    assert "export of encoder-decoders (whisper) is not supported yet" in refused(["export", str(out), str(tmp_path / "onnx")], capsys)
+    assert "verify of encoder-decoders (whisper) is not supported yet" in refused(["verify", str(src), str(out)], capsys)
+    assert not (tmp_path / "onnx").exists()
+    with pytest.raises(BadInput, match="not supported yet"):
+        from headfold.graphs.export import export
+
+        export(out, tmp_path / "onnx", progress=False)
