@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from headfold.converter import rawpool
 from headfold.converter import seq2seq
-from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_DTYPES, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, dtype_code
+from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, dtype_code
 from headfold.converter.layout import AttentionCodec, HeadShape, expected_shapes, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_ATTENTION, KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.recipes import DEFAULT_METHOD, LayerContext, Recipe, contiguous_groups, get_method
@@ -442,7 +442,4 @@ def seq2seq_record(ckpt: SourceCheckpoint, targets: list[HeadShape], pool: str |
     kinds = [b.kind for b in ckpt.facts.blocks]
     after = kinds_kv_heads(ckpt, [t.kv_heads for t in targets])
     attentions = {kind: {"heads": ckpt.layer_shapes[kinds.index(kind)].heads, "kv_heads": kv, "pooled": kind in pooled} for kind, kv in after.items()}
-    key = next(name for layer in ckpt.attention.layers for suffix, name in layer.items() if suffix == ckpt.spec.projections["k"].weight)
-    element = SAFETENSORS_DTYPES[ckpt.tensors[key].code][1]  # the cache holds K/V in the weights' dtype
-    before, now = (seq2seq.cache_bytes_per_token(kinds, shapes, element) for shapes in (ckpt.layer_shapes, targets))
-    return {"attentions": attentions, "cache_bytes_per_token": {cache: {"before": before[cache], "after": now[cache]} for cache in before}}
+    return {"attentions": attentions, "cache_bytes_per_token": seq2seq.cache_bytes(ckpt, targets)}

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from headfold.converter.checkpoint import SAFETENSORS_DTYPES
 from headfold.converter.layout import HeadShape
 from headfold.converter.spec import ArchitectureSpec
 from headfold.ground.errors import BadInput
 
 if TYPE_CHECKING:
-    from headfold.converter.checkpoint import CheckpointFacts
+    from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 
 ENCODER_SELF, DECODER_SELF, DECODER_CROSS = "encoder_self", "decoder_self", "decoder_cross"
 # --pool choices → the attention kinds they pool (named --pool: --attention is the export's attention op)
@@ -52,6 +53,16 @@ def cache_bytes_per_token(kinds: Sequence[str], shapes: Sequence[HeadShape], ele
         if kind in CACHES:
             total[CACHES[kind]] += 2 * shape.kv_heads * shape.head_dim * element_bytes
     return total
+
+
+def cache_bytes(ckpt: SourceCheckpoint, targets: Sequence[HeadShape]) -> dict[str, dict[str, int]]:
+    """{"self"/"cross": {"before", "after"}}: the decoder's cache bytes per token as the checkpoint is and
+    with the attention blocks at `targets`, in the dtype of its K weights (the cache's under load_model)."""
+    kinds = [b.kind for b in ckpt.facts.blocks]
+    key = ckpt.attention.layers[kinds.index(DECODER_SELF)][ckpt.spec.projections["k"].weight]
+    element = SAFETENSORS_DTYPES[ckpt.tensors[key].code][1]
+    before, after = (cache_bytes_per_token(kinds, shapes, element) for shapes in (ckpt.layer_shapes, targets))
+    return {cache: {"before": before[cache], "after": after[cache]} for cache in before}
 
 
 def refuse_unsupported(facts: CheckpointFacts, command: str) -> None:

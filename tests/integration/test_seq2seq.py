@@ -180,3 +180,20 @@ def test_export_and_verify_refuse_encoder_decoders(tiny_checkpoint, tmp_path: Pa
         from headfold.graphs.export import export
 
         export(out, tmp_path / "onnx", progress=False)
+
+
+def test_inspect_reports_self_and_cross_cache_bytes(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    """inspect on an encoder-decoder: the decoder's cache bytes per token as it is and pooled to each candidate."""
+    from headfold.inspection import inspect_checkpoint
+
+    report = inspect_checkpoint(tiny_checkpoint("t5"), candidates="4,1", json_path=tmp_path / "report.json", progress=False)
+    per_head = 2 * 2 * 8 * 4  # two decoder layers, K and V, d_kv 8, fp32
+    assert report.cache_bytes_per_token == {
+        4: {"self": {"before": HEADS * per_head, "after": 4 * per_head}, "cross": {"before": HEADS * per_head, "after": 4 * per_head}},
+        1: {"self": {"before": HEADS * per_head, "after": per_head}, "cross": {"before": HEADS * per_head, "after": per_head}},
+    }
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["cache_bytes_per_token"]["1"]["cross"]["after"] == per_head and written["attentions"]["decoder_cross"]["kv_heads"] == HEADS
+    assert "no loss prediction for encoder-decoders yet" in report.table()
+    capsys.readouterr()
+    assert "need the loss prediction" in refused(["inspect", str(tiny_checkpoint("t5")), "--kv-budget", "0.5"], capsys)
