@@ -12,7 +12,8 @@ knows (``multi_query``), and another family an MQA conversion is written as (``m
 An encoder-decoder (``kind`` "seq2seq": T5, BART, Whisper) lists its ``attentions``: encoder
 self-attention, decoder self-attention and decoder cross-attention, each with its own layer prefix
 and config keys; the projections are the same in all three. ``head_position_bias``: a learned bias
-per query head on the scores (T5's relative attention bias), which stays with its query head.
+per query head on the scores (T5's relative attention bias), which stays with its query head;
+``audio_encoder``: the encoder reads log-mel features (Whisper).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class ArchitectureSpec:
     rotary_table: bool = False  # RoPE's sin/cos are a table of max-positions rows (GPT-J): no position past it
     attentions: tuple[AttentionKind, ...] = ()  # an encoder-decoder's attention kinds, in block order
     head_position_bias: bool = False  # a learned score bias per query head (T5): query heads may not move
+    audio_encoder: bool = False  # the encoder reads log-mel features, not token ids (Whisper)
 
     def for_kind(self, kind: AttentionKind) -> ArchitectureSpec:
         """This spec for one attention kind of an encoder-decoder: its tensors under the kind's prefix."""
@@ -172,6 +174,7 @@ def _parse(raw: dict[str, Any]) -> ArchitectureSpec:
         rotary_table=raw.get("rotary_table", False),
         attentions=tuple(AttentionKind(**{**a, "layers": tuple(a["layers"])}) for a in raw.get("attentions", ())),
         head_position_bias=raw.get("head_position_bias", False),
+        audio_encoder=raw.get("audio_encoder", False),
         mqa_as=Retarget(**{**retarget, "transpose": tuple(retarget.get("transpose", ())), "drop": tuple(retarget.get("drop", ()))}) if retarget else None,
     )
 

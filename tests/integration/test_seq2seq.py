@@ -142,6 +142,7 @@ def test_manifest_reports_kinds_and_cache_bytes(tiny_checkpoint, tmp_path: Path)
 
 
 def refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()  # what building the fixtures printed
     assert main([*args, "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("headfold: error: ")
@@ -195,5 +196,49 @@ def test_inspect_reports_self_and_cross_cache_bytes(tiny_checkpoint, tmp_path: P
     written = json.loads((tmp_path / "report.json").read_text())
     assert written["cache_bytes_per_token"]["1"]["cross"]["after"] == per_head and written["attentions"]["decoder_cross"]["kv_heads"] == HEADS
     assert "no loss prediction for encoder-decoders yet" in report.table()
-    capsys.readouterr()
     assert "need the loss prediction" in refused(["inspect", str(tiny_checkpoint("t5")), "--kv-budget", "0.5"], capsys)
+
+
+# -- distill: token-level KL of the decoder's logits, teacher-forced on prefix → continuation ------
+
+BYTES = dict(vocab_size=256)  # byte-level: the corpus text needs no tokenizer files
+FAST = dict(seq_len=32, batch_size=2, eval_windows=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from headfold import corpus
+
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text(corpus.train_text()[:60_000])
+    return path
+
+
+def distilled(out: Path) -> dict:
+    return json.loads((out / "headfold.json").read_text())["distillation"]
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_distill_lowers_the_decoder_kl(family: str, tiny_checkpoint, text_file: Path, tmp_path: Path) -> None:
+    from headfold.distillation import distill
+
+    teacher = tiny_checkpoint(family, **BYTES)
+    same = convert(teacher, tmp_path / "kv8", HEADS, method="mean", progress=False)
+    out = distill(teacher, same, tmp_path / "same-out", data=text_file, steps=2, **FAST)
+    assert distilled(out)["final_eval"]["kl"] < 1e-6 and distilled(out)["final_eval"]["top1"] == 1.0  # equal to its teacher: stays so
+    assert read_tensors(out).keys() == read_tensors(same).keys() and all(torch.equal(read_tensors(same)[k], t) for k, t in read_tensors(out).items())
+    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
+    out = distill(teacher, student, tmp_path / "out", data=text_file, steps=10, lr=1e-2, **FAST)
+    first, final = distilled(out)["initial_eval"], distilled(out)["final_eval"]
+    assert first["kl"] > 0 and final["kl"] < 0.7 * first["kl"], f"{family}: KL {first['kl']:.4g} → {final['kl']:.4g}"
+    kinds = json.loads((out / "config.json").read_text())["num_key_value_heads_per_attention"]
+    assert kinds == {"encoder_self": HEADS, "decoder_self": 2, "decoder_cross": 2}
+    load_model(out)  # still a GQA encoder-decoder that headfold loads
+
+
+def test_distilling_whisper_is_refused(tiny_checkpoint, text_file: Path, tmp_path: Path, capsys) -> None:
+    teacher = tiny_checkpoint("whisper")
+    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
+    err = refused(["distill", str(teacher), str(student), str(tmp_path / "out"), "--data", str(text_file), "--steps", "1"], capsys)
+    assert "distilling whisper needs audio with transcripts" in err
+    assert not (tmp_path / "out").exists()
