@@ -71,7 +71,7 @@ def convert(
     weights alone, with a warning), or "weights" to work on the weights alone.
     An encoder-decoder (T5, BART, Whisper) pools the attention kinds `pool` names (converter/seq2seq.py:
     self, cross, decoder, encoder or all; None: decoder, its self- and cross-attention); its data-aware
-    methods work on the weights alone (calibration on text runs decoders and encoders only).
+    methods calibrate on text split into source → target, or an audio model on synthesized features.
     Raises BadInput (nothing written) for anything wrong with the request or the source.
     """
     source = checkpoint_folder(source, revision=revision, allow_pickle=allow_pickle)
@@ -87,9 +87,10 @@ def convert(
         out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
         shard_bytes = parse_size(max_shard_size, "shard size") if max_shard_size is not None else default_shard_bytes(ckpt)
         pools = targets != list(ckpt.layer_shapes)  # kv heads = heads everywhere: byte-identical, nothing to calibrate
-        if ckpt.spec.attentions and recipe.data_aware and pools:
-            calibration = weights_only(calibration)
-        text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware and pools else None
+        if ckpt.spec.audio_encoder and recipe.data_aware and pools:
+            text = audio_calibration(calibration)
+        else:
+            text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware and pools else None
         contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)
         with atomic_output(out, overwrite=overwrite) as tmp:
             files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress, retarget)
@@ -98,7 +99,7 @@ def convert(
             files |= copied
             manifest = build_manifest(ckpt, targets, recipe, groups, files, skipped, retarget, pool)
             if recipe.data_aware and pools:
-                used = "weights" if text is None else str(calibration or "built-in")
+                used = "weights" if text is None else seq2seq.SYNTHESIZED_AUDIO if text == seq2seq.SYNTHESIZED_AUDIO else str(calibration or "built-in")
                 manifest.conversion.calibration = {"text": used, "tokens": calibration_tokens, "seed": seed}
             manifest.save_in(tmp)
     return out
@@ -144,13 +145,14 @@ def seq2seq_targets(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int], kinds
     return targets
 
 
-def weights_only(calibration: str | Path | None) -> str:
-    """An encoder-decoder's data-aware methods fit on the weights alone: BadInput for a calibration text."""
-    if calibration is not None and str(calibration) != "weights":
-        raise BadInput("calibration on text is not implemented for encoder-decoders yet: pass --calibration weights (the data-aware methods then work on the weights alone) or use --method mean")
+def audio_calibration(calibration: str | Path | None) -> str | None:
+    """What an audio encoder-decoder (Whisper) calibrates on: synthesized log-mel features (None, the
+    default: SYNTHESIZED_AUDIO), or the weights alone; BadInput for a text file, which it cannot read."""
     if calibration is None:
-        log.warning("headfold: encoder-decoders calibrate on the weights alone (no calibration on text for them yet)")
-    return "weights"
+        return seq2seq.SYNTHESIZED_AUDIO
+    if str(calibration) == "weights":
+        return None
+    raise BadInput("an audio encoder-decoder calibrates on synthesized log-mel features, not on text: drop --calibration, or pass --calibration weights")
 
 
 def refused_modifiers(ckpt: SourceCheckpoint) -> dict[str, str]:

@@ -31,6 +31,9 @@ POOL_CHOICES: dict[str, tuple[str, ...]] = {
 DEFAULT_POOL = "decoder"
 KIND_NAMES = {ENCODER_SELF: "encoder self-attention", DECODER_SELF: "decoder self-attention", DECODER_CROSS: "decoder cross-attention"}
 CACHES = {DECODER_SELF: "self", DECODER_CROSS: "cross"}  # the EncoderDecoderCache half each kind fills
+# What an audio encoder-decoder (Whisper) calibrates on, as the manifest records it: seeded Gaussian
+# features at the scale of its normalised log-mel input, the decoder reading its own greedy transcript.
+SYNTHESIZED_AUDIO = "synthesized log-mel features"
 
 
 def pooled_kinds(spec: ArchitectureSpec, pool: str | None) -> tuple[str, ...] | None:
@@ -65,7 +68,7 @@ def cache_bytes(ckpt: SourceCheckpoint, targets: Sequence[HeadShape]) -> dict[st
     return {cache: {"before": before[cache], "after": after[cache]} for cache in before}
 
 
-def refuse_unsupported(facts: CheckpointFacts, command: str) -> None:
-    """BadInput for an encoder-decoder where `command` (export, verify) handles decoders and encoders only."""
+def refuse_unsupported(facts: CheckpointFacts, command: str, fix: str | None = None) -> None:
+    """BadInput for an encoder-decoder where `command` (export, verify, run) handles decoders and encoders only."""
     if facts.spec is not None and facts.spec.kind == "seq2seq":
-        raise BadInput(f"{command} of encoder-decoders ({facts.spec.family}) is not supported yet: load {facts.folder} with headfold.load_model")
+        raise BadInput(f"{command} of encoder-decoders ({facts.spec.family}) is not supported yet: {fix or f'load {facts.folder} with headfold.load_model'}")

@@ -46,6 +46,19 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
         return model(**seq2seq_batch(model.config, batch=3)).logits
 
 
+BYTES = dict(vocab_size=256)  # byte-level: the corpus text needs no tokenizer files
+FAST = dict(seq_len=32, batch_size=2, eval_windows=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from headfold import corpus
+
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text(corpus.train_text()[:60_000])
+    return path
+
+
 @pytest.fixture(scope="module")
 def identical(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
     """identical(family, group) → a copy of the tiny model whose K/V heads are equal inside each group of `group`, in every attention."""
@@ -92,14 +105,28 @@ def test_only_the_pooled_kinds_change(family: str, tiny_checkpoint, tmp_path: Pa
 
 
 @pytest.mark.parametrize("family", SEQ2SEQ)
-def test_data_aware_default_is_lossless_on_identical_heads(family: str, identical, tmp_path: Path, caplog) -> None:
-    """The default method runs on the weights alone (said in a warning); T5 leaves out grouped (its position bias is per query head)."""
+def test_data_aware_default_on_the_weights_is_lossless_on_identical_heads(family: str, identical, tmp_path: Path) -> None:
+    """On the weights alone; T5 leaves out grouped (its position bias is per query head)."""
     src = identical(family, 2)
-    out = convert(src, tmp_path / "out", kv_heads=4, progress=False)
+    out = convert(src, tmp_path / "out", kv_heads=4, calibration="weights", progress=False)
     conversion = json.loads((out / "headfold.json").read_text())["conversion"]
     assert conversion["method"] == ("aligned+refit" if family == "t5" else "aligned+grouped+refit")
     assert conversion["calibration"]["text"] == "weights"
-    assert "weights alone" in caplog.text
+    diff = (logits(load_model(src)) - logits(load_model(out))).abs().max().item()
+    assert diff <= 1e-4, f"{family}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+def test_calibration_runs_encoder_and_decoder(family: str, tiny_checkpoint, text_file: Path, tmp_path: Path) -> None:
+    """T5 and BART calibrate on text (prefix → continuation), Whisper on synthesized log-mel features: the fits
+    see every attention's K/V input, and identical heads stay lossless."""
+    src = edit_attention(tiny_checkpoint(family, **({} if family == "whisper" else BYTES)), tmp_path / "src", identical_heads(2))
+    calibration = None if family == "whisper" else text_file
+    out = convert(src, tmp_path / "out", kv_heads=4, calibration=calibration, calibration_tokens=512, pool="all", progress=False)
+    recorded = json.loads((out / "headfold.json").read_text())["conversion"]["calibration"]["text"]
+    assert recorded == ("synthesized log-mel features" if family == "whisper" else str(text_file))
+    weights_only = convert(src, tmp_path / "weights", kv_heads=4, calibration="weights", pool="all", progress=False)
+    assert (out / "model.safetensors").read_bytes() != (weights_only / "model.safetensors").read_bytes()  # the activations moved the fits
     diff = (logits(load_model(src)) - logits(load_model(out))).abs().max().item()
     assert diff <= 1e-4, f"{family}: max abs diff {diff}"
 
@@ -161,11 +188,9 @@ def test_an_encoder_given_to_the_seq2seq_path(tiny_checkpoint, tmp_path: Path, c
     assert not (tmp_path / "out").exists()
 
 
-def test_calibration_text_and_grouped_t5_are_refused(tiny_checkpoint, tmp_path: Path, capsys) -> None:
-    text = tmp_path / "text.txt"
-    text.write_text("some text " * 200)
-    err = refused(["convert", str(tiny_checkpoint("bart")), str(tmp_path / "out"), "--kv-heads", "2", "--calibration", str(text)], capsys)
-    assert "calibration on text is not implemented for encoder-decoders" in err
+def test_text_calibration_of_whisper_and_grouped_t5_are_refused(tiny_checkpoint, text_file: Path, tmp_path: Path, capsys) -> None:
+    err = refused(["convert", str(tiny_checkpoint("whisper")), str(tmp_path / "out"), "--kv-heads", "2", "--calibration", str(text_file)], capsys)
+    assert "calibrates on synthesized log-mel features, not on text" in err
     err = refused(["convert", str(tiny_checkpoint("t5")), str(tmp_path / "out"), "--kv-heads", "2", "--method", "grouped"], capsys)
     assert "relative attention bias belongs to each query head" in err
     assert not (tmp_path / "out").exists()
@@ -177,6 +202,8 @@ def test_export_and_verify_refuse_encoder_decoders(tiny_checkpoint, tmp_path: Pa
     assert "export of encoder-decoders (whisper) is not supported yet" in refused(["export", str(out), str(tmp_path / "onnx")], capsys)
     assert "verify of encoder-decoders (whisper) is not supported yet" in refused(["verify", str(src), str(out)], capsys)
     assert not (tmp_path / "onnx").exists()
+    assert "run of encoder-decoders (whisper) is not supported yet: convert it with headfold convert" in refused(["run", str(src), str(tmp_path / "run"), "--kv-heads", "2"], capsys)
+    assert not (tmp_path / "run").exists()
     with pytest.raises(BadInput, match="not supported yet"):
         from headfold.graphs.export import export
 
@@ -200,19 +227,6 @@ def test_inspect_reports_self_and_cross_cache_bytes(tiny_checkpoint, tmp_path: P
 
 
 # -- distill: token-level KL of the decoder's logits, teacher-forced on prefix → continuation ------
-
-BYTES = dict(vocab_size=256)  # byte-level: the corpus text needs no tokenizer files
-FAST = dict(seq_len=32, batch_size=2, eval_windows=2, progress=False)
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from headfold import corpus
-
-    path = tmp_path_factory.mktemp("data") / "train.txt"
-    path.write_text(corpus.train_text()[:60_000])
-    return path
-
 
 def distilled(out: Path) -> dict:
     return json.loads((out / "headfold.json").read_text())["distillation"]
