@@ -276,13 +276,14 @@ def _attention_blocks(config: dict[str, Any], spec: ArchitectureSpec) -> tuple[A
     (a converted checkpoint's; a source has as many as query heads)."""
     stated = config.get(KV_HEADS_PER_ATTENTION) or {}
     names = [kind.name for kind in spec.attentions]
-    if not isinstance(stated, dict) or (unknown := set(stated) - set(names)):
+    if not isinstance(stated, dict) or set(stated) - set(names):
         raise BadInput(f"config.json: {KV_HEADS_PER_ATTENTION} must map {', '.join(names)} to kv-head counts, found {inputs.shown(stated)}; re-run headfold convert or fix config.json")
     keys, blocks = spec.config, []
-    for kind in spec.attentions:
+    for kind in spec.attentions:  # head_dim: the family's key (T5's d_kv), else the width over this kind's heads
         layers, heads = _kind_layers(config, kind), _positive_int(config, kind.heads)
         shape = _head_shape({keys.heads: heads, keys.hidden: config[keys.hidden], keys.head_dim: config.get(keys.head_dim)}, keys)
-        blocks += [AttentionBlock(kind.name, layer, replace(shape, kv_heads=kv)) for layer, kv in enumerate(kind_kv_heads(stated.get(kind.name), heads, layers, kind.name))]
+        counts = kind_kv_heads(stated.get(kind.name), heads, layers, kind.name)
+        blocks += [AttentionBlock(kind.name, layer, replace(shape, kv_heads=kv)) for layer, kv in enumerate(counts)]
     return tuple(blocks)
 
 

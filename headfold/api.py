@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from headfold.engines.plan import BuildPlan
     from headfold.engines.sidecar import EngineSidecar
     from headfold.ground.export_summary import ExportSummary
-    from headfold.inspection import Inspection
+    from headfold.inspection import CacheInspection, Inspection
     from headfold.verification import InputSpec, Report, Thresholds
 
 PathLike = str | os.PathLike
@@ -89,8 +89,10 @@ def inspect(
     json_path: PathLike | None = None,
     overwrite: bool = False,
     progress: bool = True,
-) -> Inspection:
-    """Per layer: K/V head similarity and the predicted loss of each kv-head count (`headfold inspect`).
+) -> Inspection | CacheInspection:
+    """Per layer: K/V head similarity and the predicted loss of each kv-head count (`headfold inspect`);
+    for an encoder-decoder (T5, BART, Whisper) a CacheInspection: the decoder's self- and cross-cache
+    bytes per token for each candidate (no loss prediction yet, so no `kv_budget` or `heatmap`).
 
     Args:
         source: a checkpoint folder or hub id with one kv-head count in every layer.
@@ -418,7 +420,8 @@ def run(
 
 def load_model(path: PathLike) -> transformers.PreTrainedModel:
     """A runnable torch model (eval mode) for any source or converted checkpoint folder, including
-    families whose converted checkpoints plain transformers cannot load (docs/deploying.md)."""
+    families whose converted checkpoints plain transformers cannot load (docs/deploying.md); an
+    encoder-decoder's with GQA self- and cross-attention, generate() keeping the EncoderDecoderCache."""
     from headfold.converter.modeling import load_model as load
 
     return load(path)

@@ -256,3 +256,17 @@ def test_distilling_whisper_is_refused(tiny_checkpoint, text_file: Path, tmp_pat
     err = refused(["distill", str(teacher), str(student), str(tmp_path / "out"), "--data", str(text_file), "--steps", "1"], capsys)
     assert "distilling whisper needs audio with transcripts" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("stated", [{"decoder_cross": 3}, {"decoder_cross": [4]}, {"cross": 4}, [4, 4]])
+def test_bad_kv_heads_per_attention_in_config(stated, tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    """A converted config whose per-attention kv heads do not fit its heads or layers: one line before anything loads."""
+    import shutil
+
+    folder = tmp_path / "bad"
+    shutil.copytree(convert(tiny_checkpoint("t5"), tmp_path / "out", kv_heads=4, method="mean", progress=False), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_key_value_heads_per_attention": stated}))
+    with pytest.raises(BadInput, match="num_key_value_heads_per_attention"):
+        load_model(folder)
+    assert "num_key_value_heads_per_attention" in refused(["convert", str(folder), str(tmp_path / "again"), "--kv-heads", "2"], capsys)
