@@ -271,7 +271,7 @@ def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts:
     if heldout is None and data is None:
         heldout = builtin_source(corpus.heldout_text(), "built-in held-out split")
     encoder = encoder_for(student.folder, int(student.facts.vocab_size or 0), encoder_model)
-    return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed)
+    return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed, pairs=student.spec.kind == "seq2seq")
 
 
 def default_batch_size(tokens: int | None, seq_len: int, processes: int = 1) -> int:

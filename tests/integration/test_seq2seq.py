@@ -270,3 +270,39 @@ def test_bad_kv_heads_per_attention_in_config(stated, tiny_checkpoint, tmp_path:
     with pytest.raises(BadInput, match="num_key_value_heads_per_attention"):
         load_model(folder)
     assert "num_key_value_heads_per_attention" in refused(["convert", str(folder), str(tmp_path / "again"), "--kv-heads", "2"], capsys)
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """(source, target) rows of varied lengths: each paragraph of the corpus cut at a seeded point."""
+    import random
+
+    from headfold import corpus
+
+    rng = random.Random(0)
+    paragraphs = [p for p in corpus.train_text()[:60_000].split("\n") if len(p) > 8]
+    rows = [(p[: (cut := rng.randrange(2, len(p) - 2))], p[cut:]) for p in paragraphs]
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"source": s, "target": t}) + "\n" for s, t in rows))
+    return path
+
+
+def test_distill_on_source_target_pairs(tiny_checkpoint, pairs_file: Path, tmp_path: Path, capsys) -> None:
+    """jsonl pairs: a window per pair, unfilled positions masked out of the encoder and the loss; the KL drops.
+    A decoder given pairs is one line."""
+    from headfold.distillation import distill
+    from headfold.distillation.data import ABSENT, encoder_for, pair_window
+
+    encoder = encoder_for(tiny_checkpoint("bart", **BYTES), 256, encoder_model=False)
+    assert pair_window(("ab", "cde"), encoder, 8) == [97, 98, ABSENT, ABSENT, 99, 100, 101, ABSENT]
+    assert pair_window(("abcdef", "ghijkl"), encoder, 6) == [97, 98, 99, 103, 104, 105]
+    teacher = tiny_checkpoint("bart", **BYTES)
+    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
+    out = distill(teacher, student, tmp_path / "out", data=pairs_file, steps=10, lr=1e-2, **FAST)
+    first, final = distilled(out)["initial_eval"], distilled(out)["final_eval"]
+    assert first["kl"] > 0 and final["kl"] < 0.7 * first["kl"], f"KL {first['kl']:.4g} → {final['kl']:.4g}"
+    assert distilled(out)["data"]["train"] == str(pairs_file)
+    decoder = tiny_checkpoint("llama", **BYTES)
+    decoder_student = convert(decoder, tmp_path / "llama-kv2", 2, method="mean", progress=False)
+    err = refused(["distill", str(decoder), str(decoder_student), str(tmp_path / "llama-out"), "--data", str(pairs_file), "--steps", "1", "--seq-len", "32"], capsys)
+    assert "holds (source, target) pairs, which only an encoder-decoder (T5, BART) reads" in err
