@@ -411,7 +411,7 @@ def build_manifest(
 ) -> Manifest:
     src = ckpt.shape
     uniform = all(layer == groups[0] for layer in groups)
-    query_map = [[h // t.group for h in range(src.heads)] for t in targets]
+    query_map = [[h // t.group for h in range(t.heads)] for t in targets]
     kv_heads = collapse([t.kv_heads for t in targets])
     parent = load_raw(ckpt.folder, "restore it or remove it from the source") if (ckpt.folder / MANIFEST).is_file() else None
     return Manifest(

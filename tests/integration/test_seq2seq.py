@@ -306,3 +306,20 @@ def test_distill_on_source_target_pairs(tiny_checkpoint, pairs_file: Path, tmp_p
     decoder_student = convert(decoder, tmp_path / "llama-kv2", 2, method="mean", progress=False)
     err = refused(["distill", str(decoder), str(decoder_student), str(tmp_path / "llama-out"), "--data", str(pairs_file), "--steps", "1", "--seq-len", "32"], capsys)
     assert "holds (source, target) pairs, which only an encoder-decoder (T5, BART) reads" in err
+
+
+def test_decoder_heads_other_than_the_encoders(tiny_checkpoint, tmp_path: Path) -> None:
+    """BART with 8 encoder and 4 decoder heads (head dims 8 and 16): each attention converts, records and loads at its own shape."""
+    src = tiny_checkpoint("bart", decoder_attention_heads=4)
+    out = convert(src, tmp_path / "out", kv_heads=2, method="mean", progress=False)
+    conversion = json.loads((out / "headfold.json").read_text())["conversion"]
+    assert {k: (a["heads"], a["kv_heads"]) for k, a in conversion["attentions"].items()} == {"encoder_self": (8, 8), "decoder_self": (4, 2), "decoder_cross": (4, 2)}
+    assert conversion["kv_head_of_query_head"][-1] == [0, 0, 1, 1]
+    assert conversion["cache_bytes_per_token"]["cross"] == {"before": 2 * 2 * 4 * 16 * 4, "after": 2 * 2 * 2 * 16 * 4}
+    original, converted = load_model(src), load_model(out)
+    assert converted.model.decoder.layers[0].encoder_attn.k_proj.out_features == 2 * 16
+    batch = {k: v for k, v in seq2seq_batch(original.config).items() if k != "decoder_input_ids"}
+    assert converted.generate(**batch, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (2, 5)
+    identity = convert(src, tmp_path / "identity", kv_heads=4, method="mean", progress=False)
+    assert (identity / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert torch.equal(logits(original), logits(load_model(identity)))
