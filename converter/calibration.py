@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from headfold.converter import layerwise
 from headfold.converter.checkpoint import SourceCheckpoint
@@ -67,7 +68,8 @@ def calibrate(ckpt: SourceCheckpoint, batch: torch.Tensor, progress: bool = True
 
 @torch.no_grad()
 def seq2seq_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool = True) -> list[torch.Tensor]:
-    """Per attention block [tokens, hidden]: the input of its K/V projections (module doc), on the compute device."""
+    """Per attention block [tokens, hidden]: the input of its K/V projections (module doc); the model runs on the
+    compute device, the inputs are kept on the CPU as the decoders' are."""
     from headfold.converter.modeling import load_model, parameter_names
 
     device = compute_device()
@@ -79,11 +81,11 @@ def seq2seq_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, pr
     def keep(block: int):
         return lambda module, args: captured[block].append(args[0].detach().flatten(0, -2).float().cpu())
 
+    feeds = audio_feeds(model, tokens, seed) if ckpt.spec.audio_encoder else text_feeds(ckpt, model, text, tokens, seed)  # before the hooks: Whisper's generates
     modules = [model.get_submodule(names[layer[key]].removesuffix(".weight")) for layer in ckpt.attention.layers]
     hooks = [module.register_forward_pre_hook(keep(i)) for i, module in enumerate(modules)]
     try:
-        feeds = audio_feeds(model, tokens, seed) if ckpt.spec.audio_encoder else text_feeds(ckpt, model, text, tokens, seed)
-        for feed in feeds:
+        for feed in tqdm(feeds, desc="calibrate", unit="batch", disable=not progress):
             model(**{name: t.to(device) for name, t in feed.items()}, use_cache=False)
     finally:
         for hook in hooks:
@@ -109,6 +111,7 @@ def audio_feeds(model: torch.nn.Module, tokens: int, seed: int) -> list[dict[str
     feeds = []
     for part in features.split(4):
         part = part.to(model.device)
-        transcript = model.generate(input_features=part, max_new_tokens=target, min_new_tokens=target, do_sample=False)
-        feeds.append({"input_features": part, "decoder_input_ids": transcript[:, :-1]})
+        transcript = model.generate(input_features=part, max_new_tokens=target, min_new_tokens=target, do_sample=False)  # without the start token
+        start = torch.full_like(transcript[:, :1], config.decoder_start_token_id)
+        feeds.append({"input_features": part, "decoder_input_ids": torch.cat([start, transcript[:, :-1]], 1)})
     return feeds

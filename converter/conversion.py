@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from headfold.converter import rawpool
-from headfold.converter import seq2seq
+from headfold.converter import rawpool, seq2seq
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, dtype_code
 from headfold.converter.layout import AttentionCodec, HeadShape, expected_shapes, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_ATTENTION, KV_HEADS_PER_LAYER, collapse, expand

@@ -38,11 +38,12 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.nn import functional as F
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.initialization import no_init_weights
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.bart.modeling_bart import BartAttention
 from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.bloom.modeling_bloom import BloomAttention, BloomModel, dropout_add
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor as bloom_alibi
@@ -53,13 +54,11 @@ from transformers.models.gptj.modeling_gptj import GPTJAttention
 from transformers.models.opt.modeling_opt import OPTAttention
 from transformers.models.opt.modeling_opt import eager_attention_forward as opt_eager
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
-from transformers.models.bart.modeling_bart import BartAttention
 from transformers.models.t5.modeling_t5 import T5Attention
 from transformers.models.whisper.modeling_whisper import WhisperAttention
 from transformers.models.whisper.modeling_whisper import eager_attention_forward as whisper_eager
-from transformers.cache_utils import EncoderDecoderCache
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.pytorch_utils import Conv1D
+from transformers.utils.deprecation import deprecate_kwarg
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.layout import HeadShape, head_axis_sizes

@@ -323,3 +323,19 @@ def test_decoder_heads_other_than_the_encoders(tiny_checkpoint, tmp_path: Path) 
     identity = convert(src, tmp_path / "identity", kv_heads=4, method="mean", progress=False)
     assert (identity / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
     assert torch.equal(logits(original), logits(load_model(identity)))
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+def test_calibration_keeps_every_attentions_key_input(family: str, tiny_checkpoint, text_file: Path) -> None:
+    """Rows per attention block: source tokens for the encoder and the cross-attention (the encoder output),
+    target tokens for the decoder's self-attention; the cross-attention reads the encoder's last output."""
+    from headfold import corpus
+    from headfold.converter.calibration import seq2seq_inputs
+    from headfold.converter.checkpoint import SourceCheckpoint
+
+    with SourceCheckpoint(tiny_checkpoint(family, **({} if family == "whisper" else BYTES))) as ckpt:
+        inputs = seq2seq_inputs(ckpt, corpus.train_text()[:60_000], 512, 0, progress=False)
+        source, target = {"t5": (2 * 128, 2 * 128), "bart": (4 * 62, 4 * 62), "whisper": (10 * 16, 10 * 31)}[family]  # windows × tokens
+        assert [len(x) for x in inputs] == [source, source, target, target, source, source]
+        assert torch.equal(inputs[4], inputs[5])  # both cross-attentions read the same encoder output
+        assert not torch.equal(inputs[0], inputs[4])
