@@ -397,7 +397,7 @@ def load_hint(folder: Path) -> str | None:
     if manifest.loader == "transformers":
         return None
     why = (
-        "its layers have different kv-head counts" if isinstance(manifest.conversion.kv_heads, list)
+        "its layers have different kv-head counts" if isinstance(manifest.conversion.kv_heads, list) and not manifest.conversion.attentions
         else f"transformers has no grouped-query {manifest.source.model_type}"
     )  # fmt: skip
     entries = ["headfold.load_model"] + ["headfold.sentence_transformer (SentenceTransformer)"] * (folder / "modules.json").is_file()

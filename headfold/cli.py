@@ -145,8 +145,12 @@ def convert(
     )  # fmt: skip
     from headfold.converter.conversion import load_hint
 
+    from headfold.converter.seq2seq import KIND_NAMES
+
     record = manifest.load(result)
-    lines = [f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})", *filter(None, [load_hint(result)])]
+    pooled = [KIND_NAMES[kind] for kind, entry in (record.conversion.attentions or {}).items() if entry["pooled"]]  # an encoder-decoder's
+    where = f" in {' and '.join(pooled)}" if pooled else ""
+    lines = [f"wrote {result} ({_kv_text(kv_heads)} kv heads{where}, method {method})", *filter(None, [load_hint(result)])]
     output.emit("\n".join(lines), {"output": str(result), **record.to_dict()}, reads)
 
 

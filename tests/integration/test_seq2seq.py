@@ -339,3 +339,11 @@ def test_calibration_keeps_every_attentions_key_input(family: str, tiny_checkpoi
         assert [len(x) for x in inputs] == [source, source, target, target, source, source]
         assert torch.equal(inputs[4], inputs[5])  # both cross-attentions read the same encoder output
         assert not torch.equal(inputs[0], inputs[4])
+
+
+def test_convert_says_which_attentions_it_pooled(tiny_checkpoint, tmp_path: Path, capsys) -> None:
+    assert main(["convert", str(tiny_checkpoint("t5")), str(tmp_path / "out"), "--kv-heads", "2", "--method", "mean", "--pool", "cross", "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"wrote {tmp_path / 'out'} (2 kv heads in decoder cross-attention, method mean)",
+        f"plain transformers cannot load {tmp_path / 'out'} (transformers has no grouped-query t5): load it with headfold.load_model",
+    ]
