@@ -47,7 +47,7 @@ def window_starts(length: int, tokens: int, seed: int, window: int = WINDOW) -> 
 
 def attention_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool = True) -> list[torch.Tensor]:
     """Per layer [tokens, hidden]: what the attention projections of the source model read."""
-    if ckpt.spec.attentions:
+    if ckpt.spec.encoder_decoder:
         return seq2seq_inputs(ckpt, text, tokens, seed, progress)
     ckpt.facts.require_positions(WINDOW, f"calibration (windows of {WINDOW} tokens)", "pass --calibration weights, which reads no text", table_only=True)
     batch = sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed)

@@ -368,7 +368,7 @@ class CheckpointFacts:
         keys = spec.config if spec else COMMON_KEYS
         shape = _head_shape(config, keys)
         layers = _positive_int(config, keys.layers)
-        blocks = _attention_blocks(config, spec) if spec and spec.attentions else ()
+        blocks = _attention_blocks(config, spec) if spec and spec.encoder_decoder else ()
         kv_heads = tuple(b.shape.kv_heads for b in blocks) or config_kv_heads(shape.kv_heads, config.get(KV_HEADS_PER_LAYER), shape.heads, layers)
         return cls(
             folder=folder,
@@ -578,7 +578,7 @@ class SourceCheckpoint:
 
     # -- attention tensors --------------------------------------------------------------
     def _locate_attention(self) -> AttentionLayout:
-        if not self.spec.attentions:
+        if not self.spec.encoder_decoder:
             return AttentionLayout(self._locate(self.spec, list(self.layer_shapes)))
         layers: list[dict[str, str]] = []
         for kind in self.spec.attentions:  # kind by kind, as the blocks are ordered

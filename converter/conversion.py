@@ -335,7 +335,7 @@ def write_config(ckpt: SourceCheckpoint, targets: list[HeadShape], folder: Path,
     differ; as the retarget family's config when there is one."""
     config = dict(ckpt.config)
     per_layer = [t.kv_heads for t in targets]
-    if ckpt.spec.attentions:  # its own key: the family's num_key_value_heads means something else (Whisper) or nothing
+    if ckpt.spec.encoder_decoder:  # its own key: the family's num_key_value_heads means something else (Whisper) or nothing
         config[KV_HEADS_PER_ATTENTION] = kinds_kv_heads(ckpt, per_layer)
         return _write_json(folder, config)
     keys = ckpt.spec.config
@@ -426,7 +426,7 @@ def build_manifest(
             group_size=collapse([t.group for t in targets]),
             kv_head_of_query_head=query_map[0] if len(set(map(tuple, query_map))) == 1 else query_map,
             source_kv_heads_of_kv_head=groups[0] if uniform else groups,
-            **(seq2seq_record(ckpt, targets, pool) if ckpt.spec.attentions else {}),
+            **(seq2seq_record(ckpt, targets, pool) if ckpt.spec.encoder_decoder else {}),
         ),
         loader=output_loader(ckpt, kv_heads, retarget),
         versions=versions(PACKAGES),

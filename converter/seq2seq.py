@@ -39,7 +39,7 @@ SYNTHESIZED_AUDIO = "synthesized log-mel features"
 def pooled_kinds(spec: ArchitectureSpec, pool: str | None) -> tuple[str, ...] | None:
     """The attention kinds `pool` names for an encoder-decoder (None: the default); None for a family
     with one kind of attention, which BadInput refuses `pool` for."""
-    if not spec.attentions:
+    if not spec.encoder_decoder:
         if pool is not None:
             raise BadInput(f"--pool chooses among an encoder-decoder's attentions; {spec.family} is {'an encoder' if spec.kind == 'encoder' else 'a decoder'} with self-attention only: drop --pool")
         return None
@@ -70,5 +70,5 @@ def cache_bytes(ckpt: SourceCheckpoint, targets: Sequence[HeadShape]) -> dict[st
 
 def refuse_unsupported(facts: CheckpointFacts, command: str, fix: str | None = None) -> None:
     """BadInput for an encoder-decoder where `command` (export, verify, run) handles decoders and encoders only."""
-    if facts.spec is not None and facts.spec.kind == "seq2seq":
+    if facts.spec is not None and facts.spec.encoder_decoder:
         raise BadInput(f"{command} of encoder-decoders ({facts.spec.family}) is not supported yet: {fix or f'load {facts.folder} with headfold.load_model'}")

@@ -120,6 +120,11 @@ class ArchitectureSpec:
     head_position_bias: bool = False  # a learned score bias per query head (T5): query heads may not move
     audio_encoder: bool = False  # the encoder reads log-mel features, not token ids (Whisper)
 
+    @property
+    def encoder_decoder(self) -> bool:
+        """Kind "seq2seq": the one test of it (the spec lists its attentions; _parse checks the two agree)."""
+        return bool(self.attentions)
+
     def for_kind(self, kind: AttentionKind) -> ArchitectureSpec:
         """This spec for one attention kind of an encoder-decoder: its tensors under the kind's prefix."""
         return replace(self, layer_prefix=kind.layer_prefix, attentions=())
@@ -154,6 +159,8 @@ def _projection(raw: dict[str, Any], cls: type[Projection] = Projection) -> Proj
 
 
 def _parse(raw: dict[str, Any]) -> ArchitectureSpec:
+    if (raw["kind"] == "seq2seq") != bool(raw.get("attentions")):
+        raise ValueError(f"spec {raw['family']}: kind seq2seq and a list of attentions go together")  # a broken spec file of headfold's own
     fused = raw.pop("fused_qkv", None)
     retarget = raw.get("mqa_as")
     return ArchitectureSpec(

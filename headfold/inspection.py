@@ -313,7 +313,7 @@ def inspect_checkpoint(
     check_settings()  # $HEADFOLD_DEVICE, $HEADFOLD_CALIBRATION_RAM
     outputs = [(p, False) for p in (heatmap, json_path) if p is not None]
     with SourceCheckpoint(source) as ckpt:
-        if ckpt.spec.attentions:
+        if ckpt.spec.encoder_decoder:
             report = cache_inspection(ckpt, candidates, kv_budget, heatmap)
             check_outputs(outputs, overwrite=overwrite, sources=(source,))
         else:

@@ -207,7 +207,7 @@ def check_copied_tensor(t: SourceCheckpoint, s: SourceCheckpoint, student: Path)
 def seq2seq_start(student: SourceCheckpoint) -> int | None:
     """An encoder-decoder's decoder start token (its windows split into source → target); None for other
     kinds. BadInput for an audio encoder: its training pairs are audio and transcripts, not text yet."""
-    if student.spec.kind != "seq2seq":
+    if not student.spec.encoder_decoder:
         return None
     if student.spec.audio_encoder:
         raise BadInput(f"distilling {student.spec.family} needs audio with transcripts, which headfold does not read yet; distill text encoder-decoders (T5, BART)")
@@ -271,7 +271,7 @@ def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts:
     if heldout is None and data is None:
         heldout = builtin_source(corpus.heldout_text(), "built-in held-out split")
     encoder = encoder_for(student.folder, int(student.facts.vocab_size or 0), encoder_model)
-    return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed, pairs=student.spec.kind == "seq2seq")
+    return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed, pairs=student.spec.encoder_decoder)
 
 
 def default_batch_size(tokens: int | None, seq_len: int, processes: int = 1) -> int:
