@@ -4,6 +4,10 @@ Windows of the calibration text run through the source model one layer at a time
 peak memory is one layer plus the activations, never the model); a hook on every layer's Q (or
 fused QKV) projection keeps its input, which is also the input of K and V. Methods then derive
 any head's activations as X W_jᵀ + b_j without running the model again.
+
+Encoder-decoders (`seq2seq_inputs`) run whole, once, in fp32: each window's first half is the source
+and the rest the target, read teacher-forced; a hook on every attention's K projection keeps its input
+(the encoder output for cross-attention). Whisper runs on SYNTHESIZED_AUDIO instead of text.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import random
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from headfold.converter import layerwise
 from headfold.converter.checkpoint import SourceCheckpoint
@@ -42,6 +47,8 @@ def window_starts(length: int, tokens: int, seed: int, window: int = WINDOW) -> 
 
 def attention_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool = True) -> list[torch.Tensor]:
     """Per layer [tokens, hidden]: what the attention projections of the source model read."""
+    if ckpt.spec.encoder_decoder:
+        return seq2seq_inputs(ckpt, text, tokens, seed, progress)
     ckpt.facts.require_positions(WINDOW, f"calibration (windows of {WINDOW} tokens)", "pass --calibration weights, which reads no text", table_only=True)
     batch = sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed)
     return calibrate(ckpt, batch, progress)
@@ -57,3 +64,54 @@ def calibrate(ckpt: SourceCheckpoint, batch: torch.Tensor, progress: bool = True
     """Per layer [tokens, hidden]: the attention inputs on `batch` ([windows, T] token ids), layer by
     layer on the methods' compute device ($HEADFOLD_DEVICE, else the first GPU, else the CPU)."""
     return layerwise.attention_inputs(ckpt, batch, compute_device(), progress)
+
+
+@torch.no_grad()
+def seq2seq_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool = True) -> list[torch.Tensor]:
+    """Per attention block [tokens, hidden]: the input of its K/V projections (module doc); the model runs on the
+    compute device, the inputs are kept on the CPU as the decoders' are."""
+    from headfold.converter.modeling import load_model, parameter_names
+
+    device = compute_device()
+    model = load_model(ckpt.facts, dtype=torch.float32).to(device)
+    names = parameter_names(model, ckpt.facts)
+    key = ckpt.spec.projections["k"].weight
+    captured: list[list[torch.Tensor]] = [[] for _ in ckpt.attention.layers]
+
+    def keep(block: int):
+        return lambda module, args: captured[block].append(args[0].detach().flatten(0, -2).float().cpu())
+
+    feeds = audio_feeds(model, tokens, seed) if ckpt.spec.audio_encoder else text_feeds(ckpt, model, text, tokens, seed)  # before the hooks: Whisper's generates
+    modules = [model.get_submodule(names[layer[key]].removesuffix(".weight")) for layer in ckpt.attention.layers]
+    hooks = [module.register_forward_pre_hook(keep(i)) for i, module in enumerate(modules)]
+    try:
+        for feed in tqdm(feeds, desc="calibrate", unit="batch", disable=not progress):
+            model(**{name: t.to(device) for name, t in feed.items()}, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [torch.cat(parts) for parts in captured]
+
+
+def text_feeds(ckpt: SourceCheckpoint, model: torch.nn.Module, text: str, tokens: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Windows of the calibration text, each split into source → target (teacher-forced after the decoder's start token)."""
+    half = min(WINDOW // 2, ckpt.facts.position_limit or WINDOW)  # source and target each within the position table
+    batch = sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed, 2 * half)
+    start = torch.full_like(batch[:, :1], model.config.decoder_start_token_id)
+    return [{"input_ids": rows[:, :half], "decoder_input_ids": torch.cat([s, rows[:, half:-1]], 1)} for rows, s in zip(batch.split(4), start.split(4))]
+
+
+def audio_feeds(model: torch.nn.Module, tokens: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """SYNTHESIZED_AUDIO: seeded features of the encoder's full frame count (the feature extractor's
+    normalised log-mel range is about [-1, 1]), and the model's own greedy transcript of each."""
+    config = model.config
+    frames, target = 2 * config.max_source_positions, min(WINDOW // 2, config.max_target_positions - 1)
+    count = max(1, tokens // (config.max_source_positions + target))
+    features = torch.randn(count, config.num_mel_bins, frames, generator=torch.Generator().manual_seed(seed)) * 0.5
+    feeds = []
+    for part in features.split(4):
+        part = part.to(model.device)
+        transcript = model.generate(input_features=part, max_new_tokens=target, min_new_tokens=target, do_sample=False)  # without the start token
+        start = torch.full_like(transcript[:, :1], config.decoder_start_token_id)
+        feeds.append({"input_features": part, "decoder_input_ids": torch.cat([start, transcript[:, :-1]], 1)})
+    return feeds

@@ -18,15 +18,15 @@ import re
 import struct
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from safetensors import SafetensorError, safe_open
 
 from headfold.converter.layout import HeadShape, expected_shapes
-from headfold.converter.per_layer import KV_HEADS_PER_LAYER, config_kv_heads
-from headfold.converter.spec import ArchitectureSpec, ConfigKeys, spec_for, supported_model_types
+from headfold.converter.per_layer import KV_HEADS_PER_ATTENTION, KV_HEADS_PER_LAYER, config_kv_heads, kind_kv_heads
+from headfold.converter.spec import ArchitectureSpec, AttentionKind, ConfigKeys, spec_for, supported_model_types
 from headfold.converter.support import common_keys, export_blocker, unconverted_kind, unsupported
 from headfold.ground import inputs
 from headfold.ground.errors import BadInput
@@ -266,6 +266,39 @@ def _head_shape(config: dict[str, Any], keys: ConfigKeys) -> HeadShape:
 
 
 @dataclass(frozen=True)
+class AttentionBlock:
+    """One attention module of an encoder-decoder: its kind, its layer in that kind's stack, its heads."""
+
+    kind: str  # AttentionKind.name
+    layer: int
+    shape: HeadShape
+
+
+def _kind_layers(config: dict[str, Any], kind: AttentionKind) -> int:
+    key = next((k for k in kind.layers if config.get(k) is not None), kind.layers[-1])
+    layers = _positive_int(config, key)
+    if layers > MAX_LAYERS:
+        raise BadInput(f"config.json: {key!r} is {layers}, more than {MAX_LAYERS}; fix config.json")
+    return layers
+
+
+def _attention_blocks(config: dict[str, Any], spec: ArchitectureSpec) -> tuple[AttentionBlock, ...]:
+    """An encoder-decoder's attention modules, kind by kind, with the kv heads KV_HEADS_PER_ATTENTION states
+    (a converted checkpoint's; a source has as many as query heads)."""
+    stated = config.get(KV_HEADS_PER_ATTENTION) or {}
+    names = [kind.name for kind in spec.attentions]
+    if not isinstance(stated, dict) or set(stated) - set(names):
+        raise BadInput(f"config.json: {KV_HEADS_PER_ATTENTION} must map {', '.join(names)} to kv-head counts, found {inputs.shown(stated)}; re-run headfold convert or fix config.json")
+    keys, blocks = spec.config, []
+    for kind in spec.attentions:  # head_dim: the family's key (T5's d_kv), else the width over this kind's heads
+        layers, heads = _kind_layers(config, kind), _positive_int(config, kind.heads)
+        shape = _head_shape({keys.heads: heads, keys.hidden: config[keys.hidden], keys.head_dim: config.get(keys.head_dim)}, keys)
+        counts = kind_kv_heads(stated.get(kind.name), heads, layers, kind.name)
+        blocks += [AttentionBlock(kind.name, layer, replace(shape, kv_heads=kv)) for layer, kv in enumerate(counts)]
+    return tuple(blocks)
+
+
+@dataclass(frozen=True)
 class Rotary:
     """RoPE as the config states it (partial rotary under its several names)."""
 
@@ -328,6 +361,7 @@ class CheckpointFacts:
     positions: int | None  # max_position_embeddings / n_positions
     vocab_size: int | None
     tokenizer: Path | None  # the folder holding tokenizer files; None without any
+    blocks: tuple[AttentionBlock, ...] = ()  # an encoder-decoder's attention modules; its "layers" are these
     _indexes: dict[bool, TensorIndex] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -344,13 +378,15 @@ class CheckpointFacts:
         keys = spec.config if spec else common_keys(config.get("model_type"))
         shape = _head_shape(config, keys)
         layers = _positive_int(config, keys.layers)
+        blocks = _attention_blocks(config, spec) if spec and spec.encoder_decoder else ()
+        kv_heads = tuple(b.shape.kv_heads for b in blocks) or config_kv_heads(shape.kv_heads, config.get(KV_HEADS_PER_LAYER), shape.heads, layers)
         return cls(
             folder=folder,
             config=config,
             spec=spec,
-            layers=layers,
+            layers=len(blocks) or layers,
             heads=shape.heads,
-            kv_heads=config_kv_heads(shape.kv_heads, config.get(KV_HEADS_PER_LAYER), shape.heads, layers),
+            kv_heads=kv_heads,
             head_dim=shape.head_dim,
             hidden=config[keys.hidden],
             rotary=_rotary(config, spec, shape.head_dim),
@@ -358,11 +394,13 @@ class CheckpointFacts:
             positions=config.get("max_position_embeddings") or config.get("n_positions"),
             vocab_size=config.get("vocab_size"),
             tokenizer=tokenizer_location(folder),
+            blocks=blocks,
         )
 
     @property
-    def kind(self) -> Literal["decoder", "encoder"]:
-        """Decoder (causal LM: generates, exports with a KV cache) or encoder: the one place that says."""
+    def kind(self) -> Literal["decoder", "encoder", "seq2seq"]:
+        """Decoder (causal LM: generates, exports with a KV cache), encoder or encoder-decoder: the one
+        place that says (a family without a spec is never seq2seq here: support.export_blocker refuses it)."""
         return self.spec.kind if self.spec else unconverted_kind(self.config)
 
     def require_positions(self, needed: int, why: str, fix: str = "fix config.json", *, table_only: bool = False) -> None:
@@ -398,7 +436,10 @@ class CheckpointFacts:
 
     @property
     def layer_shapes(self) -> tuple[HeadShape, ...]:
-        """Each layer's head shape: a chained conversion's source may hold per-layer kv heads."""
+        """Each layer's head shape (an encoder-decoder's: each attention block's): a chained conversion's
+        source may hold per-layer kv heads."""
+        if self.blocks:
+            return tuple(b.shape for b in self.blocks)
         return tuple(HeadShape(self.heads, kv, self.head_dim) for kv in self.kv_heads)
 
     @property
@@ -553,36 +594,45 @@ class SourceCheckpoint:
 
     # -- attention tensors --------------------------------------------------------------
     def _locate_attention(self) -> AttentionLayout:
-        hidden = self.config[self.spec.config.hidden]
-        sizes = [expected_shapes(self.spec, shape, hidden) for shape in self.layer_shapes]
+        if not self.spec.encoder_decoder:
+            return AttentionLayout(self._locate(self.spec, list(self.layer_shapes)))
+        layers: list[dict[str, str]] = []
+        for kind in self.spec.attentions:  # kind by kind, as the blocks are ordered
+            layers += self._locate(self.spec.for_kind(kind), [b.shape for b in self.facts.blocks if b.kind == kind.name])
+        return AttentionLayout(layers)
+
+    def _locate(self, spec: ArchitectureSpec, shapes: list[HeadShape]) -> list[dict[str, str]]:
+        """Each layer's attention tensors under `spec`'s layer prefix, shapes checked against `shapes`."""
+        hidden = self.config[spec.config.hidden]
+        sizes = [expected_shapes(spec, shape, hidden) for shape in shapes]
         expected = {s: {i for i, layer in enumerate(sizes) if s in layer} for layer in sizes for s in layer}  # per-head norms: per layer
         found: dict[str, dict[int, str]] = defaultdict(dict)
         prefixes: set[str] = set()
         for suffix in expected:
-            pattern = self.spec.tensor_pattern(suffix)
+            pattern = spec.tensor_pattern(suffix)
             for name in self.tensors:
                 if m := pattern.match(name):
                     prefixes.add(m.group(1))
                     found[suffix][int(m.group(2))] = name
         if len(prefixes) > 1:
             raise BadInput(f"attention tensors under several prefixes ({', '.join(sorted(prefixes))}); only single-model checkpoints are supported")
-        layers: list[dict[str, str]] = [{} for _ in range(self.layers)]
+        layers: list[dict[str, str]] = [{} for _ in range(len(shapes))]
         for suffix, by_layer in found.items():
             if set(by_layer) != expected[suffix]:
                 raise BadInput(
                     f"tensor '*{suffix}' found for layers {sorted(by_layer)}, expected {_ranges(expected[suffix])}; weights and config.json disagree"
                 )
             for i, name in by_layer.items():
-                self._check_tensor(name, sizes[i][suffix], self.layer_shapes[i])
+                self._check_tensor(name, sizes[i][suffix], shapes[i])
                 layers[i][suffix] = name
         required = self._required_suffixes()
         if missing := [s for s in required if s not in found]:
-            raise BadInput(f"no '{missing[0]}' tensors for {self.spec.family}; is this a {self.spec.family} checkpoint?")
-        for role in self.spec.head_norms or {}:  # optional (StableLM's qk_layernorm), but then one per head
-            norms = self.spec.head_norm_suffixes(role, self.shape.heads if role == "q" else self.shape.kv_heads)
+            raise BadInput(f"no '{missing[0]}' tensors for {spec.family}; is this a {spec.family} checkpoint?")
+        for role in spec.head_norms or {}:  # optional (StableLM's qk_layernorm), but then one per head
+            norms = spec.head_norm_suffixes(role, self.shape.heads if role == "q" else self.shape.kv_heads)
             if any(n in found for n in norms) and (absent := [n for n in norms if n not in found]):
                 raise BadInput(f"no '{absent[0]}' tensors although other heads have their norm; the checkpoint is incomplete")
-        return AttentionLayout(layers)
+        return layers
 
     def _required_suffixes(self) -> list[str]:
         weights = [p.weight for p in self.spec.projections.values()]

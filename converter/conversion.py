@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from headfold.converter import rawpool
+from headfold.converter import rawpool, seq2seq
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, dtype_code
 from headfold.converter.layout import AttentionCodec, HeadShape, expected_shapes, head_axis_sizes
-from headfold.converter.per_layer import KV_HEADS_PER_LAYER, collapse, expand
+from headfold.converter.per_layer import KV_HEADS_PER_ATTENTION, KV_HEADS_PER_LAYER, collapse, expand
 from headfold.converter.recipes import DEFAULT_METHOD, LayerContext, Recipe, contiguous_groups, get_method
 from headfold.converter.sources import checkpoint_folder, hub_origin
 from headfold.converter.spec import Retarget, layer_tensor_pattern, spec_for
@@ -57,6 +57,7 @@ def convert(
     seed: int = 0,
     progress: bool = True,
     builtin_text: str | None = None,
+    pool: str | None = None,
 ) -> Path:
     """Convert the checkpoint folder `source` to `kv_heads` K/V heads; return the output path.
 
@@ -67,6 +68,9 @@ def convert(
     file, None for `builtin_text` (the caller's default text: `headfold.convert` and the CLI pass
     the embedded corpus; a checkpoint without tokenizer files, or no `builtin_text`, calibrates on the
     weights alone, with a warning), or "weights" to work on the weights alone.
+    An encoder-decoder (T5, BART, Whisper) pools the attention kinds `pool` names (converter/seq2seq.py:
+    self, cross, decoder, encoder or all; None: decoder, its self- and cross-attention); its data-aware
+    methods calibrate on text split into source → target, or an audio model on synthesized features.
     Raises BadInput (nothing written) for anything wrong with the request or the source.
     """
     source = checkpoint_folder(source, revision=revision, allow_pickle=allow_pickle)
@@ -75,41 +79,48 @@ def convert(
 
         check_settings()  # a bad $HEADFOLD_DEVICE or $HEADFOLD_CALIBRATION_RAM fails before the slow calibration
     with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
-        targets = target_shapes(ckpt, kv_heads)
+        targets = target_shapes(ckpt, kv_heads, pool)
         recipe = method_for(ckpt, method)
         retarget = retarget_for(ckpt, targets)
         text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
         out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
         shard_bytes = parse_size(max_shard_size, "shard size") if max_shard_size is not None else default_shard_bytes(ckpt)
         pools = targets != list(ckpt.layer_shapes)  # kv heads = heads everywhere: byte-identical, nothing to calibrate
-        text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware and pools else None
+        if ckpt.spec.audio_encoder and recipe.data_aware and pools:
+            text = audio_calibration(calibration)
+        else:
+            text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware and pools else None
         contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)
         with atomic_output(out, overwrite=overwrite) as tmp:
             files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress, retarget)
             files |= write_config(ckpt, targets, tmp, retarget)
             copied, skipped = copy_other_files(ckpt, tmp)
             files |= copied
-            manifest = build_manifest(ckpt, targets, recipe, groups, files, skipped, retarget)
+            manifest = build_manifest(ckpt, targets, recipe, groups, files, skipped, retarget, pool)
             if recipe.data_aware and pools:
-                used = "weights" if text is None else str(calibration or "built-in")
+                used = "weights" if text is None else seq2seq.SYNTHESIZED_AUDIO if text == seq2seq.SYNTHESIZED_AUDIO else str(calibration or "built-in")
                 manifest.conversion.calibration = {"text": used, "tokens": calibration_tokens, "seed": seed}
             manifest.save_in(tmp)
     return out
 
 
-def target_shape(source: HeadShape, kv_heads: int, layer: int | None = None) -> HeadShape:
-    """`source` pooled to `kv_heads`; BadInput naming the valid counts (and `layer`, for a per-layer list)."""
+def target_shape(source: HeadShape, kv_heads: int, layer: int | str | None = None) -> HeadShape:
+    """`source` pooled to `kv_heads`; BadInput naming the valid counts (and `layer`, for a per-layer list,
+    or the attention it is, for an encoder-decoder)."""
     h, n = source.heads, source.kv_heads
     if not isinstance(kv_heads, int) or kv_heads < 1 or h % kv_heads or n % kv_heads:
         choices = ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
         have = f"{h} attention heads" + (f" and {n} kv heads" if n != h else "")
-        where = "" if layer is None else f" for layer {layer}"
+        where = "" if layer is None else f" for {layer}" if isinstance(layer, str) else f" for layer {layer}"
         raise BadInput(f"--kv-heads {kv_heads}{where} is impossible for a model with {have}; choose one of: {choices}")
     return HeadShape(h, kv_heads, source.head_dim)
 
 
-def target_shapes(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int]) -> list[HeadShape]:
-    """Each layer's target; a list must have one entry per layer dividing that layer's kv heads."""
+def target_shapes(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int], pool: str | None = None) -> list[HeadShape]:
+    """Each layer's target; a list must have one entry per layer dividing that layer's kv heads.
+    An encoder-decoder's: each attention block's, pooled where `pool` names its kind."""
+    if (kinds := seq2seq.pooled_kinds(ckpt.spec, pool)) is not None:
+        return seq2seq_targets(ckpt, kv_heads, kinds)
     per_layer = expand(kv_heads, ckpt.layers)
     by_layer = not isinstance(kv_heads, int) or len(set(ckpt.layer_shapes)) > 1  # name the layer in errors
     targets = [target_shape(src, kv, i if by_layer else None) for i, (src, kv) in enumerate(zip(ckpt.layer_shapes, per_layer))]
@@ -121,11 +132,35 @@ def target_shapes(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int]) -> list
     return targets
 
 
+def seq2seq_targets(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int], kinds: Sequence[str]) -> list[HeadShape]:
+    """Each attention block's target: `kv_heads` (one count, or one per layer of every pooled kind) for the
+    blocks of `kinds`, the source's for the others."""
+    targets = list(ckpt.layer_shapes)
+    for kind in kinds:
+        indices = [i for i, b in enumerate(ckpt.facts.blocks) if b.kind == kind]
+        name = seq2seq.KIND_NAMES[kind]
+        for layer, (i, kv) in enumerate(zip(indices, expand(kv_heads, len(indices)))):
+            targets[i] = target_shape(targets[i], kv, name if isinstance(kv_heads, int) else f"{name} layer {layer}")
+    return targets
+
+
+def audio_calibration(calibration: str | Path | None) -> str | None:
+    """What an audio encoder-decoder (Whisper) calibrates on: synthesized log-mel features (None, the
+    default: SYNTHESIZED_AUDIO), or the weights alone; BadInput for a text file, which it cannot read."""
+    if calibration is None:
+        return seq2seq.SYNTHESIZED_AUDIO
+    if str(calibration) == "weights":
+        return None
+    raise BadInput("an audio encoder-decoder calibrates on synthesized log-mel features, not on text: drop --calibration, or pass --calibration weights")
+
+
 def refused_modifiers(ckpt: SourceCheckpoint) -> dict[str, str]:
     """Modifier → why this model's maths does not allow it (its function would change)."""
     why: dict[str, str] = {}
     if ckpt.spec.alibi:
         why["grouped"] = f"{ckpt.spec.family} uses ALiBi, whose slope belongs to each query head's position, so grouped (which moves query heads) would change the model"
+    if ckpt.spec.head_position_bias:
+        why["grouped"] = f"{ckpt.spec.family}'s relative attention bias belongs to each query head, so grouped (which moves query heads) would change the model"
     if ckpt.config.get("clip_qkv") is not None:
         why["aligned"] = why["refit"] = "config.json sets clip_qkv: the q/k/v clamp does not commute with the rotations and refits of aligned and refit"
     return why
@@ -300,6 +335,9 @@ def write_config(ckpt: SourceCheckpoint, targets: list[HeadShape], folder: Path,
     differ; as the retarget family's config when there is one."""
     config = dict(ckpt.config)
     per_layer = [t.kv_heads for t in targets]
+    if ckpt.spec.encoder_decoder:  # its own key: the family's num_key_value_heads means something else (Whisper) or nothing
+        config[KV_HEADS_PER_ATTENTION] = kinds_kv_heads(ckpt, per_layer)
+        return _write_json(folder, config)
     keys = ckpt.spec.config
     config[keys.kv_heads] = max(per_layer)
     if keys.multi_query:
@@ -309,9 +347,21 @@ def write_config(ckpt: SourceCheckpoint, targets: list[HeadShape], folder: Path,
         config[KV_HEADS_PER_LAYER] = per_layer
     if retarget:
         config |= {"model_type": retarget.model_type, "architectures": [retarget.architectures[config["architectures"][0]]], **retarget.config}
+    return _write_json(folder, config)
+
+
+def _write_json(folder: Path, config: dict[str, Any]) -> dict[str, str]:
     raw = (json.dumps(config, indent=2) + "\n").encode()
     (folder / "config.json").write_bytes(raw)
     return {"config.json": hashlib.sha256(raw).hexdigest()}
+
+
+def kinds_kv_heads(ckpt: SourceCheckpoint, per_block: Sequence[int]) -> dict[str, int | list[int]]:
+    """An encoder-decoder's kv heads per attention kind (one count, or one per layer) from one per block."""
+    by_kind: dict[str, list[int]] = {}
+    for block, kv in zip(ckpt.facts.blocks, per_block):
+        by_kind.setdefault(block.kind, []).append(kv)
+    return {kind: collapse(counts) for kind, counts in by_kind.items()}
 
 
 def copy_other_files(ckpt: SourceCheckpoint, folder: Path) -> tuple[dict[str, str], list[str]]:
@@ -347,7 +397,7 @@ def load_hint(folder: Path) -> str | None:
     if manifest.loader == "transformers":
         return None
     why = (
-        "its layers have different kv-head counts" if isinstance(manifest.conversion.kv_heads, list)
+        "its layers have different kv-head counts" if isinstance(manifest.conversion.kv_heads, list) and not manifest.conversion.attentions
         else f"transformers has no grouped-query {manifest.source.model_type}"
     )  # fmt: skip
     entries = ["headfold.load_model"] + ["headfold.sentence_transformer (SentenceTransformer)"] * (folder / "modules.json").is_file()
@@ -356,11 +406,11 @@ def load_hint(folder: Path) -> str | None:
 
 def build_manifest(
     ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, groups: list[list[list[int]]], files: dict[str, str], skipped: list[str],
-    retarget: Retarget | None = None,
+    retarget: Retarget | None = None, pool: str | None = None,
 ) -> Manifest:
     src = ckpt.shape
     uniform = all(layer == groups[0] for layer in groups)
-    query_map = [[h // t.group for h in range(src.heads)] for t in targets]
+    query_map = [[h // t.group for h in range(t.heads)] for t in targets]
     kv_heads = collapse([t.kv_heads for t in targets])
     parent = load_raw(ckpt.folder, "restore it or remove it from the source") if (ckpt.folder / MANIFEST).is_file() else None
     return Manifest(
@@ -376,9 +426,21 @@ def build_manifest(
             group_size=collapse([t.group for t in targets]),
             kv_head_of_query_head=query_map[0] if len(set(map(tuple, query_map))) == 1 else query_map,
             source_kv_heads_of_kv_head=groups[0] if uniform else groups,
+            **(seq2seq_record(ckpt, targets, pool) if ckpt.spec.encoder_decoder else {}),
         ),
         loader=output_loader(ckpt, kv_heads, retarget),
         versions=versions(PACKAGES),
         files=files,
         skipped_weight_files=skipped,
     )
+
+
+def seq2seq_record(ckpt: SourceCheckpoint, targets: list[HeadShape], pool: str | None) -> dict[str, Any]:
+    """An encoder-decoder conversion's manifest entries: each attention kind's heads and kv heads, and the
+    decoder's self- and cross-cache bytes per token before and after (the per-block lists of the other
+    entries run over the kinds in this order)."""
+    pooled = seq2seq.pooled_kinds(ckpt.spec, pool) or ()
+    kinds = [b.kind for b in ckpt.facts.blocks]
+    after = kinds_kv_heads(ckpt, [t.kv_heads for t in targets])
+    attentions = {kind: {"heads": ckpt.layer_shapes[kinds.index(kind)].heads, "kv_heads": kv, "pooled": kind in pooled} for kind, kv in after.items()}
+    return {"attentions": attentions, "cache_bytes_per_token": seq2seq.cache_bytes(ckpt, targets)}

@@ -10,6 +10,12 @@ DynamicCache, generate) runs the grouping, exactly as it does for llama. bloom c
 by hand (ALiBi, no SDPA in transformers): its swapped-in module, used for MHA checkpoints too, runs
 SDPA with the ALiBi bias as its mask. Weights are then loaded strictly from the safetensors files.
 
+Encoder-decoders (t5, bart, whisper) have no GQA in transformers either: every attention module
+(encoder self, decoder self, decoder cross), found by its kind's path in the spec, gets its block's kv
+heads. Their forwards view K/V with -1 heads and cache them in an EncoderDecoderCache as they come,
+so the self- and cross-attention caches hold kv heads and SDPA groups them (T5's relative position
+bias, per query head, included).
+
 A config with `num_key_value_heads_per_layer` (headfold's per-layer conversions) gives each layer
 its own kv heads: the GQA subclasses are adopted per layer, and native-GQA families get each
 layer's K/V projections resized (transformers itself would refuse the smaller layers).
@@ -32,11 +38,12 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.nn import functional as F
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.initialization import no_init_weights
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.bart.modeling_bart import BartAttention
 from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.bloom.modeling_bloom import BloomAttention, BloomModel, dropout_add
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor as bloom_alibi
@@ -47,7 +54,11 @@ from transformers.models.gptj.modeling_gptj import GPTJAttention
 from transformers.models.opt.modeling_opt import OPTAttention
 from transformers.models.opt.modeling_opt import eager_attention_forward as opt_eager
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
+from transformers.models.t5.modeling_t5 import T5Attention
+from transformers.models.whisper.modeling_whisper import WhisperAttention
+from transformers.models.whisper.modeling_whisper import eager_attention_forward as whisper_eager
 from transformers.pytorch_utils import Conv1D
+from transformers.utils.deprecation import deprecate_kwarg
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.layout import HeadShape, head_axis_sizes
@@ -311,6 +322,63 @@ class BloomGQAAttention(_GQA, BloomAttention):
         return dropout_add(out, residual, self.hidden_dropout, self.training), None
 
 
+class T5GQAAttention(_SeparateKV, T5Attention):
+    """Self- and cross-attention alike; the position bias stays per query head (`n_heads`)."""
+
+    base = T5Attention
+    kv_names = ("k", "v")
+
+
+class BartGQAAttention(_SeparateKV, BartAttention):
+    base = BartAttention
+    kv_names = ("k_proj", "v_proj")
+
+
+class WhisperGQAAttention(_SeparateKV, WhisperAttention):
+    """The parent views K/V with `self.num_heads`; only that view changes below."""
+
+    base = WhisperAttention
+    kv_names = ("k_proj", "v_proj")
+
+    # Mirrors WhisperAttention.forward (transformers 5.x); K/V are viewed at num_key_value_heads.
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        is_cross_attention = key_value_states is not None
+        input_shape = hidden_states.shape[:-1]
+        query_states = (self.q_proj(hidden_states) * self.scaling).view(*input_shape, -1, self.head_dim).transpose(1, 2).contiguous()
+        is_updated = False
+        if isinstance(cache, EncoderDecoderCache):  # the cross-attention half is filled once, then reused
+            is_updated = cache.is_updated.get(self.layer_idx)
+            if is_cross_attention:
+                cache.is_updated[self.layer_idx] = True
+                cache = cache.cross_attention_cache
+            else:
+                cache = cache.self_attention_cache
+        current_states = key_value_states if is_cross_attention else hidden_states
+        if is_cross_attention and cache and is_updated:
+            key_states, value_states = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+        else:
+            kv_shape = (input_shape[0], -1, self.num_key_value_heads, self.head_dim)
+            key_states = self.k_proj(current_states).view(kv_shape).transpose(1, 2).contiguous()
+            value_states = self.v_proj(current_states).view(kv_shape).transpose(1, 2).contiguous()
+            if cache is not None:
+                key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, whisper_eager)
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.dropout, scaling=1.0, output_attentions=output_attentions, **kwargs,
+        )  # fmt: skip
+        return self.out_proj(attn_output.reshape(*input_shape, -1).contiguous()), attn_weights
+
+
 # model_type -> GQA attention class, for families whose transformers code has no GQA.
 GQA_ATTENTION: dict[str, type[_GQA]] = {
     "gpt2": GPT2GQAAttention,
@@ -320,6 +388,9 @@ GQA_ATTENTION: dict[str, type[_GQA]] = {
     "roberta": RobertaGQASelfAttention,
     "gptj": GPTJGQAAttention,
     "bloom": BloomGQAAttention,
+    "t5": T5GQAAttention,
+    "bart": BartGQAAttention,
+    "whisper": WhisperGQAAttention,
 }
 
 
@@ -417,11 +488,28 @@ def _tensor_meta(facts: CheckpointFacts) -> tuple[_Meta, dict[str, Path]]:
 
 def _swap_attention(model: nn.Module, gqa: type[_GQA], facts: CheckpointFacts) -> None:
     """Each self-attention module (in layer order) becomes `gqa` at its layer's kv heads."""
+    if facts.blocks:
+        return _swap_blocks(model, gqa, facts)
     found = [m for m in model.modules() if type(m) is gqa.base and not getattr(m, "is_cross_attention", False)]
     if len(found) != facts.layers:  # pragma: no cover - guards against renamed classes in a future transformers
         raise RuntimeError(f"{len(found)} {gqa.base.__name__} modules in {type(model).__name__}, expected {facts.layers}")
     for module, kv in zip(found, facts.kv_heads):
         gqa.adopt(module, facts.heads, kv, facts.head_dim)
+
+
+def _swap_blocks(model: nn.Module, gqa: type[_GQA], facts: CheckpointFacts) -> None:
+    """Each attention module of an encoder-decoder, found by its kind's path, becomes `gqa` at its block's kv heads."""
+    spec = facts.spec
+    paths = {kind.name: spec.for_kind(kind).tensor_pattern("") for kind in spec.attentions}  # module name + "." → (prefix, layer)
+    found = {
+        (kind, int(m.group(2))): module
+        for name, module in model.named_modules() if type(module) is gqa.base
+        for kind, path in paths.items() if (m := path.match(name + "."))
+    }  # fmt: skip
+    if set(found) != {(b.kind, b.layer) for b in facts.blocks}:  # pragma: no cover - guards against renamed modules
+        raise RuntimeError(f"{len(found)} {gqa.base.__name__} modules found in {type(model).__name__}, expected {len(facts.blocks)}")
+    for block in facts.blocks:
+        gqa.adopt(found[block.kind, block.layer], block.shape.heads, block.shape.kv_heads, block.shape.head_dim)
 
 
 def _resize_native(model: nn.Module, facts: CheckpointFacts) -> None:

@@ -5,6 +5,11 @@ config keeps `num_key_value_heads` at the largest count, so it stays a valid con
 transformers loads only to refuse the smaller layers with a shape mismatch, never silently,
 and lists every layer's count under KV_HEADS_PER_LAYER, which headfold's loader honours.
 A list whose counts are all equal is the single count: same config, same files.
+
+An encoder-decoder's conversion states its kv heads per attention kind under KV_HEADS_PER_ATTENTION
+(kind → one count or one per layer): its families have no num_key_value_heads of their own (Whisper's
+is an alias of the encoder's head count), so only headfold's loader reads the counts, and plain
+transformers refuses the smaller K/V projections.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from typing import Any
 
 from headfold.ground.errors import BadInput
 
-__all__ = ["KV_HEADS_PER_LAYER", "KvHeads", "collapse", "config_kv_heads", "expand", "parse_kv_heads"]
+__all__ = ["KV_HEADS_PER_ATTENTION", "KV_HEADS_PER_LAYER", "KvHeads", "collapse", "config_kv_heads", "expand", "kind_kv_heads", "parse_kv_heads"]
 
 KV_HEADS_PER_LAYER = "num_key_value_heads_per_layer"
+KV_HEADS_PER_ATTENTION = "num_key_value_heads_per_attention"
 KvHeads = int | tuple[int, ...]
 
 
@@ -63,3 +69,17 @@ def config_kv_heads(kv_heads: int, per_layer: Any, heads: int, layers: int) -> t
     if max(per_layer) != kv_heads:
         raise BadInput(f"config.json: num_key_value_heads={kv_heads} must be the largest of {KV_HEADS_PER_LAYER} {per_layer}; {fix}")
     return tuple(per_layer)
+
+
+def kind_kv_heads(stated: Any, heads: int, layers: int, kind: str) -> tuple[int, ...]:
+    """Each layer's kv heads of one attention kind from KV_HEADS_PER_ATTENTION's entry (None: `heads`)."""
+    if stated is None:
+        return (heads,) * layers
+    counts = [stated] * layers if isinstance(stated, int) and not isinstance(stated, bool) else stated
+    valid = isinstance(counts, list) and len(counts) == layers and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in counts)
+    if not valid or any(heads % k for k in counts):
+        raise BadInput(
+            f"config.json: {KV_HEADS_PER_ATTENTION}.{kind} must be one count or one per layer ({layers}) dividing {heads} heads, "
+            f"found {stated!r}; re-run headfold convert or fix config.json"
+        )
+    return tuple(counts)

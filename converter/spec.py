@@ -8,13 +8,19 @@ GPT-2's transposed ``Conv1D``.
 Optional facts a family may add: per-head norms after W_Q / W_K (``head_norms``, ``{head}`` standing
 for the head index), RoPE's pairing of dimensions, ALiBi, MQA as the only grouping transformers
 knows (``multi_query``), and another family an MQA conversion is written as (``mqa_as``).
+
+An encoder-decoder (``kind`` "seq2seq": T5, BART, Whisper) lists its ``attentions``: encoder
+self-attention, decoder self-attention and decoder cross-attention, each with its own layer prefix
+and config keys; the projections are the same in all three. ``head_position_bias``: a learned bias
+per query head on the scores (T5's relative attention bias), which stays with its query head;
+``audio_encoder``: the encoder reads log-mel features (Whisper).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 from typing import Any, Literal
@@ -82,10 +88,20 @@ class Retarget:
 
 
 @dataclass(frozen=True)
+class AttentionKind:
+    """One attention of an encoder-decoder layer stack: where its tensors are and how many."""
+
+    name: str  # encoder_self | decoder_self | decoder_cross
+    layer_prefix: str
+    layers: tuple[str, ...]  # config keys for its layer count: the first one set counts (T5's num_decoder_layers)
+    heads: str  # config key for its query heads
+
+
+@dataclass(frozen=True)
 class ArchitectureSpec:
     family: str
     model_types: tuple[str, ...]
-    kind: Literal["decoder", "encoder"]
+    kind: Literal["decoder", "encoder", "seq2seq"]
     native_gqa: bool  # transformers itself honours num_key_value_heads
     rope: bool
     config: ConfigKeys
@@ -100,6 +116,18 @@ class ArchitectureSpec:
     mqa_only: bool = False  # transformers knows 1 kv head or all, nothing between (gpt_bigcode's multi_query)
     mqa_as: Retarget | None = None  # an MQA conversion is written as this family (GPT-2 → gpt_bigcode)
     rotary_table: bool = False  # RoPE's sin/cos are a table of max-positions rows (GPT-J): no position past it
+    attentions: tuple[AttentionKind, ...] = ()  # an encoder-decoder's attention kinds, in block order
+    head_position_bias: bool = False  # a learned score bias per query head (T5): query heads may not move
+    audio_encoder: bool = False  # the encoder reads log-mel features, not token ids (Whisper)
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """Kind "seq2seq": the one test of it (the spec lists its attentions; _parse checks the two agree)."""
+        return bool(self.attentions)
+
+    def for_kind(self, kind: AttentionKind) -> ArchitectureSpec:
+        """This spec for one attention kind of an encoder-decoder: its tensors under the kind's prefix."""
+        return replace(self, layer_prefix=kind.layer_prefix, attentions=())
 
     @property
     def loads_in(self) -> str:
@@ -131,6 +159,8 @@ def _projection(raw: dict[str, Any], cls: type[Projection] = Projection) -> Proj
 
 
 def _parse(raw: dict[str, Any]) -> ArchitectureSpec:
+    if (raw["kind"] == "seq2seq") != bool(raw.get("attentions")):
+        raise ValueError(f"spec {raw['family']}: kind seq2seq and a list of attentions go together")  # a broken spec file of headfold's own
     fused = raw.pop("fused_qkv", None)
     retarget = raw.get("mqa_as")
     return ArchitectureSpec(
@@ -149,6 +179,9 @@ def _parse(raw: dict[str, Any]) -> ArchitectureSpec:
         alibi=raw.get("alibi", False),
         mqa_only=raw.get("mqa_only", False),
         rotary_table=raw.get("rotary_table", False),
+        attentions=tuple(AttentionKind(**{**a, "layers": tuple(a["layers"])}) for a in raw.get("attentions", ())),
+        head_position_bias=raw.get("head_position_bias", False),
+        audio_encoder=raw.get("audio_encoder", False),
         mqa_as=Retarget(**{**retarget, "transpose": tuple(retarget.get("transpose", ())), "drop": tuple(retarget.get("drop", ()))}) if retarget else None,
     )
 

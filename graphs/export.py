@@ -29,6 +29,7 @@ from torch.export import Dim
 from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
+from headfold.converter import seq2seq
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.modeling import load_model
 from headfold.converter.per_layer import collapse
@@ -416,6 +417,7 @@ def export(
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)
+    seq2seq.refuse_unsupported(facts, "export")
     model = load_model(facts, dtype=torch_dtype)
     layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
     decoder = facts.kind == "decoder"

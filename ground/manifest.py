@@ -41,6 +41,10 @@ class Conversion(Record):
     # when `grouped` chose per layer (query heads were then permuted to match)
     source_kv_heads_of_kv_head: list[Any] | None = None
     calibration: dict[str, Any] | None = optional()  # data-aware methods: text, tokens, seed
+    # encoder-decoders: per attention kind {heads, kv_heads, pooled}; the per-block lists above run over the
+    # kinds in this order. cache_bytes_per_token: {"self"/"cross": {"before", "after"}} (cross: per source token)
+    attentions: dict[str, Any] | None = optional()
+    cache_bytes_per_token: dict[str, Any] | None = optional()
     extra: dict[str, Any] = keep_unknown()
 
 

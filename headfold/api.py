@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from headfold.engines.plan import BuildPlan
     from headfold.engines.sidecar import EngineSidecar
     from headfold.ground.export_summary import ExportSummary
-    from headfold.inspection import Inspection
+    from headfold.inspection import CacheInspection, Inspection
     from headfold.verification import InputSpec, Report, Thresholds
 
 PathLike = str | os.PathLike
@@ -44,6 +44,7 @@ def convert(
     allow_pickle: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    pool: str | None = None,
 ) -> Path:
     """Convert a checkpoint to `kv_heads` K/V heads (`headfold convert`); the output folder.
 
@@ -62,13 +63,15 @@ def convert(
         allow_pickle: accept pytorch_model.bin pickles (loaded with weights_only=True).
         overwrite: replace an output headfold wrote before.
         progress: show progress bars.
+        pool: encoder-decoders (T5, BART, Whisper) only: the attentions to pool, "self", "cross",
+            "decoder" (both: the default), "encoder" or "all" (`--pool`; docs/convert.md).
     """
     from headfold import corpus
     from headfold.converter import convert as convert_checkpoint
 
     return convert_checkpoint(
         source, output, kv_heads, method, revision=revision, overwrite=overwrite, max_shard_size=max_shard_size, allow_pickle=allow_pickle,
-        calibration=calibration, calibration_tokens=calibration_tokens, seed=seed, progress=progress, builtin_text=corpus.calibration_text(),
+        calibration=calibration, calibration_tokens=calibration_tokens, seed=seed, progress=progress, builtin_text=corpus.calibration_text(), pool=pool,
     )  # fmt: skip
 
 
@@ -86,8 +89,10 @@ def inspect(
     json_path: PathLike | None = None,
     overwrite: bool = False,
     progress: bool = True,
-) -> Inspection:
-    """Per layer: K/V head similarity and the predicted loss of each kv-head count (`headfold inspect`).
+) -> Inspection | CacheInspection:
+    """Per layer: K/V head similarity and the predicted loss of each kv-head count (`headfold inspect`);
+    for an encoder-decoder (T5, BART, Whisper) a CacheInspection: the decoder's self- and cross-cache
+    bytes per token for each candidate (no loss prediction yet, so no `kv_budget` or `heatmap`).
 
     Args:
         source: a checkpoint folder or hub id with one kv-head count in every layer.
@@ -415,7 +420,8 @@ def run(
 
 def load_model(path: PathLike) -> transformers.PreTrainedModel:
     """A runnable torch model (eval mode) for any source or converted checkpoint folder, including
-    families whose converted checkpoints plain transformers cannot load (docs/deploying.md)."""
+    families whose converted checkpoints plain transformers cannot load (docs/deploying.md); an
+    encoder-decoder's with GQA self- and cross-attention, generate() keeping the EncoderDecoderCache."""
     from headfold.converter.modeling import load_model as load
 
     return load(path)

@@ -98,11 +98,14 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @cli.command()
 @click.argument("src", type=PATH)
 @click.argument("out", type=PATH)
-@conversion_options()
+@conversion_options(pool=True)
 @calibration_options
 @SOURCE
 @output_options()
-def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, shard_size: str | None, allow_pickle: bool, calibration: Calibration, revision: str | None, output: Output) -> None:
+def convert(
+    src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, pool: str | None, shard_size: str | None, allow_pickle: bool, calibration: Calibration,
+    revision: str | None, output: Output,
+) -> None:
     """Convert the checkpoint SRC (a Hugging Face folder or hub id ORG/NAME) to a GQA/MQA checkpoint in OUT.
 
     Reads config.json and model.safetensors (or sharded safetensors with their index),
@@ -112,9 +115,11 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
 
     SRC may also be an MHA model.onnx (methods mean/first; mean unless --method says first): its
     K/V projection initializers are pooled and the graph rewritten to GQA Attention nodes, into OUT.onnx.
+
+    An encoder-decoder (T5, BART, Whisper) pools its decoder's self- and cross-attention (--pool).
     """
     if src.suffix == ".onnx":
-        refuse(("shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"), f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)")
+        refuse(("pool", "shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"), f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)")
         from headfold.graphs.onnx_convert import convert_onnx
 
         method = method if given(click.get_current_context(), ("method",)) else "mean"
@@ -136,12 +141,16 @@ def convert(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, 
 
     result = run_convert(
         src, out, kv_heads, method, overwrite=output.overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle,
-        progress=output.progress, builtin_text=corpus.calibration_text(), **calibration.kwargs(),
+        progress=output.progress, builtin_text=corpus.calibration_text(), pool=pool, **calibration.kwargs(),
     )  # fmt: skip
     from headfold.converter.conversion import load_hint
 
+    from headfold.converter.seq2seq import KIND_NAMES
+
     record = manifest.load(result)
-    lines = [f"wrote {result} ({_kv_text(kv_heads)} kv heads, method {method})", *filter(None, [load_hint(result)])]
+    pooled = [KIND_NAMES[kind] for kind, entry in (record.conversion.attentions or {}).items() if entry["pooled"]]  # an encoder-decoder's
+    where = f" in {' and '.join(pooled)}" if pooled else ""
+    lines = [f"wrote {result} ({_kv_text(kv_heads)} kv heads{where}, method {method})", *filter(None, [load_hint(result)])]
     output.emit("\n".join(lines), {"output": str(result), **record.to_dict()}, reads)
 
 

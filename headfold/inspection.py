@@ -10,6 +10,10 @@ Nothing is resized and no checkpoint is written. Predicted losses feed the budge
 Loss: decoders, mean per-token KL(original ‖ converted) of the next-token distributions
 (nats); encoders, 1 − cosine of the mean-pooled last hidden states (the embedding that
 `headfold verify` checks).
+
+Encoder-decoders (T5, BART, Whisper) get no loss prediction yet: their report is the decoder's self-
+and cross-cache bytes per token, as they are and with the decoder pooled to each candidate (`convert`'s
+default --pool), the numbers a conversion's headfold.json records.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from tqdm.auto import tqdm
 from headfold import corpus
 from headfold.converter.calibration import WINDOW, calibrate, check_settings, sample_windows, token_ids, window_starts
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.converter.conversion import calibration_text, layer_contexts, method_for
+from headfold.converter import seq2seq
+from headfold.converter.conversion import calibration_text, layer_contexts, method_for, target_shapes
 from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.converter.sources import checkpoint_folder
 from headfold.converter.layout import AttentionCodec, AttentionWeights
@@ -300,36 +305,98 @@ def inspect_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     revision: str | None = None,
-) -> Inspection:
+) -> Inspection | CacheInspection:
     """Measure SOURCE (see the module doc), plan for `kv_budget` (a fraction of the source cache, or
     a total of kv heads), write the heatmap / JSON atomically. BadInput before any work for bad requests."""
     source = checkpoint_folder(source, revision=revision)
-    recipe = get_method(method)
+    get_method(method)  # an unknown method is bad input before any work
     check_settings()  # $HEADFOLD_DEVICE, $HEADFOLD_CALIBRATION_RAM
     outputs = [(p, False) for p in (heatmap, json_path) if p is not None]
     with SourceCheckpoint(source) as ckpt:
-        if len(set(ckpt.layer_shapes)) > 1:
-            raise BadInput(f"{source} already has per-layer kv heads; inspect the checkpoint it was converted from")
-        ckpt.facts.require_positions(WINDOW, f"inspect (it measures the loss on windows of {WINDOW} tokens)", "inspect a model that takes them", table_only=True)
-        recipe = method_for(ckpt, method)  # ALiBi refuses grouped, clip_qkv rotations: as convert does
-        cands = parse_candidates(candidates, ckpt.shape.kv_heads)
-        if ckpt.spec.mqa_only:  # gpt_bigcode: 1 kv head in every layer, or none pooled
-            if kv_budget is not None:
-                raise BadInput(f"{ckpt.spec.family} has multi-query attention in every layer or none, so no per-layer plan; drop --kv-budget")
-            cands = [1]
-        budget = None if kv_budget is None else budget_total(kv_budget, ckpt.shape.kv_heads * ckpt.layers)
-        if budget is not None:  # infeasible budgets fail before the slow part
-            best_plan([dict.fromkeys([*cands, ckpt.shape.kv_heads], 0.0)] * ckpt.layers, budget)
-        text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
-        reads = (source, *text_file)
-        check_outputs(outputs, overwrite=overwrite, sources=reads)  # never over an input: before the slow part
-        report = _measure(ckpt, recipe, cands, calibration, calibration_tokens, seed, budget, progress)
+        if ckpt.spec.encoder_decoder:
+            report = cache_inspection(ckpt, candidates, kv_budget, heatmap)
+            check_outputs(outputs, overwrite=overwrite, sources=(source,))
+        else:
+            report = _inspect(ckpt, candidates, method, calibration, calibration_tokens, seed, kv_budget, outputs, overwrite, progress)
+    reads = (source, *(() if calibration is None or str(calibration) == "weights" else (Path(calibration),)))
     with atomic_outputs(outputs, overwrite=overwrite, sources=reads) as staged:  # both appear, or neither
         if heatmap is not None:
             staged[heatmap].write_bytes(heatmap_png(report))
         if json_path is not None:
             staged[json_path].write_text(json.dumps(report.to_json(), indent=1) + "\n")
     return report
+
+
+def _inspect(
+    ckpt: SourceCheckpoint, candidates: str | None, method: str, calibration: str | Path | None, calibration_tokens: int, seed: int,
+    kv_budget: float | int | None, outputs: list[tuple[Path, bool]], overwrite: bool, progress: bool,
+) -> Inspection:
+    """A decoder's or an encoder's report (the module doc)."""
+    source = ckpt.folder
+    if len(set(ckpt.layer_shapes)) > 1:
+        raise BadInput(f"{source} already has per-layer kv heads; inspect the checkpoint it was converted from")
+    ckpt.facts.require_positions(WINDOW, f"inspect (it measures the loss on windows of {WINDOW} tokens)", "inspect a model that takes them", table_only=True)
+    recipe = method_for(ckpt, method)  # ALiBi refuses grouped, clip_qkv rotations: as convert does
+    cands = parse_candidates(candidates, ckpt.shape.kv_heads)
+    if ckpt.spec.mqa_only:  # gpt_bigcode: 1 kv head in every layer, or none pooled
+        if kv_budget is not None:
+            raise BadInput(f"{ckpt.spec.family} has multi-query attention in every layer or none, so no per-layer plan; drop --kv-budget")
+        cands = [1]
+    budget = None if kv_budget is None else budget_total(kv_budget, ckpt.shape.kv_heads * ckpt.layers)
+    if budget is not None:  # infeasible budgets fail before the slow part
+        best_plan([dict.fromkeys([*cands, ckpt.shape.kv_heads], 0.0)] * ckpt.layers, budget)
+    text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
+    reads = (source, *text_file)
+    check_outputs(outputs, overwrite=overwrite, sources=reads)  # never over an input: before the slow part
+    return _measure(ckpt, recipe, cands, calibration, calibration_tokens, seed, budget, progress)
+
+
+@dataclass(frozen=True)
+class CacheInspection:
+    """An encoder-decoder's report: its attention kinds and the decoder's cache bytes per token per candidate."""
+
+    source: Path
+    family: str
+    attentions: dict[str, dict[str, Any]]  # kind → heads, kv_heads, head_dim, layers
+    candidates: list[int]
+    cache_bytes_per_token: dict[int, dict[str, dict[str, int]]]  # candidate → self/cross → before/after
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            CREATED_BY: created_by(), "source": str(self.source), "family": self.family, "kind": "seq2seq", "attentions": self.attentions,
+            "pool": seq2seq.DEFAULT_POOL, "candidates": self.candidates, "cache_bytes_per_token": {str(k): v for k, v in self.cache_bytes_per_token.items()},
+        }  # fmt: skip
+
+    def table(self) -> str:
+        kinds = ", ".join(f"{seq2seq.KIND_NAMES[k]} {a['layers']} layers × {a['heads']} heads ({a['kv_heads']} kv)" for k, a in self.attentions.items())
+        lines = [
+            f"{self.source}: {self.family} encoder-decoder: {kinds}",
+            "decoder cache bytes per token (self: per target token, cross: per source token), with the decoder's self- and cross-attention pooled",
+            "(no loss prediction for encoder-decoders yet)",
+            "",
+            f"{'kv heads':>8}  {'self before':>11}  {'self after':>10}  {'cross before':>12}  {'cross after':>11}",
+        ]
+        for k, caches in self.cache_bytes_per_token.items():
+            lines.append(f"{k:>8}  {caches['self']['before']:>11}  {caches['self']['after']:>10}  {caches['cross']['before']:>12}  {caches['cross']['after']:>11}")
+        return "\n".join(lines)
+
+
+def cache_inspection(ckpt: SourceCheckpoint, candidates: str | None, kv_budget: float | int | None, heatmap: Path | None) -> CacheInspection:
+    """An encoder-decoder's cache bytes per token for each candidate (BadInput for the options that measure loss)."""
+    if kv_budget is not None or heatmap is not None:
+        raise BadInput(f"--kv-budget and --heatmap need the loss prediction, which encoder-decoders ({ckpt.spec.family}) do not have yet; drop them")
+    blocks = ckpt.facts.blocks
+    attentions = {}
+    for block in blocks:
+        entry = attentions.setdefault(block.kind, {"heads": block.shape.heads, "kv_heads": [], "head_dim": block.shape.head_dim, "layers": 0})
+        entry["kv_heads"].append(block.shape.kv_heads)
+        entry["layers"] += 1
+    for entry in attentions.values():
+        entry["kv_heads"] = max(entry["kv_heads"]) if len(set(entry["kv_heads"])) == 1 else entry["kv_heads"]
+    decoder_kv = max(b.shape.kv_heads for b in blocks if b.kind in seq2seq.POOL_CHOICES[seq2seq.DEFAULT_POOL])
+    cands = parse_candidates(candidates, decoder_kv)
+    caches = {k: seq2seq.cache_bytes(ckpt, target_shapes(ckpt, k)) for k in cands}
+    return CacheInspection(ckpt.folder, ckpt.spec.family, attentions, cands, caches)
 
 
 @torch.no_grad()

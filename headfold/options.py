@@ -25,6 +25,7 @@ import click
 from click.core import ParameterSource
 
 from headfold.converter.recipes import DEFAULT_METHOD
+from headfold.converter.seq2seq import DEFAULT_POOL, POOL_CHOICES
 from headfold.ground.artifacts import CREATED_BY, created_by
 from headfold.ground.errors import BadInput, HeadfoldError
 from headfold.ground.inputs import printable
@@ -367,13 +368,22 @@ REPORTS = (
 
 
 # Conversion (convert, run, demo)
-def conversion_options(*, kv_default: str | None = None, written: bool = True) -> OptionGroup:
-    """--kv-heads and --method, and where a checkpoint is written (convert, run) --shard-size and --allow-pickle."""
+# --pool, not --attention: export and run already take --attention for the exported attention op
+POOL = spec(
+    "--pool", type=click.Choice(tuple(POOL_CHOICES)), default=None,
+    help="Encoder-decoders (T5, BART, Whisper): the attentions to pool. self: decoder self-attention; cross: decoder cross-attention; "
+    f"decoder: both; encoder: encoder self-attention (it caches nothing); all. [default: {DEFAULT_POOL}]",
+)  # fmt: skip
+
+
+def conversion_options(*, kv_default: str | None = None, written: bool = True, pool: bool = False) -> OptionGroup:
+    """--kv-heads and --method, and where a checkpoint is written (convert, run) --shard-size and --allow-pickle;
+    `pool`: --pool (convert)."""
     checkpoint = (
         spec("--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file)."),
         spec("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin pickles (loaded with weights_only=True; from the hub only when the repo has no safetensors). Off by default: pickles can run code."),
     )  # fmt: skip
-    return options(kv_heads_spec(kv_default), method_spec(), *(checkpoint if written else ()), title=CONVERSION)
+    return options(kv_heads_spec(kv_default), method_spec(), *((POOL,) if pool else ()), *(checkpoint if written else ()), title=CONVERSION)
 
 
 # Export (export, run)

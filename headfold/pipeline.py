@@ -197,8 +197,11 @@ def check_convertible(src: Path, kv_heads: int | Sequence[int], method: str, all
     from headfold.converter.conversion import method_for, target_shapes
     from headfold.converter.recipes import get_method
 
+    from headfold.converter.seq2seq import refuse_unsupported
+
     get_method(method)
     with SourceCheckpoint(src, allow_pickle=allow_pickle) as ckpt:
+        refuse_unsupported(ckpt.facts, "run", "convert it with headfold convert (and distill it with headfold distill)")
         target_shapes(ckpt, kv_heads)
         method_for(ckpt, method)
 

@@ -1,7 +1,9 @@
 """Distillation data: text documents from local files or 🤗 datasets, tokenized and packed into windows.
 
 `--data` is a text file (one example per line, line breaks kept), a `.jsonl` / `.json` or
-`.parquet` file with a `text` field, or a folder written by 🤗 datasets' `save_to_disk`. Files
+`.parquet` file with a `text` field, or a folder written by 🤗 datasets' `save_to_disk`. For an
+encoder-decoder, rows may instead hold (source, target) pairs (`source` and `target` fields): each
+is one window, its first half the source and the rest the target, cut or filled with ABSENT. Files
 stream through `datasets` (never loaded whole, never the network); windows are cut from the
 concatenated token stream, documents separated by the tokenizer's EOS token (or a blank line).
 The held-out windows are the first `eval_windows` of the stream unless `--eval-data` is given;
@@ -28,6 +30,8 @@ from headfold.ground.errors import BadInput, HeadfoldError, first_line
 from headfold.ground.inputs import check_links, contained, read_json_object
 
 TEXT_FIELD = "text"
+PAIR_FIELDS = ("source", "target")  # an encoder-decoder's (source, target) rows
+ABSENT = -1  # a window position a pair does not fill: masked out of the model's inputs and the loss
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else is read as text
 SHUFFLE_WINDOWS = 1024  # training windows shuffled together: neighbours in the text rarely share a batch
 
@@ -101,7 +105,7 @@ def _read_errors(path: Path, option: str, problem: str) -> Iterator[None]:
     except HeadfoldError:
         raise
     except Exception as err:
-        raise BadInput(f"{option} {path} {problem} ({type(err).__name__}: {first_line(err)}); pass UTF-8 text, JSON lines, parquet with a '{TEXT_FIELD}' field, or a datasets save_to_disk folder") from None
+        raise BadInput(f"{option} {path} {problem} ({type(err).__name__}: {first_line(err)}); pass UTF-8 text, JSON lines, parquet with a '{TEXT_FIELD}' field (or source/target pairs), or a datasets save_to_disk folder") from None
     finally:
         library.setLevel(level)
 
@@ -140,8 +144,16 @@ def _disk_source(folder: Path, option: str) -> TextSource:
     return TextSource(str(folder), _digest(files), docs)
 
 
-def _texts(stream, path: Path, option: str) -> Iterator[str]:
+def _texts(stream, path: Path, option: str) -> Iterator[str | tuple[str, str]]:
+    """Each row's text, or its (source, target) pair (rows that lack either are skipped)."""
     for number, row in enumerate(stream, 1):
+        if TEXT_FIELD not in row and all(field in row for field in PAIR_FIELDS):
+            pair = tuple(row[field] for field in PAIR_FIELDS)
+            if not all(isinstance(part, str) or part is None for part in pair):
+                raise BadInput(f"{option} {path} row {number}: 'source' and 'target' must be strings; give every row text (or null)")
+            if all(pair):
+                yield pair
+            continue
         if TEXT_FIELD not in row:
             raise BadInput(f"{option} {path} has no '{TEXT_FIELD}' field (it has {', '.join(sorted(map(str, row)))}); name the text column '{TEXT_FIELD}'")
         text = row[TEXT_FIELD]
@@ -178,14 +190,25 @@ def _special_frame(tok) -> tuple[list[int], list[int]]:
 
 
 def windows(source: TextSource, encoder: Encoder, seq_len: int) -> Iterator[list[int]]:
-    """Consecutive windows of exactly `seq_len` tokens from the source's token stream (the tail is dropped)."""
+    """Consecutive windows of exactly `seq_len` tokens from the source's token stream (the tail is
+    dropped); a (source, target) pair is a window of its own (pair_window)."""
     body = seq_len - encoder.overhead
     buffer: list[int] = []
     for i, doc in enumerate(source.docs()):
+        if isinstance(doc, tuple):
+            yield pair_window(doc, encoder, seq_len)
+            continue
         buffer += (encoder.separator if i else []) + encoder.encode(doc)
         while len(buffer) >= body:
             yield encoder.wrap(buffer[:body])
             del buffer[:body]
+
+
+def pair_window(pair: tuple[str, str], encoder: Encoder, seq_len: int) -> list[int]:
+    """[source ids | target ids], each cut or filled with ABSENT to its half of `seq_len`."""
+    half = seq_len // 2
+    parts = [encoder.encode(text)[:size] for text, size in zip(pair, (half, seq_len - half))]
+    return [*parts[0], *[ABSENT] * (half - len(parts[0])), *parts[1], *[ABSENT] * (seq_len - half - len(parts[1]))]
 
 
 def _shuffled(items: Iterator[list[int]], rng: random.Random, size: int = SHUFFLE_WINDOWS) -> Iterator[list[int]]:
@@ -209,6 +232,7 @@ class WindowPlan:
     seq_len: int
     eval_windows: int
     seed: int
+    pairs: bool = False  # (source, target) pairs are allowed: the student is an encoder-decoder
 
     @property
     def skip(self) -> int:
@@ -244,5 +268,8 @@ class WindowPlan:
                 f"--data {self.train.name} has only {len(first)} window(s) of {self.seq_len} tokens, all needed as the "
                 f"{self.eval_windows} held-out windows; give more text, a smaller --eval-windows, or --eval-data"
             )
+        for option, source in (("--data", self.train), ("--eval-data", self.heldout)):
+            if not self.pairs and source is not None and isinstance(next(source.docs(), None), tuple):
+                raise BadInput(f"{option} {source.name} holds (source, target) pairs, which only an encoder-decoder (T5, BART) reads; give text with a '{TEXT_FIELD}' field")
         if self.heldout is not None and not next(windows(self.heldout, self.encoder, self.seq_len), None):
             raise BadInput(f"--eval-data {self.heldout.name} is shorter than one window of {self.seq_len} tokens; give more text or a smaller --seq-len")

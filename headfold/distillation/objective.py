@@ -2,7 +2,11 @@
 
 Decoders: forward KL(teacher ‖ student) of the next-token distributions per token, both softened by
 the temperature T and scaled by T² (Hinton et al.) so the gradient size does not depend on T;
-`kl+ce` adds the student's next-token cross-entropy. Encoders: MSE of the last hidden states plus
+`kl+ce` adds the student's next-token cross-entropy. Encoder-decoders (`decoder_start` set): each
+window is split into a prefix, the source, and its continuation, the target, which the decoder reads
+teacher-forced after its start token; the same KL of the decoder's next-token distributions. A window
+made from a (source, target) pair marks the positions it does not fill with data.ABSENT: they are
+masked out of the encoder's attention and of the loss and scores. Encoders: MSE of the last hidden states plus
 1 − cosine of the mean-pooled sentence embeddings (what sentence-transformers compares).
 Both may add `hidden_weight` × the per-layer hidden-state match (hidden_distance): it tells every
 layer what its output should be, not only the last one, and on the recovery benchmark it lowered the
@@ -31,13 +35,40 @@ class Objective:
     loss: str = "kl"  # "kl" | "kl+ce"
     temperature: float = 1.0
     hidden_weight: float = 0.0
+    decoder_start: int | None = None  # encoder-decoders: the decoder's start token; None for decoders and encoders
 
     def outputs(self, model: torch.nn.Module, ids: torch.Tensor, *, layers: bool = True) -> Outputs:
         """Of full windows (no padding, no mask); each layer's output too when the loss matches them."""
         layers = layers and self.hidden_weight > 0
+        if self.decoder_start is not None:
+            return self._seq2seq_outputs(model, ids, layers)
         out = model(input_ids=ids, output_hidden_states=layers)
         final = out.last_hidden_state if self.encoder else out.logits
         return Outputs(final, tuple(out.hidden_states[1:]) if layers else ())  # [0]: the embeddings
+
+    def split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An encoder-decoder's window → (source, target): its first half and the continuation."""
+        half = ids.shape[1] // 2
+        return ids[:, :half], ids[:, half:]
+
+    def _seq2seq_outputs(self, model: torch.nn.Module, ids: torch.Tensor, layers: bool) -> Outputs:
+        source, target = self.split(ids)
+        start = torch.full_like(target[:, :1], self.decoder_start)
+        decoder_ids = torch.cat([start, target[:, :-1]], 1).clamp_min(0)  # an ABSENT target position predicts nothing that counts
+        out = model(input_ids=source.clamp_min(0), attention_mask=source >= 0, decoder_input_ids=decoder_ids, output_hidden_states=layers, use_cache=False)
+        states = (*out.encoder_hidden_states[1:], *out.decoder_hidden_states[1:]) if layers else ()  # [0]s: the embeddings
+        return Outputs(out.logits, states)
+
+    def predicted(self, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, the tokens they predict): a decoder's next token of the window, an encoder-decoder's target
+        token (ABSENT where a pair's target ended)."""
+        if self.decoder_start is not None:
+            return logits, self.split(ids)[1]
+        return logits[:, :-1], ids[:, 1:]
+
+    def counted(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Which logits positions the loss and scores count: an encoder-decoder's filled target positions; None: all."""
+        return self.split(ids)[1] >= 0 if self.decoder_start is not None else None
 
     def __call__(self, student: Outputs, teacher: Outputs, ids: torch.Tensor) -> torch.Tensor:
         loss = self._final(student.final, teacher.final, ids)
@@ -48,10 +79,12 @@ class Objective:
     def _final(self, student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.encoder:
             return F.mse_loss(student.float(), teacher.float()) + embedding_distance(student, teacher).mean()
-        t = self.temperature
-        loss = DistillKL.apply(student / t, teacher / t) * t * t
+        t, mask = self.temperature, self.counted(ids)
+        kept = lambda x: x if mask is None else x[mask]  # noqa: E731 - an encoder-decoder's filled target positions
+        loss = DistillKL.apply(kept(student) / t, kept(teacher) / t) * t * t
         if self.loss == "kl+ce":
-            loss = loss + F.cross_entropy(student[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            logits, targets = self.predicted(student, ids)
+            loss = loss + F.cross_entropy(kept(logits).flatten(0, -2).float(), kept(targets).flatten())
         return loss
 
 
@@ -130,12 +163,15 @@ def _scores(objective: Objective, s: torch.Tensor, t: torch.Tensor, ids: torch.T
     """Sums over one batch of windows."""
     if objective.encoder:
         return {"cosine": float(embedding_cosine(s, t).sum()), "mse": float(((s.float() - t.float()) ** 2).mean((1, 2)).sum())}
-    targets = ids[:, 1:].flatten()
+    (s_logits, targets), (t_logits, _) = objective.predicted(s, ids), objective.predicted(t, ids)
+    if (mask := objective.counted(ids)) is not None:  # an encoder-decoder's target: the positions a pair filled
+        s, t, s_logits, t_logits, targets = s[mask], t[mask], s_logits[mask], t_logits[mask], targets[mask]
+    s_logits, t_logits, targets = s_logits.flatten(0, -2), t_logits.flatten(0, -2), targets.flatten()
     return {
         "kl": float(token_kl(s, t).sum()),
-        "tokens": ids.numel(),
+        "tokens": s.shape[:-1].numel(),
         "top1": float((s.argmax(-1) == t.argmax(-1)).sum()),
-        "nll": float(F.cross_entropy(s[:, :-1].flatten(0, 1).float(), targets, reduction="sum")),
-        "teacher_nll": float(F.cross_entropy(t[:, :-1].flatten(0, 1).float(), targets, reduction="sum")),
+        "nll": float(F.cross_entropy(s_logits.float(), targets, reduction="sum")),
+        "teacher_nll": float(F.cross_entropy(t_logits.float(), targets, reduction="sum")),
         "predicted": targets.numel(),
     }

@@ -116,6 +116,7 @@ def distill(
     encoder_model = student_ckpt.facts.kind == "encoder"
     opts = resolve_defaults(opts, encoder_model)
     check_options(opts, student_ckpt, encoder_model)
+    decoder_start = seq2seq_start(student_ckpt)
     plan = window_plan(teacher, student_ckpt, data, eval_data, opts, encoder_model)
     plan.check()
 
@@ -139,7 +140,7 @@ def distill(
         accelerator.wait_for_everyone()  # the main process has removed a stale state before anyone reads it
         checkpoint = state.open_run(folder, identity, resume)
         accelerator.wait_for_everyone()  # every process has read the state before the main one starts a new one
-        trainer = Trainer(accelerator, teacher, student_ckpt, plan, opts, steps, Objective(encoder_model, opts.loss, opts.temperature, opts.hidden_weight))
+        trainer = Trainer(accelerator, teacher, student_ckpt, plan, opts, steps, Objective(encoder_model, opts.loss, opts.temperature, opts.hidden_weight, decoder_start))
         if checkpoint is not None:
             trainer.restore(checkpoint)
             if accelerator.is_main_process:
@@ -203,6 +204,19 @@ def check_copied_tensor(t: SourceCheckpoint, s: SourceCheckpoint, student: Path)
         raise BadInput(f"student {student} was not converted from teacher {t.folder}: its {name} differs (same config.json, other weights); pass the student's own original")
 
 
+def seq2seq_start(student: SourceCheckpoint) -> int | None:
+    """An encoder-decoder's decoder start token (its windows split into source → target); None for other
+    kinds. BadInput for an audio encoder: its training pairs are audio and transcripts, not text yet."""
+    if not student.spec.encoder_decoder:
+        return None
+    if student.spec.audio_encoder:
+        raise BadInput(f"distilling {student.spec.family} needs audio with transcripts, which headfold does not read yet; distill text encoder-decoders (T5, BART)")
+    start = student.config.get("decoder_start_token_id")
+    if start is None:
+        raise BadInput(f"config.json of {student.folder} has no decoder_start_token_id, which teacher forcing starts the target with; restore it from the original checkpoint")
+    return start
+
+
 def requested(teacher: Path, options: dict[str, Any]) -> DistillOptions:
     """`options` (DistillOptions fields) as DistillOptions; tokens may be text: 200k, 1.5M, 5% (the CLI passes it as given)."""
     if isinstance(options.get("tokens"), str):
@@ -257,7 +271,7 @@ def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts:
     if heldout is None and data is None:
         heldout = builtin_source(corpus.heldout_text(), "built-in held-out split")
     encoder = encoder_for(student.folder, int(student.facts.vocab_size or 0), encoder_model)
-    return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed)
+    return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed, pairs=student.spec.encoder_decoder)
 
 
 def default_batch_size(tokens: int | None, seq_len: int, processes: int = 1) -> int:

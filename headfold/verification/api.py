@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from headfold.converter import seq2seq
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.sources import checkpoint_folders
 from headfold.ground.errors import BadInput
@@ -115,6 +116,9 @@ def verify(
     if check not in ("auto", *CHECK_NAMES):
         raise BadInput(f"unknown check {check!r}; use auto, fidelity or loss")
     ref, cand = (resolve(path) for path in checkpoint_folders(reference, candidate, revision=revision))
+    for side in (ref, cand):
+        if side.model is not None:
+            seq2seq.refuse_unsupported(CheckpointFacts.read(side.model), "verify")
     kind = check_kind(ref, cand, check)
     precision = loosest(ref.precision, cand.precision)
     budget = thresholds.fidelity(precision, floors=True) if kind == "fidelity" else thresholds.loss(precision)

@@ -84,7 +84,7 @@ BROKEN: dict[str, tuple[Callable[[Path], None], list[str], str]] = {
     "missing weights": (drop_weights, [], "no weights"),
     "truncated safetensors": (truncate_weights, [], "truncated"),
     "garbage safetensors": (garbage_weights, [], "truncated"),
-    "unknown architecture": (unknown_architecture, [], "it converts bert, bloom, gemma, gpt2"),
+    "unknown architecture": (unknown_architecture, [], "it converts bart, bert, bloom, gemma, gpt2"),
     "config disagrees with weights": (wrong_head_count, [], "disagree"),
     "pickle without flag": (pickle_only, [], "--allow-pickle"),
 }

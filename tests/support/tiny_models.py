@@ -32,6 +32,8 @@ FAMILIES: tuple[str, ...] = (
     "bloom",
 )
 ENCODERS: frozenset[str] = frozenset({"bert", "roberta"})
+# Encoder-decoders (kept out of FAMILIES: their inputs, outputs and attention kinds differ).
+SEQ2SEQ: tuple[str, ...] = ("t5", "bart", "whisper")
 # One conversion per later-added family (kv across h/2, h/4, 1), exported as a merged graph once per
 # session (fixture tiny_export) and shared by the export and onnxruntime-genai tests.
 MERGED_CASES: tuple[tuple[str, int], ...] = (("phi", 2), ("gemma", 4), ("olmo", 1), ("stablelm", 2), ("gptj", 2), ("bloom", 2))
@@ -165,6 +167,36 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "BloomForCausalLM",
         dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0, **_IDS),
     ),
+    # d_kv 8 with d_model 32: T5's head dims need not be d_model / heads
+    "t5": (
+        "T5Config",
+        "T5ForConditionalGeneration",
+        dict(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=HEADS,
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+            pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+        ),
+    ),
+    "bart": (
+        "BartConfig",
+        "BartForConditionalGeneration",
+        dict(
+            vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+            encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+            decoder_start_token_id=2, forced_eos_token_id=None, **_IDS,
+        ),
+    ),
+    # 8 mel bins and 32 frames (16 positions after the stride-2 convolution): input_features [B, 8, 32]
+    "whisper": (
+        "WhisperConfig",
+        "WhisperForConditionalGeneration",
+        dict(
+            vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+            encoder_ffn_dim=96, decoder_ffn_dim=96, num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=1, suppress_tokens=None,
+            begin_suppress_tokens=None, **_IDS,
+        ),
+    ),
 }
 
 
@@ -220,3 +252,18 @@ def sample_batch(
     attention_mask[-1, pad_slice] = 0
     input_ids[-1, pad_slice] = config.pad_token_id if config.pad_token_id is not None else 0
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def seq2seq_batch(config: transformers.PretrainedConfig, batch: int = 2, source: int = 7, target: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
+    """An encoder-decoder's inputs: source ids with a padded last row (Whisper: log-mel-shaped features
+    of its full frame count) and teacher-forced decoder ids."""
+    gen = torch.Generator().manual_seed(seed)
+    decoder_input_ids = torch.randint(3, config.vocab_size, (batch, target), generator=gen)
+    if config.model_type == "whisper":
+        frames = 2 * config.max_source_positions
+        return {"input_features": torch.randn(batch, config.num_mel_bins, frames, generator=gen), "decoder_input_ids": decoder_input_ids}
+    encoded = sample_batch(config, batch, source, seed)
+    encoded["attention_mask"][-1, :] = 1
+    encoded["attention_mask"][-1, -2:] = 0  # right padding on the source
+    encoded["input_ids"][-1, -2:] = config.pad_token_id
+    return {**encoded, "decoder_input_ids": decoder_input_ids}

@@ -1,0 +1,74 @@
+"""Encoder-decoders (T5, BART, Whisper): which attention kinds a conversion pools, and what their
+caches hold. Torch-free: convert, inspect and the CLI read it before any model is built.
+
+A decoder step caches the decoder self-attention's K/V of every target token and, once per
+request, the cross-attention's K/V of every source token (Whisper: every audio frame). The encoder
+self-attention caches nothing, so pooling it saves no memory: it is pooled only on request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from headfold.converter.checkpoint import SAFETENSORS_DTYPES
+from headfold.converter.layout import HeadShape
+from headfold.converter.spec import ArchitectureSpec
+from headfold.ground.errors import BadInput
+
+if TYPE_CHECKING:
+    from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
+
+ENCODER_SELF, DECODER_SELF, DECODER_CROSS = "encoder_self", "decoder_self", "decoder_cross"
+# --pool choices → the attention kinds they pool (named --pool: --attention is the export's attention op)
+POOL_CHOICES: dict[str, tuple[str, ...]] = {
+    "self": (DECODER_SELF,),
+    "cross": (DECODER_CROSS,),
+    "decoder": (DECODER_SELF, DECODER_CROSS),
+    "encoder": (ENCODER_SELF,),
+    "all": (ENCODER_SELF, DECODER_SELF, DECODER_CROSS),
+}
+DEFAULT_POOL = "decoder"
+KIND_NAMES = {ENCODER_SELF: "encoder self-attention", DECODER_SELF: "decoder self-attention", DECODER_CROSS: "decoder cross-attention"}
+CACHES = {DECODER_SELF: "self", DECODER_CROSS: "cross"}  # the EncoderDecoderCache half each kind fills
+# What an audio encoder-decoder (Whisper) calibrates on, as the manifest records it: seeded Gaussian
+# features at the scale of its normalised log-mel input, the decoder reading its own greedy transcript.
+SYNTHESIZED_AUDIO = "synthesized log-mel features"
+
+
+def pooled_kinds(spec: ArchitectureSpec, pool: str | None) -> tuple[str, ...] | None:
+    """The attention kinds `pool` names for an encoder-decoder (None: the default); None for a family
+    with one kind of attention, which BadInput refuses `pool` for."""
+    if not spec.encoder_decoder:
+        if pool is not None:
+            raise BadInput(f"--pool chooses among an encoder-decoder's attentions; {spec.family} is {'an encoder' if spec.kind == 'encoder' else 'a decoder'} with self-attention only: drop --pool")
+        return None
+    if (pool or DEFAULT_POOL) not in POOL_CHOICES:
+        raise BadInput(f"--pool {pool!r} is not one of {', '.join(POOL_CHOICES)}")
+    return POOL_CHOICES[pool or DEFAULT_POOL]
+
+
+def cache_bytes_per_token(kinds: Sequence[str], shapes: Sequence[HeadShape], element_bytes: int) -> dict[str, int]:
+    """Bytes the decoder caches per token, over all layers: "self" per target token, "cross" per source
+    token (K and V at each layer's kv heads); `kinds` and `shapes` are the attention blocks'."""
+    total = dict.fromkeys(CACHES.values(), 0)
+    for kind, shape in zip(kinds, shapes):
+        if kind in CACHES:
+            total[CACHES[kind]] += 2 * shape.kv_heads * shape.head_dim * element_bytes
+    return total
+
+
+def cache_bytes(ckpt: SourceCheckpoint, targets: Sequence[HeadShape]) -> dict[str, dict[str, int]]:
+    """{"self"/"cross": {"before", "after"}}: the decoder's cache bytes per token as the checkpoint is and
+    with the attention blocks at `targets`, in the dtype of its K weights (the cache's under load_model)."""
+    kinds = [b.kind for b in ckpt.facts.blocks]
+    key = ckpt.attention.layers[kinds.index(DECODER_SELF)][ckpt.spec.projections["k"].weight]
+    element = SAFETENSORS_DTYPES[ckpt.tensors[key].code][1]
+    before, after = (cache_bytes_per_token(kinds, shapes, element) for shapes in (ckpt.layer_shapes, targets))
+    return {cache: {"before": before[cache], "after": after[cache]} for cache in before}
+
+
+def refuse_unsupported(facts: CheckpointFacts, command: str, fix: str | None = None) -> None:
+    """BadInput for an encoder-decoder where `command` (export, verify, run) handles decoders and encoders only."""
+    if facts.spec is not None and facts.spec.encoder_decoder:
+        raise BadInput(f"{command} of encoder-decoders ({facts.spec.family}) is not supported yet: {fix or f'load {facts.folder} with headfold.load_model'}")
