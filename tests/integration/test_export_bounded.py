@@ -164,3 +164,12 @@ def test_peak_memory_is_bounded_by_the_largest_layer(tmp_path: Path) -> None:
     assert peak <= 2 * sizes["largest_group_bytes"] + GB, f"peak RSS {peak / GB:.2f} GB"
     data = (tmp_path / "onnx" / "model.onnx.data").stat().st_size
     assert data >= sizes["total_bytes"]  # every weight, in fp16 (the source's dtype)
+
+
+def test_run_exports_a_bf16_checkpoint_in_fp32_for_its_cpu_verify(tiny_checkpoint, caplog) -> None:
+    from headfold.pipeline import verifiable_dtype
+
+    with caplog.at_level("INFO"):
+        assert verifiable_dtype(tiny_checkpoint("llama", dtype=torch.bfloat16)) == "fp32"
+    assert "the checkpoint is bf16: run exports fp32" in caplog.text
+    assert verifiable_dtype(tiny_checkpoint("llama", dtype=torch.float16)) == "fp16"
