@@ -42,7 +42,7 @@ def llama_checkpoint(folder: Path, *, dtype: torch.dtype = torch.float16, seed: 
     weight_map, group_bytes = {}, []
     for group, name in zip(groups, names):
         tensors = {n: (torch.randn(s, generator=generator) * 0.02).to(dtype) for n, s in group.items()}
-        tensors |= {n: torch.ones(s, dtype=dtype) for n, s in group.items() if len(s) == 1}  # norms as trained ones look
+        tensors |= {n: (1 + torch.randn(s, generator=generator) * 0.02).to(dtype) for n, s in group.items() if len(s) == 1}  # norm scales
         save_file(tensors, folder / name, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(group, name)
         group_bytes.append(sum(t.nbytes for t in tensors.values()))
