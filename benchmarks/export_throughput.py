@@ -5,8 +5,7 @@
 Checkpoints of random fp16 weights (hidden 2048, 16 heads, intermediate 5632, vocab 32000; all-MiniLM's
 tokenizer, which the builder needs), at about 1 and 4 GB, each as MHA (16 kv heads) and GQA (4):
 both tools export the same folder to fp16 for CPU, one fresh process each. Per run: CPU seconds
-(user + system) and peak RSS of that process and its children (os.wait4's rusage), the weights
-written. Writes benchmarks/results/export_throughput.json in the standard rows shape.
+(user + system, os.wait4) and peak RSS (the process's VmHWM), the weights written. Writes benchmarks/results/export_throughput.json in the standard rows shape.
 """
 
 from __future__ import annotations
@@ -32,6 +31,13 @@ SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, v
 LAYERS = {1: 8, 4: 36}  # ≈ 1 GB and ≈ 4 GB of fp16 weights (MHA)
 KV_HEADS = (16, 4)
 HEADFOLD = "import sys; from headfold.graphs.export import export; export(sys.argv[1], sys.argv[2], progress=False)"
+# Peak RSS from the process's own VmHWM, printed as it exits: a child's ru_maxrss (os.wait4) starts
+# from the forking parent's, which holds the generated checkpoint's largest tensors.
+PEAK = "VmHWM"
+WITH_PEAK = (
+    "import atexit, re, sys; from pathlib import Path; "
+    "atexit.register(lambda: print('VmHWM', re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1), file=sys.stderr)); "
+)
 
 
 def _copy_tokenizer(folder: Path) -> None:
@@ -53,23 +59,34 @@ def checkpoint(root: Path, layers: int, kv_heads: int) -> tuple[Path, dict[str, 
     return folder, json.loads(record.read_text())
 
 
+def python(code: str, *args: str) -> list[str]:
+    """A fresh Python running `code` that reports its peak RSS on exit."""
+    return [sys.executable, "-c", WITH_PEAK + code, *args]
+
+
+def module(name: str, *args: str) -> list[str]:
+    """A fresh Python running the module `name` as `python -m` would, reporting its peak RSS on exit."""
+    return python(f"import runpy; sys.argv = sys.argv[1:]; runpy.run_module({name!r}, run_name='__main__', alter_sys=True)", name, *args)
+
+
 def measured(command: list[str]) -> dict[str, float]:
-    """CPU seconds and peak RSS of one command (its process tree), from os.wait4."""
+    """CPU seconds of one command (os.wait4: its process tree) and its peak RSS (its VmHWM line)."""
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    error = process.stderr.read().decode(errors="replace")
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
-    error = process.stderr.read().decode(errors="replace")
     if process.returncode:
         raise RuntimeError(f"{command[:4]} failed ({process.returncode}): {error[-2000:]}")
-    return {"cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2)}
+    peak_kb = int(error.rsplit(PEAK, 1)[1].split()[0])
+    return {"cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "peak_rss_gb": round(peak_kb * 1024 / 1e9, 2)}
 
 
 def run(folder: Path, out: Path, tool: str) -> dict[str, float]:
     shutil.rmtree(out, ignore_errors=True)
     if tool == "headfold":
-        result = measured([sys.executable, "-c", HEADFOLD, str(folder), str(out)])
+        result = measured(python(HEADFOLD, str(folder), str(out)))
     else:
-        result = measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(folder), "-i", str(folder), "-o", str(out), "-p", "fp16", "-e", "cpu"])
+        result = measured(module("onnxruntime_genai.models.builder", "-m", str(folder), "-i", str(folder), "-o", str(out), "-p", "fp16", "-e", "cpu"))
     result["weights_gb"] = round(sum(f.stat().st_size for f in out.glob("*.onnx.data")) / 1e9, 2)
     shutil.rmtree(out)
     return result
@@ -96,8 +113,8 @@ def main() -> None:
     what = (
         "`headfold export SRC OUT` (default: the checkpoint's dtype, fp16, merged graph) against onnxruntime-genai's model "
         "builder (`-p fp16 -e cpu`) on generated fp16 Llama-layout checkpoints (hidden 2048, 16 heads, intermediate 5632, "
-        "vocab 32000; MHA kv 16 and GQA kv 4); one fresh process per run; cpu_s = user + system seconds, peak_rss_gb from "
-        f"os.wait4; benchmarks/export_throughput.py on {platform.machine()}, {os.cpu_count()} cores"
+        "vocab 32000; MHA kv 16 and GQA kv 4); one fresh process per run; cpu_s = user + system seconds (os.wait4), peak_rss_gb "
+        f"from the process's VmHWM; benchmarks/export_throughput.py on {platform.machine()}, {os.cpu_count()} cores"
     )
     RESULTS.write_text(json.dumps({"what": what, "rows": rows}, indent=2) + "\n")
 
