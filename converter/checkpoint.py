@@ -454,6 +454,17 @@ class CheckpointFacts:
         return self._indexes[allow_pickle]
 
 
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """One safetensors tensor, read with a plain positioned read: no mmap, so memory holds only what is in use."""
+    import torch
+
+    buffer = torch.empty(info.nbytes, dtype=torch.uint8)
+    with open(info.file, "rb") as f:
+        f.seek(info.offset)
+        f.readinto(buffer.numpy())
+    return buffer.view(info.dtype).reshape(info.shape)
+
+
 def _safetensors_header(file: Path) -> list[TensorInfo]:
     """Validate a safetensors file with the library, then take data offsets from its header."""
     with open(file, "rb") as f:  # first: safetensors reports "permission denied" as "No such file"
@@ -654,17 +665,11 @@ class SourceCheckpoint:
 
     # -- reading ------------------------------------------------------------------------
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor with a plain positioned read: no mmap, so memory holds only what is in use."""
-        import torch
-
+        """Read one tensor (see read_tensor)."""
         info = self.tensors[name]
         if info.file in self._pickles:
             return self._pickles[info.file][name]
-        buffer = torch.empty(info.nbytes, dtype=torch.uint8)
-        with open(info.file, "rb") as f:
-            f.seek(info.offset)
-            f.readinto(buffer.numpy())
-        return buffer.view(info.dtype).reshape(info.shape)
+        return read_tensor(info)
 
     def byte_range(self, name: str) -> FileRange | None:
         """Where a tensor's bytes sit in a safetensors file (None for pickles)."""

@@ -34,6 +34,7 @@ from typing import ClassVar
 
 import torch
 import transformers
+from accelerate import init_empty_weights
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from torch import nn
@@ -67,7 +68,7 @@ from headfold.converter.spec import HEAD, spec_for, supported_model_types
 from headfold.converter.support import builtin_class
 from headfold.ground.errors import BadInput, first_line, read_json_object
 
-__all__ = ["load_model", "empty_model", "parameter_names", "check_loadable", "GQA_ATTENTION"]
+__all__ = ["load_model", "empty_model", "hollow_model", "resolve_dtype", "parameter_names", "check_loadable", "GQA_ATTENTION"]
 
 # The only attention implementation the GQA subclasses are wired for: transformers' SDPA
 # path repeats/groups K/V from `num_key_value_groups`; the families' own eager functions don't.
@@ -667,6 +668,11 @@ def _resolve_dtype(dtype: torch.dtype | None, facts: CheckpointFacts, meta: _Met
     return next(d for d in (dtype, facts.dtype, *stored, torch.float32) if d is not None)
 
 
+def resolve_dtype(facts: CheckpointFacts) -> torch.dtype:
+    """The checkpoint's own dtype, as load_model picks it without one: config.json's, else the weights'."""
+    return _resolve_dtype(None, facts, _tensor_meta(facts)[0])
+
+
 def _facts(path: str | os.PathLike | CheckpointFacts) -> CheckpointFacts:
     """The facts a caller already holds, else read (and checked) from the folder at `path`."""
     return path if isinstance(path, CheckpointFacts) else CheckpointFacts.read(Path(path))
@@ -714,11 +720,34 @@ def empty_model(facts: CheckpointFacts, shapes: dict[str, tuple[int, ...]]) -> t
     cls = _model_class(config)
     model = _build(cls, config, facts, _gqa_class(config, facts.heads, facts.kv_heads), torch.float32, device="meta")
     plan = _plan(model, facts, {name: (shape, None) for name, shape in shapes.items()}, converters_ok=False)
+    return model.eval(), _with_tied_names(model, plan)
+
+
+def hollow_model(facts: CheckpointFacts, dtype: torch.dtype) -> tuple[transformers.PreTrainedModel, dict[str, str]]:
+    """The model for the checkpoint folder in `dtype` with its parameters on the meta device (no memory)
+    and its buffers real (rotary frequencies, masks: computed from config.json, small), GQA attention
+    swapped in as `load_model` does; and model tensor -> checkpoint tensor for every parameter and
+    persistent buffer, tied names included. An exporter traces it and streams the weights itself.
+    BadInput as for load_model.
+    """
+    config = _read_config(facts)
+    _generation_config(facts.folder)
+    cls = _model_class(config)
+    with init_empty_weights(include_buffers=False):
+        model = _build(cls, config, facts, _gqa_class(config, facts.heads, facts.kv_heads), dtype, device="cpu")
+    model.tie_weights()  # again: init_empty_weights wraps every parameter assigned under it in a new one
+    plan = _plan(model, facts, _tensor_meta(facts)[0], converters_ok=False)
+    _finish_like_from_pretrained(model, facts.folder)
+    return model.eval(), _with_tied_names(model, plan)
+
+
+def _with_tied_names(model: transformers.PreTrainedModel, plan: dict[str, str]) -> dict[str, str]:
+    """`plan` with each tied weight under both names (the checkpoint stores either)."""
     tied = getattr(model, "all_tied_weights_keys", None) or {}
-    for name, partner in [*tied.items(), *((b, a) for a, b in tied.items())]:  # the checkpoint stores either name
+    for name, partner in [*tied.items(), *((b, a) for a, b in tied.items())]:
         if partner in plan and name not in plan:
             plan[name] = plan[partner]
-    return model.eval(), plan
+    return plan
 
 
 def _finish_like_from_pretrained(model: transformers.PreTrainedModel, facts: CheckpointFacts) -> None:

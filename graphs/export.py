@@ -30,8 +30,8 @@ from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
 from headfold.converter import seq2seq
-from headfold.converter.checkpoint import CheckpointFacts
-from headfold.converter.modeling import load_model
+from headfold.converter.checkpoint import CheckpointFacts, TensorInfo
+from headfold.converter.modeling import hollow_model, resolve_dtype
 from headfold.converter.per_layer import collapse
 from headfold.converter.sources import checkpoint_folder
 from headfold.graphs.genai import copy_tokenizer, write_model_folder
@@ -39,6 +39,7 @@ from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
+from headfold.graphs.weights import attach, fake_parameters, optimize_like_torch
 from headfold.ground.artifacts import DECODE_GRAPH, MODEL_GRAPH, PREFILL_GRAPH
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput, HeadfoldError, first_line
@@ -57,6 +58,7 @@ __all__ = [
     "check_opset",
     "OPSETS",
     "DTYPES",
+    "checkpoint_dtype",
 ]
 
 # 23 is the first opset with Attention; torch 2.13 writes an invalid model (opset_import 18
@@ -64,6 +66,7 @@ __all__ = [
 OPSETS = (23, 24, 25)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
+WRAPPED = "model"  # the attribute the graph modules below keep the transformers model in: its parameters' prefix
 # Example sizes for tracing; all are dynamic in the graph. Avoid 0/1, which torch.export specialises.
 _BATCH, _SEQUENCE, _PAST = 2, 7, 5
 
@@ -217,8 +220,8 @@ def decoder_graphs(
     batch, sequence, past = Dim("batch"), Dim("sequence"), Dim("past_sequence")
     ids, mask = _example_tokens(model.config, _BATCH, _SEQUENCE)
     prefill = Prefill(model)
-    with torch.no_grad():
-        past_kv = prefill(*_example_tokens(model.config, _BATCH, _PAST))[1:]
+    with torch.no_grad():  # only the past's shapes matter (the model may be hollow: fake parameters)
+        past_kv = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in prefill(*_example_tokens(model.config, _BATCH, _PAST))[1:])
     kv_axes = {0: batch, 2: past}
     if layout == "merged":
         mask = torch.ones(_BATCH, _PAST + _SEQUENCE, dtype=torch.long)
@@ -277,13 +280,20 @@ def check_opset(opset: int) -> None:
         raise BadInput(f"opset {opset} is not supported: {why}; use --opset 23, 24 or 25")
 
 
+def checkpoint_dtype(facts: CheckpointFacts) -> str:
+    """The export dtype that keeps the checkpoint's own (fp64 weights export as fp32)."""
+    return next((name for name, d in DTYPES.items() if d == resolve_dtype(facts)), "fp32")
+
+
 def _torch_dtype(dtype: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise BadInput(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
-def torch_export(spec: GraphSpec, opset: int) -> ir.Model:
+def torch_export(spec: GraphSpec, opset: int, weights: dict[str, TensorInfo] | None = None) -> ir.Model:
+    """torch.onnx's graph for `spec`, optimized as torch.onnx does; `weights` (parameter name in
+    spec.module → checkpoint tensor) give a hollow model's parameters their values (graphs.weights)."""
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # torch.onnx warns per op about missing optional packages
         program = torch.onnx.export(
@@ -295,13 +305,24 @@ def torch_export(spec: GraphSpec, opset: int) -> ir.Model:
             output_names=spec.output_names,
             dynamic_shapes=spec.dynamic_shapes,
             verbose=False,
+            optimize=False,  # below, once the weights are attached
         )
+    attach(program.model, weights or {})
+    optimize_like_torch(program.model)
     return program.model
 
 
-def save(model: ir.Model, path: Path) -> None:
-    """Weights to `<name>.data` next to the graph; the checker reads both (path-based)."""
-    ir.save(model, path, external_data=f"{path.name}.data")
+def save(model: ir.Model, path: Path, *, progress: bool = False) -> None:
+    """Weights to `<name>.data` next to the graph, one at a time (lazy ones read from the checkpoint
+    as they are written); the checker reads both (path-based)."""
+    with tqdm(desc=f"{path.name} weights", unit="tensor", disable=not progress) as bar:
+
+        def written(tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
+            bar.total = info.total
+            bar.set_postfix_str(tensor.name or "", refresh=False)
+            bar.update()
+
+        ir.save(model, path, external_data=f"{path.name}.data", callback=written)
     onnx.checker.check_model(str(path))
 
 
@@ -316,23 +337,27 @@ def export_graph(
     trt_version: str | None = None,
     ort_fusions: bool = False,
     positions: int | None = None,
+    weights: dict[str, TensorInfo] | None = None,
+    progress: bool = False,
 ) -> dict:
     """Export, rewrite, check and save one graph; return its summary.
 
     With `ort_fusions`, ONNX Runtime's fused ops follow (graphs/rewrite/ort_fusions), counted;
     `positions` (the context length) sizes the rotary tables GroupQueryAttention then takes.
+    `weights` stream a hollow model's parameters from the checkpoint (torch_export).
 
     With `trt_version`, ops that version's TensorRT parser lacks are then decomposed into
     primitives (graphs/rewrite/decompose); the fused attention nodes stay.
     """
     start = time.perf_counter()
-    model = torch_export(spec, opset)
+    model = torch_export(spec, opset, weights)
     exported = time.perf_counter()
     report = optimize(model, kv_heads=kv_heads, layers=layers, graph=spec.file, attention=attention)
     decomposed = {op: n for op, n in decompose(model, trt_version).items() if n} if trt_version else {}
     fused_for_ort = fuse_for_ort(model, positions=positions) if ort_fusions else None
     rewritten = time.perf_counter()
-    save(model, folder / spec.file)
+    save(model, folder / spec.file, progress=progress)
+    saved = time.perf_counter()
     summary = {
         "inputs": spec.input_names,
         "outputs": spec.output_names,
@@ -341,6 +366,7 @@ def export_graph(
         "attention_kv_heads": [node.kv_heads for node in report.attention],
         "torch_export_s": round(exported - start, 2),
         "rewrite_s": round(rewritten - exported, 2),
+        "save_s": round(saved - rewritten, 2),  # the weights streamed from the checkpoint
     }
     if fused_for_ort is not None:
         summary["ort_fusions"] = fused_for_ort
@@ -373,7 +399,7 @@ def export(
     out_dir: str | os.PathLike,
     *,
     opset: int = 23,
-    dtype: str = "fp32",
+    dtype: str | None = None,
     attention: AttentionKind = "onnx",
     revision: str | None = None,
     overwrite: bool = False,
@@ -385,6 +411,10 @@ def export(
 ) -> dict:
     """Export the checkpoint `src` (a folder, or a hub id ORG/NAME at `revision`) to ONNX graphs in
     `out_dir` (atomically); return the summary.
+
+    The weights are never all in memory: the model is traced hollow and each weight is streamed
+    from the checkpoint into the graph's `.onnx.data`, cast to `dtype` (default: the checkpoint's
+    own, fp32 for fp64), as it is written (graphs.weights).
 
     graphs="merged" (decoders) writes model.onnx, genai_config.json and the tokenizer files: an
     onnxruntime-genai model folder; graphs="split" writes prefill.onnx + decode.onnx instead.
@@ -413,12 +443,17 @@ def export(
         rule_set(trt_version)  # an unknown version is bad input before the slow part
     if attention not in ATTENTION_OPS:
         raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
-    torch_dtype = _torch_dtype(dtype)
+    if dtype is not None:
+        _torch_dtype(dtype)  # an unknown dtype is bad input before the checkpoint is read
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)
     seq2seq.refuse_unsupported(facts, "export")
-    model = load_model(facts, dtype=torch_dtype)
+    dtype = dtype or checkpoint_dtype(facts)
+    model, plan = hollow_model(facts, _torch_dtype(dtype))
+    fake_parameters(model)
+    index = facts.tensor_index().tensors
+    weights = {f"{WRAPPED}.{name}": index[tensor] for name, tensor in plan.items()}
     layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
     decoder = facts.kind == "decoder"
     if attention == "ort-gqa" and not decoder:
@@ -435,6 +470,7 @@ def export(
             summary.graphs[spec.file] = export_graph(
                 spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version,
                 ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
+                weights=weights, progress=progress,
             )  # fmt: skip
         if summary.layout == "merged":
             summary.genai = write_model_folder(

@@ -200,7 +200,7 @@ def export(
     *,
     revision: str | None = None,
     opset: int = 23,
-    dtype: str = "fp32",
+    dtype: str | None = None,
     attention: str = "onnx",
     graphs: str = "merged",
     optimize: str | None = None,
@@ -218,7 +218,7 @@ def export(
         revision: branch, tag or commit of a hub id.
         output: the folder to write.
         opset: 23, 24 or 25.
-        dtype: "fp32", "fp16" or "bf16" weights.
+        dtype: "fp32", "fp16" or "bf16" weights; None: the checkpoint's own.
         attention: "onnx" (standard Attention) or "ort-gqa" (com.microsoft.GroupQueryAttention).
         graphs: decoders: "merged" (model.onnx + genai_config.json: an onnxruntime-genai folder) or
             "split" (prefill.onnx + decode.onnx, what `build` takes).
@@ -353,7 +353,7 @@ def run(
     distill_tokens: int | str | None = None,
     distill_options: dict[str, Any] | None = None,
     opset: int = 23,
-    dtype: str = "fp32",
+    dtype: str | None = None,
     attention: str = "onnx",
     graphs: str | None = None,
     optimize: str | None = None,
@@ -394,7 +394,8 @@ def run(
         distill_tokens: the distill stage's `tokens` (alone: the embedded model's own text).
         distill_options: further keywords of `distill` for that stage (lr, train, seq_len, …).
         opset, dtype, attention, graphs, optimize, position_ids, trt_version: as for `export`
-            (graphs None: split where TensorRT builds engines, else merged).
+            (graphs None: split where TensorRT builds engines, else merged; dtype None: the
+            checkpoint's own, but fp32 for bf16, which the verify stage's CPU ONNX Runtime cannot run).
         precision, batch, seq, past, workspace, timing_cache: as for `build`, where it runs.
         text … rtol: the inputs and budgets, as for `verify`.
         overwrite: accept an output folder of other files.

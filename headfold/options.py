@@ -160,7 +160,7 @@ JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"
 REVISION = spec("--revision", default=None, metavar="REV", help="Branch, tag or commit of the hub ids (ORG/NAME) given as checkpoints; they are read from the Hugging Face cache (HF_HOME), fetched when online.")
 TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")
 OPSET = spec("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25 (Attention exists from 23; torch writes invalid models above 25).")
-DTYPE = spec("--dtype", type=click.Choice(PRECISIONS), default="fp32", help="Exported weight dtype (normalisations stay fp32 inside); picks the fidelity defaults.")
+DTYPE = spec("--dtype", type=click.Choice(PRECISIONS), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks the fidelity defaults. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
 
 
 # -- groups: options under one heading that become one argument --------------------------------
@@ -390,7 +390,7 @@ def conversion_options(*, kv_default: str | None = None, written: bool = True, p
 @dataclass(frozen=True)
 class ExportOptions:
     opset: int = 23
-    dtype: str = "fp32"
+    dtype: str | None = None  # None: the checkpoint's own
     attention: str = "onnx"
     graphs: str | None = None  # None: split for a TensorRT target, else merged (run: split where TensorRT builds)
     optimize: str | None = None

@@ -175,7 +175,8 @@ def run(
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
     check_convertible(src, kv_heads, method, allow_pickle)
     check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
-    settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration or {}, distill, export or {}, build or {}, inputs, thresholds, progress)
+    export = {**(export or {}), "dtype": (export or {}).get("dtype") or verifiable_dtype(src)}
+    settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration or {}, distill, export, build or {}, inputs, thresholds, progress)
     check_disjoint(out, settings.reads(src))  # the run folder holds none of its inputs, nor lies inside one
     check_opset(settings.export.get("opset", 23))
     budgets = settings.budgets()  # bad budgets fail first
@@ -189,6 +190,19 @@ def run(
             if created and not any(entry.key for entry in ledger.stages.values()):
                 shutil.rmtree(out, ignore_errors=True)  # no stage finished: a failed first run leaves nothing
             raise
+
+
+def verifiable_dtype(src: Path) -> str:
+    """The export dtype run picks: the checkpoint's own, except bf16, which the verify stage's ONNX
+    Runtime (CPU) has no kernels for: then fp32, said in a line."""
+    from headfold.converter.checkpoint import CheckpointFacts
+    from headfold.graphs.export import checkpoint_dtype
+
+    dtype = checkpoint_dtype(CheckpointFacts.read(src))
+    if dtype == "bf16":
+        log.info("the checkpoint is bf16: run exports fp32, which its verify stage runs in ONNX Runtime on CPU (no bf16 kernels there); pass --dtype bf16 for bf16 weights")
+        return "fp32"
+    return dtype
 
 
 def check_convertible(src: Path, kv_heads: int | Sequence[int], method: str, allow_pickle: bool) -> None:
@@ -224,7 +238,7 @@ class Settings:
 
     @property
     def dtype(self) -> str:
-        return self.export.get("dtype") or "fp32"
+        return self.export["dtype"]  # run resolves it (verifiable_dtype)
 
     def reads(self, src: Path) -> list[Path]:
         """Every input the stages read: the source, texts, budget, distill data, timing cache."""

@@ -7,14 +7,17 @@ import onnx_ir.passes.common as common
 from onnxscript.optimizer import fold_constants
 from onnxscript.version_converter import ConvertVersionPass
 
+from headfold.graphs.rewrite.values import never_fold_lazy
+
 ATTENTION_OPSET = 23  # first opset with a standard Attention op
 
 
 class FoldConstantsPass(ir.passes.InPlacePass):
-    """onnxscript's constant folding as a pass: the rules read scales and axes as constants."""
+    """onnxscript's constant folding as a pass: the rules read scales and axes as constants. Weights
+    still in the checkpoint (an export streams them) stay there."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        return fold_constants(model)  # a PassResult
+        return fold_constants(model, should_fold=never_fold_lazy)  # a PassResult
 
 
 def cleanup(model: ir.Model) -> None:

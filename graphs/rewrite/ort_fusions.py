@@ -29,7 +29,7 @@ from onnxscript.rewriter.ort_fusions import fused_matmul_rule_sets
 from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
 from headfold.graphs.rewrite.ort_gqa import DOMAIN
-from headfold.graphs.rewrite.values import constant, dims, float_attr, int_attr, same_dims
+from headfold.graphs.rewrite.values import constant, dims, float_attr, int_attr, is_lazy, same_dims
 
 __all__ = ["fuse_for_ort", "ROTARY_POSITIONS_INPUT_DIMS"]
 
@@ -220,6 +220,23 @@ class RotaryIntoGroupQueryAttention(pattern.RewriteRuleClassBase):
         return _like(output, op.GroupQueryAttention(*inputs, _domain=DOMAIN, _outputs=3, **attributes))
 
 
+def _constant_shape(value: ir.Value) -> tuple[int, ...] | None:
+    """A constant's shape, read without its contents (a streamed weight stays on disk)."""
+    tensor = ir.convenience.get_const_tensor(value) if not is_lazy(value) else value.const_value
+    return None if tensor is None else tuple(tensor.shape)
+
+
+def _concatenated(values: list[ir.Value], axis: int) -> ir.TensorProtocol:
+    """The constants joined along `axis`; lazily (read when saved) if any of them is lazy."""
+    join = lambda: ir.tensor(np.concatenate([constant(v) for v in values], axis=axis))  # noqa: E731
+    if not any(is_lazy(v) for v in values):
+        return join()
+    shapes = [v.const_value.shape for v in values]
+    shape = [*shapes[0]]
+    shape[axis] = sum(s[axis] for s in shapes)
+    return ir.LazyTensor(join, dtype=values[0].dtype, shape=ir.Shape(shape))
+
+
 class PackedQKV(pattern.RewriteRuleClassBase):
     """GQA(x·Wq [+ bq], x·Wk [+ bk], x·Wv [+ bv], …) → GQA(x·[Wq|Wk|Wv] [+ [bq|bk|bv]], ∅, ∅, …):
     one MatMul instead of three, GQA's packed-QKV form (query (B, S, (N + 2·kv)·d))."""
@@ -238,21 +255,21 @@ class PackedQKV(pattern.RewriteRuleClassBase):
 
     def check(self, context, x, wq, wk, wv, output, **bound) -> MatchResult:
         result = MatchResult()
-        weights = [constant(w) for w in (wq, wk, wv)]
-        if any(w is None or w.ndim != 2 for w in weights) or len({w.shape[0] for w in weights}) != 1:
+        weights = [_constant_shape(w) for w in (wq, wk, wv)]
+        if any(w is None or len(w) != 2 for w in weights) or len({w[0] for w in weights}) != 1:
             return result.fail("the projections are not constant 2D weights over one input")
         if self.bias:
-            biases = [constant(bound[b]) for b in ("bq", "bk", "bv")]
-            if any(b is None or b.shape != (w.shape[1],) for b, w in zip(biases, weights)):
+            biases = [_constant_shape(bound[b]) for b in ("bq", "bk", "bv")]
+            if any(b is None or b != (w[1],) for b, w in zip(biases, weights)):
                 return result.fail("the biases are not constant vectors of the projections' widths")
         return result
 
     def rewrite(self, op, x, wq, wk, wv, past_key, past_value, seqlens_k, total, output, **bound):
         gqa = output.producer()
-        packed = op.MatMul(x, op.initializer(ir.tensor(np.concatenate([constant(w) for w in (wq, wk, wv)], axis=1)), name=f"{wq.name}_qkv"))
+        packed = op.MatMul(x, op.initializer(_concatenated([wq, wk, wv], axis=1), name=f"{wq.name}_qkv"))
         if self.bias:
-            bias = np.concatenate([constant(bound[b]) for b in ("bq", "bk", "bv")])
-            packed = op.Add(packed, op.initializer(ir.tensor(bias), name=f"{bound['bq'].name}_qkv"))
+            bias = _concatenated([bound[b] for b in ("bq", "bk", "bv")], axis=0)
+            packed = op.Add(packed, op.initializer(bias, name=f"{bound['bq'].name}_qkv"))
         attributes = {name: attr.value for name, attr in gqa.attributes.items()}
         return _like(output, op.GroupQueryAttention(packed, None, None, *gqa.inputs[3:], _domain=DOMAIN, _outputs=3, **attributes))
 

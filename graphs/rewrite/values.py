@@ -28,6 +28,17 @@ def same_dims(a: Sequence[Dim], b: Sequence[Dim]) -> bool:
     return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
 
 
+def is_lazy(value: ir.Value | None) -> bool:
+    """Whether the value is an initializer whose contents are read (from the checkpoint) only when saved."""
+    return value is not None and isinstance(value.const_value, ir.LazyTensor)
+
+
+def never_fold_lazy(node: ir.Node) -> bool | None:
+    """The constant folder's `should_fold`: lazy inputs are never folded (that would hold them in memory);
+    None leaves every other node to the folder's own rules."""
+    return False if any(is_lazy(value) for value in node.inputs) else None
+
+
 def constant(value: ir.Value | None) -> np.ndarray | None:
     """The value's constant contents (initializer or folded Constant), else None."""
     tensor = ir.convenience.get_const_tensor(value) if value is not None else None
