@@ -1,0 +1,109 @@
+"""Encoder-decoder export (T5, BART, Whisper): encoder.onnx computes the cross-attention K/V once,
+the merged decoder.onnx takes them with the self-attention past; ONNX Runtime equals torch for a
+prompt and for teacher-forced steps after a past, converted (self + cross at h/2) and unconverted;
+one fused Attention per attention block at its kv heads; options without a seq2seq graph refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support.ort_decoding import session
+from support.tiny_models import HEADS, SEQ2SEQ, seq2seq_batch
+
+from headfold import convert
+from headfold.converter.modeling import load_model
+from headfold.graphs.export import export
+from headfold.ground.errors import BadInput
+
+ATOL = 1e-4
+LAYERS = 2
+STEPS = (2, 1, 3)  # teacher-forced target chunks: a prompt of 2, one token, an append of 3 (all 6)
+KV = HEADS // 2
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    """exported(family, kv) → (checkpoint, export folder); kv None: the source as it is (MHA)."""
+    cache: dict[tuple[str, int | None], tuple[Path, Path]] = {}
+
+    def get(family: str, kv: int | None) -> tuple[Path, Path]:
+        if (family, kv) not in cache:
+            folder = tmp_path_factory.mktemp(f"{family}-kv{kv or 'mha'}-seq2seq")
+            checkpoint = tiny_checkpoint(family)
+            if kv is not None:
+                checkpoint = convert(checkpoint, folder / "checkpoint", kv, method="mean", progress=False)
+            export(checkpoint, folder / "onnx", progress=False)
+            cache[family, kv] = checkpoint, folder / "onnx"
+        return cache[family, kv]
+
+    return get
+
+
+def run_steps(folder: Path, source: dict[str, np.ndarray], target: np.ndarray, steps) -> np.ndarray:
+    """The encoder once, then the target chunk by chunk through decoder.onnx (the first with an empty
+    self past), present fed back as past and the encoder's cross K/V fed every step."""
+    encoder, decoder = session(folder / "encoder.onnx"), session(folder / "decoder.onnx")
+    encoded = dict(zip([o.name for o in encoder.get_outputs()], encoder.run(None, source)))
+    cross = {name.replace("present.", "past_key_values.", 1): v for name, v in encoded.items() if name.startswith("present.")}
+    past = {
+        i.name: np.zeros((len(target), i.shape[1], 0, i.shape[3]), np.float32)
+        for i in decoder.get_inputs() if i.name.endswith(("decoder.key", "decoder.value"))
+    }  # fmt: skip
+    mask = {"encoder_attention_mask": source["attention_mask"]} if "attention_mask" in source else {}
+    names, logits, start = [o.name for o in decoder.get_outputs()], [], 0
+    for n in steps:
+        out = dict(zip(names, decoder.run(None, {"input_ids": target[:, start : start + n], **mask, **past, **cross})))
+        logits.append(out.pop("logits"))
+        past = {name.replace("present.", "past_key_values.", 1): v for name, v in out.items()}
+        start += n
+    return np.concatenate(logits, axis=1)
+
+
+@pytest.mark.parametrize("kv", [KV, None], ids=["kv-h2", "mha"])
+@pytest.mark.parametrize("family", SEQ2SEQ)
+def test_onnx_runtime_equals_torch_for_prompt_and_steps(family: str, kv: int | None, exported) -> None:
+    checkpoint, folder = exported(family, kv)
+    model = load_model(checkpoint)
+    batch = seq2seq_batch(model.config, batch=3, target=sum(STEPS))  # the T5/BART source's last row is padded
+    with torch.no_grad():
+        expected = model(**batch).logits.numpy()
+    source = {k: v.numpy() for k, v in batch.items() if k != "decoder_input_ids"}
+    target = batch["decoder_input_ids"].numpy()
+    prompt = run_steps(folder, source, target, (sum(STEPS),))
+    stepped = run_steps(folder, source, target, STEPS)
+    assert np.abs(prompt - expected).max() < ATOL
+    assert np.abs(stepped - expected).max() < ATOL
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+def test_one_fused_attention_per_block_at_its_kv_heads(family: str, exported) -> None:
+    _, folder = exported(family, KV)
+    summary = json.loads((folder / "export.json").read_text())
+    assert summary["layout"] == "seq2seq"
+    assert summary["kv_heads"] == [HEADS] * LAYERS + [KV] * 2 * LAYERS  # encoder self kept; decoder self + cross pooled
+    assert summary["graphs"]["encoder.onnx"]["attention_kv_heads"] == [HEADS] * LAYERS
+    assert summary["graphs"]["decoder.onnx"]["attention_kv_heads"] == [KV] * 2 * LAYERS
+    decoder = session(folder / "decoder.onnx")
+    cross = [i.shape for i in decoder.get_inputs() if i.name.endswith("encoder.key")]
+    assert len(cross) == LAYERS and all(shape[1] == KV for shape in cross)
+    encoder_outputs = [o.name for o in session(folder / "encoder.onnx").get_outputs()]
+    assert encoder_outputs[0] == "encoder_hidden_states" and len(encoder_outputs) == 1 + 2 * LAYERS
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"graphs": "split"}, "export writes encoder.onnx and one merged decoder.onnx; drop --graphs split"),
+        ({"attention": "ort-gqa"}, "--attention ort-gqa is for decoders"),
+        ({"optimize": "ort"}, "--optimize ort is for decoders and encoders"),
+        ({"explicit_positions": True}, "position_ids is an input of decoder graphs"),
+    ],
+)
+def test_options_without_a_seq2seq_graph_are_refused(options: dict, message: str, tiny_checkpoint, tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match=message.replace("+", r"\+")):
+        export(tiny_checkpoint("t5"), tmp_path / "onnx", progress=False, **options)
+    assert not (tmp_path / "onnx").exists()
