@@ -35,7 +35,7 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.modeling import load_model
 from headfold.converter.per_layer import collapse
 from headfold.converter.sources import checkpoint_folder
-from headfold.graphs.genai import copy_tokenizer, write_model_folder
+from headfold.graphs.genai import copy_tokenizer, whisper_runs_in_genai, write_model_folder
 from headfold.graphs import seq2seq as seq2seq_graphs
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
@@ -471,10 +471,12 @@ def export(
                 spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version,
                 ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
             )  # fmt: skip
-        if summary.layout == "merged":
+        if summary.layout == "merged" or (layout == "seq2seq" and whisper_runs_in_genai(facts) is None):
             summary.genai = write_model_folder(
                 facts, tmp, model.config, MODEL_GRAPH, attention=attention, position_ids=explicit_positions
             )
+        elif layout == "seq2seq":  # why onnxruntime-genai cannot run it, in export.json
+            summary.genai = {"not_written": whisper_runs_in_genai(facts), "tokenizer_files": copy_tokenizer(facts.folder, tmp)}
         else:  # encoder, split and encoder-decoder graphs: ORT users tokenize with the folder's own files too
             copy_tokenizer(facts.folder, tmp)
         summary.save_in(tmp)

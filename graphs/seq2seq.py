@@ -34,7 +34,7 @@ from headfold.converter.seq2seq import DECODER_CROSS, DECODER_SELF, ENCODER_SELF
 from headfold.graphs.rewrite import AttentionNode
 from headfold.ground.artifacts import DECODER_GRAPH, ENCODER_GRAPH
 
-__all__ = ["GraphBlocks", "seq2seq_graphs", "source_names", "cross_names", "self_names", "ENCODER_OUTPUT", "ENCODER_MASK", "AUDIO_INPUT"]
+__all__ = ["GraphBlocks", "seq2seq_graphs", "source_names", "cross_names", "self_names", "name_template", "ENCODER_OUTPUT", "ENCODER_MASK", "AUDIO_INPUT"]
 
 ENCODER_OUTPUT = "encoder_hidden_states"
 ENCODER_MASK = "encoder_attention_mask"
@@ -53,8 +53,13 @@ def source_names(model: transformers.PreTrainedModel) -> list[str]:
     return [AUDIO_INPUT] if audio(model) else ["input_ids", "attention_mask"]
 
 
+def name_template(prefix: str, half: str, kind: str) -> str:
+    """past_key_values|present.%d.decoder|encoder.key|value: one cache tensor's name, %d its layer."""
+    return f"{prefix}.%d.{half}.{kind}"
+
+
 def _kv(prefix: str, half: str, layers: int) -> list[str]:
-    return [f"{prefix}.{i}.{half}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    return [name_template(prefix, half, kind).replace("%d", str(i)) for i in range(layers) for kind in ("key", "value")]
 
 
 def self_names(prefix: str, layers: int) -> list[str]:

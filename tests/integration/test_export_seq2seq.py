@@ -1,7 +1,8 @@
 """Encoder-decoder export (T5, BART, Whisper): encoder.onnx computes the cross-attention K/V once,
 the merged decoder.onnx takes them with the self-attention past; ONNX Runtime equals torch for a
 prompt and for teacher-forced steps after a past, converted (self + cross at h/2) and unconverted;
-one fused Attention per attention block at its kv heads; options without a seq2seq graph refused."""
+one fused Attention per attention block at its kv heads; options without a seq2seq graph refused;
+a Whisper folder that onnxruntime-genai runs, logits equal to torch's."""
 
 from __future__ import annotations
 
@@ -107,3 +108,45 @@ def test_options_without_a_seq2seq_graph_are_refused(options: dict, message: str
     with pytest.raises(BadInput, match=message.replace("+", r"\+")):
         export(tiny_checkpoint("t5"), tmp_path / "onnx", progress=False, **options)
     assert not (tmp_path / "onnx").exists()
+
+
+@pytest.fixture(scope="module")
+def whisper_30s(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Whisper of 1500 encoder positions (onnxruntime-genai's 3000 frames), self + cross at h/2, exported."""
+    folder = tmp_path_factory.mktemp("whisper-30s")
+    checkpoint = convert(tiny_checkpoint("whisper", max_source_positions=1500), folder / "checkpoint", KV, method="mean", progress=False)
+    export(checkpoint, folder / "onnx", progress=False)
+    return checkpoint, folder / "onnx"
+
+
+def test_whisper_generates_in_onnxruntime_genai(whisper_30s) -> None:
+    """og.Model runs the folder: its logits at every greedy step equal torch's, teacher-forced on og's tokens."""
+    og = pytest.importorskip("onnxruntime_genai")
+    checkpoint, folder = whisper_30s
+    summary = json.loads((folder / "export.json").read_text())
+    assert summary["genai"]["config"] == "genai_config.json"
+    model = load_model(checkpoint)
+    start = model.config.decoder_start_token_id
+    features = torch.randn(1, model.config.num_mel_bins, 3000, generator=torch.Generator().manual_seed(0)) * 0.5
+    runtime = og.Model(str(folder))
+    generator = og.Generator(runtime, og.GeneratorParams(runtime))
+    inputs = og.NamedTensors()
+    inputs["input_features"] = features.numpy()
+    generator.set_inputs(inputs)
+    generator.append_tokens(np.array([[start]], dtype=np.int32))
+    tokens, logits = [], []
+    for _ in range(8):
+        logits.append(np.array(generator.get_logits()).reshape(-1))  # what the next token is chosen from
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    with torch.no_grad():
+        expected = model(input_features=features, decoder_input_ids=torch.tensor([[start, *tokens[:-1]]])).logits[0].numpy()
+    assert np.abs(np.stack(logits) - expected).max() < ATOL
+    assert tokens == expected.argmax(-1).tolist()
+
+
+def test_genai_config_only_where_onnxruntime_genai_runs_it(exported) -> None:
+    for family, why in [("whisper", "takes 3000 log-mel frames only"), ("t5", "runs Whisper among headfold's encoder-decoders only")]:
+        _, folder = exported(family, KV)
+        assert why in json.loads((folder / "export.json").read_text())["genai"]["not_written"]
+        assert not (folder / "genai_config.json").exists()
