@@ -1,6 +1,7 @@
 """headfold verify on encoder-decoders (T5, BART, Whisper): fidelity of the export (encoder.onnx +
 decoder.onnx, the target's last tokens through the self-attention cache) against torch, and
-conversion loss of a pooled checkpoint on (source, target) pairs; mixed kinds refused in one line."""
+conversion loss of a pooled checkpoint on (source, target) pairs; mixed kinds refused in one line;
+headfold run (convert → export → verify, no TensorRT build) on T5."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from support.tiny_models import SEQ2SEQ
 from headfold import convert
 from headfold.cli import main
 from headfold.graphs.export import export
+from headfold.pipeline import run
+from headfold.verification import InputSpec, Thresholds
 
 SMALL = ["--window", "24", "--max-rows", "8", "--batch-size", "4"]
 BYTES = {"vocab_size": 256}  # the byte tokenizer: the held-out text feeds the loss check
@@ -82,3 +85,15 @@ def test_a_decoder_export_against_t5_is_refused(tiny, tiny_export, tmp_path: Pat
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "holds an encoder-decoder but" in err and "holds a decoder" in err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_run_converts_exports_and_verifies_t5(tiny, tmp_path: Path) -> None:
+    """The default method on T5's decoder self- and cross-attention; build is skipped with its reason."""
+    loose = Thresholds(max_ppl_increase=0.5, max_kl=1.0, min_top1=0.1)
+    report = run(tiny("t5")["src"], tmp_path / "run", KV, inputs=InputSpec(window=24, max_rows=8, batch_size=4), thresholds=loose)
+    assert [c.name for c in report.checks] == ["conversion-loss", "fidelity-onnx"] and report.passed
+    loss, fidelity = report.checks
+    assert 0 < loss.metrics["kl"] < 1 and fidelity.metrics["mismatched"] == 0 and fidelity.metrics["max_abs_err"] < 1e-4
+    assert loss.candidate["cross_cache_bytes_per_source_token"] * 2 == loss.reference["cross_cache_bytes_per_source_token"]
+    assert report.stages["build"].startswith("skipped: headfold build takes decoder and encoder exports")
+    assert (tmp_path / "run/export/decoder.onnx").is_file() and (tmp_path / "run/verify/report.json").is_file()
