@@ -365,7 +365,9 @@ def export_graph(
     return summary
 
 
-def _layout(facts: CheckpointFacts, graphs: str, *, attention: str, optimize: str | None, explicit_positions: bool) -> str:
+def _layout(
+    facts: CheckpointFacts, graphs: str, *, attention: str, optimize: str | None, explicit_positions: bool, trt_version: str | None
+) -> str:
     """The export's layout (export.json "layout"): merged | split (decoders), encoder, seq2seq; BadInput
     for an option the checkpoint's kind has no graph for."""
     src = facts.folder
@@ -378,6 +380,8 @@ def _layout(facts: CheckpointFacts, graphs: str, *, attention: str, optimize: st
         raise BadInput(f"position_ids is an input of decoder graphs; {src} is {kind}")
     if facts.kind == "encoder":
         return "encoder"
+    if trt_version:  # before --graphs: the CLI makes --trt-version's default layout split
+        raise BadInput(f"--trt-version targets headfold build, which takes decoder and encoder exports; drop it for the encoder-decoder {src}")
     if graphs != "merged":
         raise BadInput(f"{src} is an encoder-decoder: export writes encoder.onnx and one merged decoder.onnx; drop --graphs {graphs}")
     if optimize:
@@ -453,7 +457,7 @@ def export(
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)
-    layout = _layout(facts, graphs, attention=attention, optimize=optimize, explicit_positions=explicit_positions)
+    layout = _layout(facts, graphs, attention=attention, optimize=optimize, explicit_positions=explicit_positions, trt_version=trt_version)
     model = load_model(facts, dtype=torch_dtype)
     layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
     decoder = facts.kind == "decoder"

@@ -16,6 +16,7 @@ from support.ort_decoding import session
 from support.tiny_models import HEADS, SEQ2SEQ, seq2seq_batch
 
 from headfold import convert
+from headfold.cli import main
 from headfold.converter.modeling import load_model
 from headfold.graphs.export import export
 from headfold.ground.errors import BadInput
@@ -102,6 +103,7 @@ def test_one_fused_attention_per_block_at_its_kv_heads(family: str, exported) ->
         ({"attention": "ort-gqa"}, "--attention ort-gqa is for decoders"),
         ({"optimize": "ort"}, "--optimize ort is for decoders and encoders"),
         ({"explicit_positions": True}, "position_ids is an input of decoder graphs"),
+        ({"trt_version": "10.14", "graphs": "split"}, "--trt-version targets headfold build"),  # the CLI's layout for a TensorRT target
     ],
 )
 def test_options_without_a_seq2seq_graph_are_refused(options: dict, message: str, tiny_checkpoint, tmp_path: Path) -> None:
@@ -150,3 +152,11 @@ def test_genai_config_only_where_onnxruntime_genai_runs_it(exported) -> None:
         _, folder = exported(family, KV)
         assert why in json.loads((folder / "export.json").read_text())["genai"]["not_written"]
         assert not (folder / "genai_config.json").exists()
+
+
+def test_build_refuses_the_folder_in_one_line(exported, tmp_path: Path, capsys) -> None:
+    _, folder = exported("bart", KV)
+    capsys.readouterr()
+    assert main(["build", str(folder), str(tmp_path / "engines"), "--dry-run", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "holds an encoder-decoder's graphs, which headfold builds no engines of" in err
