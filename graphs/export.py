@@ -35,8 +35,8 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.modeling import load_model
 from headfold.converter.per_layer import collapse
 from headfold.converter.sources import checkpoint_folder
-from headfold.graphs.genai import copy_tokenizer, whisper_runs_in_genai, write_model_folder
 from headfold.graphs import seq2seq as seq2seq_graphs
+from headfold.graphs.genai import copy_tokenizer, whisper_runs_in_genai, write_model_folder
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
@@ -481,7 +481,7 @@ def export(
             )
         elif layout == "seq2seq":  # why onnxruntime-genai cannot run it, in export.json
             summary.genai = {"not_written": whisper_runs_in_genai(facts), "tokenizer_files": copy_tokenizer(facts.folder, tmp)}
-        else:  # encoder, split and encoder-decoder graphs: ORT users tokenize with the folder's own files too
+        else:  # encoder and split graphs: ORT users tokenize with the folder's own files too
             copy_tokenizer(facts.folder, tmp)
         summary.save_in(tmp)
     return summary.to_dict()

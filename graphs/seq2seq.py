@@ -150,7 +150,7 @@ def seq2seq_graphs(model: transformers.PreTrainedModel) -> list[tuple[str, nn.Mo
     gen = torch.Generator().manual_seed(0)
     config = model.config
     if audio(model):  # Whisper's encoder takes its full frame count only
-        source = (torch.randn(_BATCH, config.num_mel_bins, 2 * config.max_source_positions, generator=gen),)
+        source = (torch.randn(_BATCH, config.num_mel_bins, 2 * config.max_source_positions, generator=gen).to(model.dtype),)
         source_axes, cross_axes = ({0: batch},), {0: batch}
     else:
         ids = torch.randint(0, config.vocab_size, (_BATCH, _SOURCE), generator=gen)

@@ -27,11 +27,12 @@ from polygraphy.datatype import DataType
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.seq2seq import SYNTHESIZED_AUDIO
+from headfold.graphs.seq2seq import AUDIO_INPUT, ENCODER_MASK
 from headfold.ground.errors import BadInput
 from headfold.verification.runners import SessionFromGraph
 
 DECODER_IDS, DECODER_MASK = "decoder_input_ids", "decoder_attention_mask"
-AUDIO_INPUT = "input_features"  # graphs.seq2seq's name for Whisper's encoder input
+_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # what ORT names the graph's float types
 _AUDIO_SCALE = 0.5  # as calibration synthesizes them: the feature extractor's normalised log-mel range is about [-1, 1]
 
 
@@ -112,18 +113,18 @@ class Seq2SeqOnnxRunner(BaseRunner):
     def get_input_metadata_impl(self) -> TensorMetadata:
         meta = TensorMetadata()
         for i in self.sessions[0].get_inputs():
-            meta.add(i.name, DataType.FLOAT32 if i.type == "tensor(float)" else DataType.INT64, tuple(i.shape))
+            meta.add(i.name, DataType.FLOAT32 if i.type in _FLOATS else DataType.INT64, tuple(i.shape))  # features are fed in fp32
         return _with_target(meta)
 
     def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         encoder, decoder = self.sessions
         start = time.perf_counter()
-        source = {i.name: feed_dict[i.name] for i in encoder.get_inputs()}
+        source = {i.name: feed_dict[i.name].astype(_FLOATS.get(i.type, feed_dict[i.name].dtype)) for i in encoder.get_inputs()}
         outputs = dict(zip([o.name for o in encoder.get_outputs()], encoder.run(None, source)))
         cross = {_as_past(name): value for name, value in outputs.items() if name.startswith("present.")}
-        mask = {"encoder_attention_mask": source["attention_mask"]} if "attention_mask" in source else {}
+        mask = {ENCODER_MASK: source["attention_mask"]} if "attention_mask" in source else {}
         target = feed_dict[DECODER_IDS]
-        past = {i.name: np.zeros((len(target), i.shape[1], 0, i.shape[3]), np.float32) for i in decoder.get_inputs() if _is_self_past(i.name)}
+        past = {i.name: np.zeros((len(target), i.shape[1], 0, i.shape[3]), _FLOATS[i.type]) for i in decoder.get_inputs() if _is_self_past(i.name)}
         names, logits = [o.name for o in decoder.get_outputs()], []
         for chunk in _chunks(target.shape[1], self.decode_steps):
             out = dict(zip(names, decoder.run(None, {"input_ids": target[:, chunk], **mask, **past, **cross})))

@@ -97,3 +97,13 @@ def test_run_converts_exports_and_verifies_t5(tiny, tmp_path: Path) -> None:
     assert loss.candidate["cross_cache_bytes_per_source_token"] * 2 == loss.reference["cross_cache_bytes_per_source_token"]
     assert report.stages["build"].startswith("skipped: headfold build takes decoder and encoder exports")
     assert (tmp_path / "run/export/decoder.onnx").is_file() and (tmp_path / "run/verify/report.json").is_file()
+
+
+def test_fp16_whisper_export_passes_its_fp16_budget(tiny, tmp_path: Path) -> None:
+    """Features are fed in fp32 and cast to the graph's fp16; the self past is built in fp16."""
+    paths = tiny("whisper")
+    export(paths[f"kv{KV}"], tmp_path / "fp16", dtype="fp16", progress=False)
+    code, result = report(["verify", str(paths[f"kv{KV}"]), str(tmp_path / "fp16")], tmp_path / "r.json")
+    (check,) = result["checks"]
+    assert code == 0 and check["candidate"]["precision"] == "fp16" and check["metrics"]["mismatched"] == 0
+    assert 0 < check["metrics"]["max_abs_err"] < 0.05
