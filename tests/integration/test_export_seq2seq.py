@@ -18,8 +18,9 @@ from support.tiny_models import HEADS, SEQ2SEQ, seq2seq_batch
 from headfold import convert
 from headfold.cli import main
 from headfold.converter.modeling import load_model
+from headfold.graphs import rewrite
 from headfold.graphs.export import export
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, CheckFailed
 
 ATOL = 1e-4
 LAYERS = 2
@@ -160,3 +161,31 @@ def test_build_refuses_the_folder_in_one_line(exported, tmp_path: Path, capsys) 
     assert main(["build", str(folder), str(tmp_path / "engines"), "--dry-run", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "holds an encoder-decoder's graphs, which headfold builds no engines of" in err
+
+
+@pytest.mark.parametrize(("family", "pool"), [("bart", "self"), ("t5", "cross")])
+def test_self_and_cross_at_different_kv_heads(family: str, pool: str, tiny_checkpoint, tmp_path: Path) -> None:
+    """Only one of the decoder's attentions pooled (to 2): each node is checked at its own block's count."""
+    checkpoint = convert(tiny_checkpoint(family), tmp_path / "checkpoint", 2, method="mean", pool=pool, progress=False)
+    export(checkpoint, tmp_path / "onnx", progress=False)
+    decoder = session(tmp_path / "onnx" / "decoder.onnx")
+    heads = {half: {i.shape[1] for i in decoder.get_inputs() if f".{half}.key" in i.name} for half in ("decoder", "encoder")}
+    assert heads == ({"decoder": {2}, "encoder": {HEADS}} if pool == "self" else {"decoder": {HEADS}, "encoder": {2}})
+    summary = json.loads((tmp_path / "onnx" / "export.json").read_text())
+    assert sorted(summary["graphs"]["decoder.onnx"]["attention_kv_heads"]) == [2, 2, HEADS, HEADS]
+    model = load_model(checkpoint)
+    batch = seq2seq_batch(model.config, batch=3, target=sum(STEPS))
+    with torch.no_grad():
+        expected = model(**batch).logits.numpy()
+    source = {k: v.numpy() for k, v in batch.items() if k != "decoder_input_ids"}
+    assert np.abs(run_steps(tmp_path / "onnx", source, batch["decoder_input_ids"].numpy(), STEPS) - expected).max() < ATOL
+
+
+def test_a_missing_fusion_names_the_attention_blocks(exported, monkeypatch, tmp_path: Path) -> None:
+    """Without the repeat_kv rule the decoder's nodes keep MHA-shaped K/V: exit-1 error naming each block, no output."""
+    checkpoint, _ = exported("t5", KV)
+    monkeypatch.setattr(rewrite, "RULES", ())
+    expected = r"decoder.onnx \(decoder_self 0, decoder_self 1, decoder_cross 0, decoder_cross 1 in check order\): K/V heads ≠ 4 in layer\(s\) 0 \(8\), 2 \(8\), 1 \(8\), 3 \(8\)"
+    with pytest.raises(CheckFailed, match=expected):
+        export(checkpoint, tmp_path / "onnx", progress=False)
+    assert not (tmp_path / "onnx").exists()
