@@ -64,6 +64,7 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER
 from headfold.converter.spec import HEAD, spec_for, supported_model_types
+from headfold.converter.support import builtin_class
 from headfold.ground.errors import BadInput, first_line, read_json_object
 
 __all__ = ["load_model", "empty_model", "parameter_names", "check_loadable", "GQA_ATTENTION"]
@@ -430,9 +431,8 @@ def _model_class(config: transformers.PretrainedConfig) -> type[transformers.Pre
     names = getattr(config, "architectures", None) or []
     if not names:
         raise BadInput("config.json has no 'architectures' entry: add the model class, e.g. \"LlamaForCausalLM\"")
-    cls = getattr(transformers, names[0], None)
-    concrete = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and cls.config_class
-    if not concrete:
+    cls = builtin_class(names[0])
+    if cls is None:
         raise BadInput(
             f"unknown architecture {names[0]!r} in config.json: headfold loads built-in transformers "
             "classes only (no remote code); set 'architectures' to one of them"

@@ -19,7 +19,8 @@ COMMON_KEYS = ConfigKeys("num_attention_heads", "hidden_size", "num_hidden_layer
 
 def common_keys(model_type: Any) -> ConfigKeys:
     """The common key names as a family's transformers config class maps them (MPT's `n_heads`)."""
-    aliases = _config_class(model_type).attribute_map if _config_class(model_type) else {}
+    config_class = _config_class(model_type)
+    aliases = config_class.attribute_map if config_class else {}
     return ConfigKeys(*(aliases.get(key, key) for key in (COMMON_KEYS.heads, COMMON_KEYS.hidden, COMMON_KEYS.layers)))
 
 
@@ -41,9 +42,9 @@ def export_blocker(config: dict[str, Any]) -> str | None:
         return f"{shown} is an encoder-decoder; export runs decoder-only and encoder-only text models"
     if config.get("vocab_size") is None:
         return f"{shown} has no vocab_size in config.json (an image, audio or multi-tower model); export runs text models"
-    if config.get(common_keys(model_type).heads) is None:
-        return f"{shown} has no attention heads (no {common_keys(model_type).heads} in config.json)"
-    if (model_class := _model_class(config)) is None:
+    if config.get(heads := common_keys(model_type).heads) is None:
+        return f"{shown} has no attention heads (no {heads} in config.json)"
+    if (model_class := builtin_class((config.get("architectures") or [None])[0])) is None:
         return "config.json's 'architectures' names no built-in transformers class (headfold never runs checkpoint code)"
     if not getattr(model_class, "_supports_sdpa", False):
         return f"transformers runs {model_class.__name__} with its own attention only, not SDPA, which export traces"
@@ -60,12 +61,12 @@ def unsupported(config: dict[str, Any]) -> BadInput:
     )
 
 
-def _model_class(config: dict[str, Any]) -> type | None:
+def builtin_class(name: Any) -> type | None:
+    """The transformers model class called `name` (config.json's architectures[0]); None for any other name."""
     import transformers
 
-    name = (config.get("architectures") or [None])[0]
     found = getattr(transformers, name, None) if isinstance(name, str) else None
-    return found if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel) else None
+    return found if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel) and found.config_class else None
 
 
 def _config_class(model_type: Any) -> type | None:
