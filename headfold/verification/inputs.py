@@ -156,7 +156,7 @@ def make_inputs(checkpoint: Path, spec: InputSpec, allow_random: bool = False) -
     window = min(spec.window, limit) if limit else spec.window
     rows, source = choose_rows(facts, spec, window, need_text=not allow_random)
     if facts.kind == "seq2seq":  # (source, target) pairs: verification.seq2seq
-        from headfold.verification.seq2seq import pair_feeds
+        from headfold.verification.seq2seq import pair_feeds  # here: it imports runners, which import this module
 
         feeds, pairs = pair_feeds(facts, rows, spec.batch_size, spec.seed)
         source |= pairs
