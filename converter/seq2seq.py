@@ -17,7 +17,7 @@ from headfold.converter.spec import ArchitectureSpec
 from headfold.ground.errors import BadInput
 
 if TYPE_CHECKING:
-    from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
+    from headfold.converter.checkpoint import SourceCheckpoint
 
 ENCODER_SELF, DECODER_SELF, DECODER_CROSS = "encoder_self", "decoder_self", "decoder_cross"
 # --pool choices → the attention kinds they pool (named --pool: --attention is the export's attention op)
@@ -66,9 +66,3 @@ def cache_bytes(ckpt: SourceCheckpoint, targets: Sequence[HeadShape]) -> dict[st
     element = SAFETENSORS_DTYPES[ckpt.tensors[key].code][1]
     before, after = (cache_bytes_per_token(kinds, shapes, element) for shapes in (ckpt.layer_shapes, targets))
     return {cache: {"before": before[cache], "after": after[cache]} for cache in before}
-
-
-def refuse_unsupported(facts: CheckpointFacts, command: str, fix: str | None = None) -> None:
-    """BadInput for an encoder-decoder where `command` (export, verify, run) handles decoders and encoders only."""
-    if facts.spec is not None and facts.spec.encoder_decoder:
-        raise BadInput(f"{command} of encoder-decoders ({facts.spec.family}) is not supported yet: {fix or f'load {facts.folder} with headfold.load_model'}")

@@ -5,7 +5,9 @@ and past K/V [B, kvᵢ, P, d] with P ≥ 0 → logits, present K/V, so a prompt 
 token and multi-token appends after a past all run through it; beside it genai_config.json and the
 checkpoint's tokenizer files make the folder an onnxruntime-genai model (graphs.genai). With
 graphs="split" they get prefill.onnx (no past) and decode.onnx (one new token + past), the pair
-TensorRT profiles want. Encoders get model.onnx (→ last_hidden_state). Each graph is exported by
+TensorRT profiles want. Encoders get model.onnx (→ last_hidden_state). Encoder-decoders get
+encoder.onnx (source → cross-attention K/V, computed once) and one merged decoder.onnx
+(graphs.seq2seq). Each graph is exported by
 torch.onnx (dynamo), rewritten by headfold.graphs.rewrite, checked, and saved with external
 weights; export.json summarises them.
 """
@@ -29,12 +31,12 @@ from torch.export import Dim
 from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
-from headfold.converter import seq2seq
 from headfold.converter.checkpoint import CheckpointFacts, TensorInfo
-from headfold.converter.modeling import hollow_model, resolve_dtype
+from headfold.converter.modeling import hollow_model, load_model, resolve_dtype
 from headfold.converter.per_layer import collapse
 from headfold.converter.sources import checkpoint_folder
-from headfold.graphs.genai import copy_tokenizer, write_model_folder
+from headfold.graphs import seq2seq as seq2seq_graphs
+from headfold.graphs.genai import copy_tokenizer, whisper_runs_in_genai, write_model_folder
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
@@ -195,6 +197,9 @@ class GraphSpec:
     input_names: list[str]
     output_names: list[str]
     dynamic_shapes: tuple
+    # An encoder-decoder's graph holds several attentions per numbered module: which blocks, their
+    # kv heads and each node's block index (graphs.seq2seq); None: one attention per layer.
+    blocks: seq2seq_graphs.GraphBlocks | None = None
 
 
 def _kv_names(prefix: str, layers: int) -> list[str]:
@@ -268,6 +273,14 @@ def encoder_graphs(model: transformers.PreTrainedModel) -> list[GraphSpec]:
     axes = {0: batch, 1: sequence}
     dynamic = (axes, axes, (axes,) * (len(inputs) - 2))  # *token_type_ids is one tuple
     return [GraphSpec(MODEL_GRAPH, Encoder(model), tuple(inputs), names, ["last_hidden_state"], dynamic)]
+
+
+def encoder_decoder_graphs(model: transformers.PreTrainedModel, facts: CheckpointFacts) -> list[GraphSpec]:
+    """encoder.onnx and decoder.onnx, each checked for one fused node per attention block it holds."""
+    return [
+        GraphSpec(file, module, args, inputs, outputs, dynamic, seq2seq_graphs.GraphBlocks(facts, file))
+        for file, module, args, inputs, outputs, dynamic in seq2seq_graphs.seq2seq_graphs(model)
+    ]
 
 
 def check_opset(opset: int) -> None:
@@ -352,7 +365,10 @@ def export_graph(
     start = time.perf_counter()
     model = torch_export(spec, opset, weights)
     exported = time.perf_counter()
-    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=spec.file, attention=attention)
+    graph, layer_of = spec.file, None
+    if spec.blocks is not None:
+        kv_heads, layers, graph, layer_of = spec.blocks.kv_heads, len(spec.blocks.kv_heads), spec.blocks.label, spec.blocks.layer_of
+    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=graph, attention=attention, layer_of=layer_of)
     decomposed = {op: n for op, n in decompose(model, trt_version).items() if n} if trt_version else {}
     fused_for_ort = fuse_for_ort(model, positions=positions) if ort_fusions else None
     rewritten = time.perf_counter()
@@ -375,6 +391,30 @@ def export_graph(
     return summary
 
 
+def _layout(
+    facts: CheckpointFacts, graphs: str, *, attention: str, optimize: str | None, explicit_positions: bool, trt_version: str | None
+) -> str:
+    """The export's layout (export.json "layout"): merged | split (decoders), encoder, seq2seq; BadInput
+    for an option the checkpoint's kind has no graph for."""
+    src = facts.folder
+    if facts.kind == "decoder":
+        return graphs
+    kind = "an encoder-decoder" if facts.kind == "seq2seq" else "an encoder"
+    if attention == "ort-gqa":
+        raise BadInput(f"--attention ort-gqa is for decoders (ORT's GroupQueryAttention is causal); {src} is {kind}")
+    if explicit_positions:
+        raise BadInput(f"position_ids is an input of decoder graphs; {src} is {kind}")
+    if facts.kind == "encoder":
+        return "encoder"
+    if trt_version:  # before --graphs: the CLI makes --trt-version's default layout split
+        raise BadInput(f"--trt-version targets headfold build, which takes decoder and encoder exports; drop it for the encoder-decoder {src}")
+    if graphs != "merged":
+        raise BadInput(f"{src} is an encoder-decoder: export writes encoder.onnx and one merged decoder.onnx; drop --graphs {graphs}")
+    if optimize:
+        raise BadInput(f"--optimize {optimize} is for decoders and encoders; drop it for the encoder-decoder {src}")
+    return "seq2seq"
+
+
 @contextmanager
 def _answered_for_unconverted(facts: CheckpointFacts) -> Iterator[None]:
     """torch.onnx failing on a family headfold has no spec for is an answer about the model, not a bug."""
@@ -392,6 +432,18 @@ def _answered_for_unconverted(facts: CheckpointFacts) -> Iterator[None]:
             f"torch.onnx cannot export this {facts.config.get('model_type')!r} model ({first_line(root)}); "
             f"headfold exports it unconverted only where torch.onnx traces it as it is"
         ) from None
+
+
+def _traceable_model(facts: CheckpointFacts, layout: str, dtype: str) -> tuple[transformers.PreTrainedModel, dict[str, TensorInfo] | None]:
+    """The model to trace and, for a hollow one, where each of its parameters' values lies in the
+    checkpoint (streamed into .onnx.data as the graph is saved). Encoder-decoders are still traced
+    with their weights loaded: the streamed path is built and tested for decoders and encoders."""
+    if layout == "seq2seq":
+        return load_model(facts, dtype=_torch_dtype(dtype)), None
+    model, plan = hollow_model(facts, _torch_dtype(dtype))
+    fake_parameters(model)
+    index = facts.tensor_index().tensors
+    return model, {f"{WRAPPED}.{name}": index[tensor] for name, tensor in plan.items()}
 
 
 def export(
@@ -448,22 +500,18 @@ def export(
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)
-    seq2seq.refuse_unsupported(facts, "export")
+    layout = _layout(facts, graphs, attention=attention, optimize=optimize, explicit_positions=explicit_positions, trt_version=trt_version)
     dtype = dtype or checkpoint_dtype(facts)
-    model, plan = hollow_model(facts, _torch_dtype(dtype))
-    fake_parameters(model)
-    index = facts.tensor_index().tensors
-    weights = {f"{WRAPPED}.{name}": index[tensor] for name, tensor in plan.items()}
+    model, weights = _traceable_model(facts, layout, dtype)
     layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
     decoder = facts.kind == "decoder"
-    if attention == "ort-gqa" and not decoder:
-        raise BadInput(f"--attention ort-gqa is for decoders (ORT's GroupQueryAttention is causal); {src} is an encoder")
-    if explicit_positions and not decoder:
-        raise BadInput(f"position_ids is an input of decoder graphs; {src} is an encoder")
-    specs = decoder_graphs(model, layers, graphs, explicit_positions=explicit_positions) if decoder else encoder_graphs(model)
+    if layout == "seq2seq":
+        specs = encoder_decoder_graphs(model, facts)
+    else:
+        specs = decoder_graphs(model, layers, graphs, explicit_positions=explicit_positions) if decoder else encoder_graphs(model)
     summary = ExportSummary(
         source=str(src), model_type=model.config.model_type, opset=opset, dtype=dtype, attention=attention, layers=layers,
-        heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=graphs if decoder else "encoder", graphs={},
+        heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=layout, graphs={},
     )  # fmt: skip
     with atomic_output(out, overwrite=overwrite) as tmp, _answered_for_unconverted(facts):
         for spec in tqdm(specs, desc="export", unit="graph", disable=not progress):
@@ -472,10 +520,12 @@ def export(
                 ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
                 weights=weights, progress=progress,
             )  # fmt: skip
-        if summary.layout == "merged":
+        if summary.layout == "merged" or (layout == "seq2seq" and whisper_runs_in_genai(facts) is None):
             summary.genai = write_model_folder(
                 facts, tmp, model.config, MODEL_GRAPH, attention=attention, position_ids=explicit_positions
             )
+        elif layout == "seq2seq":  # why onnxruntime-genai cannot run it, in export.json
+            summary.genai = {"not_written": whisper_runs_in_genai(facts), "tokenizer_files": copy_tokenizer(facts.folder, tmp)}
         else:  # encoder and split graphs: ORT users tokenize with the folder's own files too
             copy_tokenizer(facts.folder, tmp)
         summary.save_in(tmp)

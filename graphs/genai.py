@@ -18,10 +18,13 @@ from typing import Any
 import transformers
 
 from headfold.converter.checkpoint import CheckpointFacts
+from headfold.converter.seq2seq import DECODER_CROSS, DECODER_SELF, ENCODER_SELF
+from headfold.graphs.seq2seq import AUDIO_INPUT, ENCODER_OUTPUT, name_template
+from headfold.ground.artifacts import DECODER_GRAPH, ENCODER_GRAPH
 from headfold.ground.artifacts import GENAI_CONFIG
 from headfold.ground.errors import read_json_object
 
-__all__ = ["TOKENIZER_FILES", "copy_tokenizer", "genai_config", "write_model_folder"]
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer", "genai_config", "write_model_folder", "whisper_genai_config", "whisper_runs_in_genai", "GENAI_WHISPER_FRAMES"]
 
 # What Hugging Face tokenizers read, and what og.Tokenizer reads (tokenizer.json + tokenizer_config.json).
 TOKENIZER_FILES = (
@@ -111,12 +114,77 @@ def genai_config(
     return {"model": model, "search": search}
 
 
+# onnxruntime-genai's Whisper takes 30 s of log-mel features only ("Whisper uses num_frames = 3000").
+GENAI_WHISPER_FRAMES = 3000
+
+
+def _counts(facts: CheckpointFacts, kind: str) -> set[int]:
+    return {b.shape.kv_heads for b in facts.blocks if b.kind == kind}
+
+
+def whisper_runs_in_genai(facts: CheckpointFacts) -> str | None:
+    """None when onnxruntime-genai can run this Whisper export, else why not (for export.json)."""
+    if facts.config.get("model_type") != "whisper":
+        return "onnxruntime-genai runs Whisper among headfold's encoder-decoders only"
+    if 2 * facts.config.get("max_source_positions", 0) != GENAI_WHISPER_FRAMES:
+        return f"onnxruntime-genai takes {GENAI_WHISPER_FRAMES} log-mel frames only; this Whisper's encoder takes {2 * facts.config.get('max_source_positions', 0)}"
+    if len(_counts(facts, DECODER_SELF)) > 1 or len(_counts(facts, DECODER_CROSS)) > 1:
+        return "onnxruntime-genai sizes every decoder layer's cache alike; this conversion gives its layers different kv heads"
+    return None
+
+
+def whisper_genai_config(facts: CheckpointFacts, config: transformers.PretrainedConfig) -> dict[str, Any]:
+    """genai_config.json of a Whisper export (graphs.seq2seq): encoder.onnx writes the cross K/V once,
+    decoder.onnx reads them with its self-attention past.
+
+    onnxruntime-genai sizes the cross-attention cache by the decoder's `num_attention_heads` and the
+    self-attention cache by its `num_key_value_heads`: the former gets the cross-attention's kv heads
+    (the query heads are in the graph)."""
+    (self_kv,), (cross_kv,), (encoder_kv,) = (_counts(facts, kind) for kind in (DECODER_SELF, DECODER_CROSS, ENCODER_SELF))
+    shape = {"head_size": facts.head_dim, "hidden_size": facts.hidden}
+    encoder = {
+        "filename": ENCODER_GRAPH, **shape, "num_attention_heads": config.encoder_attention_heads,
+        "num_key_value_heads": encoder_kv, "num_hidden_layers": config.encoder_layers,
+        "inputs": {"audio_features": AUDIO_INPUT},
+        "outputs": {
+            "encoder_hidden_states": ENCODER_OUTPUT,
+            "cross_present_key_names": name_template("present", "encoder", "key"),
+            "cross_present_value_names": name_template("present", "encoder", "value"),
+        },
+    }  # fmt: skip
+    decoder = {
+        "filename": DECODER_GRAPH, **shape, "num_attention_heads": cross_kv, "num_key_value_heads": self_kv,
+        "num_hidden_layers": config.decoder_layers,
+        "inputs": {
+            "input_ids": "input_ids",
+            "past_key_names": name_template("past_key_values", "decoder", "key"),
+            "past_value_names": name_template("past_key_values", "decoder", "value"),
+            "cross_past_key_names": name_template("past_key_values", "encoder", "key"),
+            "cross_past_value_names": name_template("past_key_values", "encoder", "value"),
+        },
+        "outputs": {
+            "logits": "logits",
+            "present_key_names": name_template("present", "decoder", "key"),
+            "present_value_names": name_template("present", "decoder", "value"),
+        },
+    }  # fmt: skip
+    length = config.max_target_positions
+    model = {
+        "type": "whisper", "vocab_size": facts.vocab_size, "context_length": length, **_token_ids(facts.folder, config),
+        "decoder_start_token_id": config.decoder_start_token_id, "encoder": encoder, "decoder": decoder,
+    }  # fmt: skip
+    return {"model": model, "search": {**_SEARCH, "max_length": length, "past_present_share_buffer": False}}
+
+
 def write_model_folder(
     facts: CheckpointFacts, folder: Path, config: transformers.PretrainedConfig, graph: str, *, attention: str, position_ids: bool = False
 ) -> dict[str, Any]:
     """genai_config.json and the checkpoint's tokenizer files into `folder`; what was written."""
-    config_text = json.dumps(genai_config(facts, config, graph, attention=attention, position_ids=position_ids), indent=2)
-    (folder / GENAI_CONFIG).write_text(config_text + "\n")
+    if facts.kind == "seq2seq":
+        genai = whisper_genai_config(facts, config)
+    else:
+        genai = genai_config(facts, config, graph, attention=attention, position_ids=position_ids)
+    (folder / GENAI_CONFIG).write_text(json.dumps(genai, indent=2) + "\n")
     return {"config": GENAI_CONFIG, "tokenizer_files": copy_tokenizer(facts.folder, folder)}
 
 

@@ -26,6 +26,7 @@ GENAI_CONFIG = "genai_config.json"  # headfold export: onnxruntime-genai's model
 LEDGER = "stages.json"  # headfold run: per stage its key, output digest and timing
 PREFILL_GRAPH, DECODE_GRAPH = "prefill.onnx", "decode.onnx"  # a split decoder export's KV-cache pair
 MODEL_GRAPH = "model.onnx"  # the one graph of a merged decoder export (prompt and cache steps) or of an encoder
+ENCODER_GRAPH, DECODER_GRAPH = "encoder.onnx", "decoder.onnx"  # an encoder-decoder's export: source → cross K/V; merged decoder
 ENGINE_SUFFIX = ".engine"  # headfold build names each engine after its graph: prefill.onnx -> prefill.engine
 ENGINE_SUFFIXES = (ENGINE_SUFFIX, ".plan")  # what build and verify take as an engine file
 SIDECAR_SUFFIX = ".json"  # model.engine -> model.engine.json, the engine sidecar

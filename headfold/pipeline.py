@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.converter.modeling import check_loadable
 from headfold.engines.env import engine_support
@@ -211,11 +212,8 @@ def check_convertible(src: Path, kv_heads: int | Sequence[int], method: str, all
     from headfold.converter.conversion import method_for, target_shapes
     from headfold.converter.recipes import get_method
 
-    from headfold.converter.seq2seq import refuse_unsupported
-
     get_method(method)
     with SourceCheckpoint(src, allow_pickle=allow_pickle) as ckpt:
-        refuse_unsupported(ckpt.facts, "run", "convert it with headfold convert (and distill it with headfold distill)")
         target_shapes(ckpt, kv_heads)
         method_for(ckpt, method)
 
@@ -278,13 +276,14 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budget
     if settings.distill is not None:  # the distilled checkpoint replaces the converted one downstream
         student, converted, distill = converted, out / "distill", settings.distill
         conv_digest, _ = stage("distill", {"checkpoint": conv_digest, **distill.key(src, student)}, converted, lambda: distill(src, student, converted, progress=settings.progress))
-    layout = "split" if engine_support() is None else "merged"  # TensorRT builds the split pair; onnxruntime-genai runs merged
+    seq2seq = CheckpointFacts.read(src).kind == "seq2seq"  # encoder.onnx + one merged decoder.onnx, in ONNX Runtime
+    layout = "split" if engine_support() is None and not seq2seq else "merged"  # TensorRT builds the split pair; onnxruntime-genai runs merged
     exporting = {"graphs": layout, **{k: v for k, v in settings.export.items() if v is not None}}
     exp_digest, _ = stage(
         "export", {"checkpoint": conv_digest, **exporting}, onnx_dir,
         lambda: export(converted, onnx_dir, overwrite=True, progress=settings.progress, **exporting),
     )  # fmt: skip
-    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines, settings.build, step())
+    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines, settings.build, step(), seq2seq)
 
     verify_inputs = {
         "export": exp_digest,
@@ -307,12 +306,14 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budget
     return report
 
 
-def _build_stage(ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path, profile: dict[str, Any], step: str) -> tuple[str | None, str]:
+def _build_stage(
+    ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path, profile: dict[str, Any], step: str, seq2seq: bool = False
+) -> tuple[str | None, str]:
     """(engines' sha256, status) when the engines are current, else (None, "skipped: why they were not built")."""
     from headfold.engines.build import build_export
     from headfold.engines.plan import Unparsable
 
-    why_not = engine_support()
+    why_not = "headfold build takes decoder and encoder exports; an encoder-decoder's graphs run in ONNX Runtime" if seq2seq else engine_support()
     if why_not is None:
         import tensorrt
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import onnx_ir as ir
@@ -51,6 +51,7 @@ class AttentionNode:
     name: str
     layer: int | None  # from the exporter's module scopes; None when the graph has no such metadata
     kv_heads: int | None  # None when K's head axis is not static
+    module: str | None = None  # the exporter's innermost module scope (model.decoder.layers.0.encoder_attn)
 
 
 @dataclass
@@ -60,10 +61,20 @@ class FusionReport:
 
 
 def optimize(
-    model: ir.Model, *, kv_heads: int | Sequence[int], layers: int, graph: str = "graph", attention: AttentionKind = "onnx"
+    model: ir.Model,
+    *,
+    kv_heads: int | Sequence[int],
+    layers: int,
+    graph: str = "graph",
+    attention: AttentionKind = "onnx",
+    layer_of: Callable[[AttentionNode], int | None] | None = None,
 ) -> FusionReport:
     """Apply every rule in place, then fail (CheckFailed) unless each layer has one fused GQA node
     at its kv heads (`kv_heads`: one count for every layer, or one per layer).
+
+    `layer_of` numbers the nodes where a graph holds more than one attention per numbered module
+    (an encoder-decoder's decoder block: self- and cross-attention); by default a node's layer is
+    its innermost numbered module scope.
 
     attention="ort-gqa" (decoder graphs only: the contrib op is causal) ends with
     com.microsoft.GroupQueryAttention instead of the standard Attention; see ort_gqa for its
@@ -79,7 +90,10 @@ def optimize(
         fusions |= {rule.name: rule.apply_to_model(model) for rule in ort_gqa.rules(model)}
         deduplicate(model)  # one seqlens_k / total_sequence_length for all layers
         cleanup(model)
-    report = FusionReport(fusions, attention_nodes(model, attention))
+    found = attention_nodes(model, attention)
+    if layer_of is not None:
+        found = [replace(node, layer=layer_of(node)) for node in found]
+    report = FusionReport(fusions, found)
     check_attention(report.attention, kv_heads=kv_heads, layers=layers, graph=graph, op=ATTENTION_OPS[attention][1])
     return report
 
@@ -93,7 +107,7 @@ def is_attention_node(node: ir.Node, kind: AttentionKind | None = None) -> bool:
 def attention_nodes(model: ir.Model, kind: AttentionKind = "onnx") -> list[AttentionNode]:
     """The fused attention nodes of `kind` in graph order, with their layer and K/V head count."""
     return [
-        AttentionNode(node.name or f"#{i}", _layer(node), _kv_heads(node))
+        AttentionNode(node.name or f"#{i}", _layer(node), _kv_heads(node), _module(node))
         for i, node in enumerate(model.graph)
         if is_attention_node(node, kind)
     ]
@@ -136,6 +150,13 @@ def _layer(node: ir.Node) -> int | None:
         return None
     numbered = [m.group(1) for s in ast.literal_eval(scopes) if (m := _LAYER_INDEX.search(s))]
     return int(numbered[-1]) if numbered else None
+
+
+def _module(node: ir.Node) -> str | None:
+    """The innermost module scope around the node (the last scope names the op itself)."""
+    scopes = node.metadata_props.get(_NAME_SCOPES)
+    modules = ast.literal_eval(scopes)[:-1] if scopes else []
+    return modules[-1] if modules else None
 
 
 def _kv_heads(node: ir.Node) -> int | None:

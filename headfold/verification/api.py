@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from headfold.converter import seq2seq
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.sources import checkpoint_folders
 from headfold.ground.errors import BadInput
@@ -16,6 +15,7 @@ from headfold.verification.decoding import KvCacheRunner, decode_check
 from headfold.verification.inputs import Inputs, InputSpec, make_inputs
 from headfold.verification.report import Report
 from headfold.verification.runners import BaseRunner
+from headfold.verification.seq2seq import check_same_kind
 
 CHECK_NAMES = {"fidelity": "fidelity", "loss": "conversion-loss"}
 
@@ -74,7 +74,7 @@ class _RunnerCache:
 
     def full(self, artifact: Artifact) -> BaseRunner:
         if artifact.path not in self._full:
-            self._full[artifact.path] = artifact.runner()
+            self._full[artifact.path] = artifact.runner(self.decode_steps)
         return self._full[artifact.path]
 
     def kv_cache_or_full(self, artifact: Artifact) -> BaseRunner:
@@ -116,9 +116,8 @@ def verify(
     if check not in ("auto", *CHECK_NAMES):
         raise BadInput(f"unknown check {check!r}; use auto, fidelity or loss")
     ref, cand = (resolve(path) for path in checkpoint_folders(reference, candidate, revision=revision))
-    for side in (ref, cand):
-        if side.model is not None:
-            seq2seq.refuse_unsupported(CheckpointFacts.read(side.model), "verify")
+    if ref.model is not None and cand.model is not None:
+        check_same_kind(CheckpointFacts.read(ref.model), CheckpointFacts.read(cand.model), (ref.path, cand.path))
     kind = check_kind(ref, cand, check)
     precision = loosest(ref.precision, cand.precision)
     budget = thresholds.fidelity(precision, floors=True) if kind == "fidelity" else thresholds.loss(precision)

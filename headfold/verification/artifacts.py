@@ -6,7 +6,8 @@ model is the checkpoint export.json names as its source; an engine's is its sour
 (found through the engine's .engine.json sidecar). A decoder export's graph carries the graph
 that continues from its cache along (`Artifact.decode`) for the KV-cache check
 (verification.decoding): a merged model.onnx continues through itself, a split prefill.onnx
-through decode.onnx.
+through decode.onnx. An encoder-decoder's export is its encoder.onnx with decoder.onnx as its
+`pair`, run together (verification.seq2seq).
 Same model on both sides → fidelity; a candidate whose model is a headfold conversion
 (headfold.json) of the reference's → conversion loss.
 """
@@ -19,9 +20,10 @@ from typing import Any
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.per_layer import collapse
+from headfold.converter.seq2seq import cache_bytes_per_token
 from headfold.graphs.onnx_files import load_graph
 from headfold.ground import export_summary, manifest
-from headfold.ground.artifacts import DECODE_GRAPH, ENGINE_SUFFIXES, MODEL_GRAPH, PREFILL_GRAPH, engine_name
+from headfold.ground.artifacts import DECODE_GRAPH, DECODER_GRAPH, ENCODER_GRAPH, ENGINE_SUFFIXES, MODEL_GRAPH, PREFILL_GRAPH, engine_name
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.ground.inputs import check_links
@@ -42,13 +44,19 @@ class Artifact:
     precision: str
     decode: Path | None = None  # a decoder's decode graph or engine (KV cache), next to its prefill one
     graph: Path | None = None  # an engine's source graph
+    pair: Path | None = None  # an encoder-decoder export's decoder.onnx, run after the encoder.onnx in `path`
 
     @property
     def reads(self) -> list[Path]:
         """The files and folders running this artifact reads."""
-        return [p for p in (self.path, self.model, self.decode, self.graph) if p is not None]
+        return [p for p in (self.path, self.model, self.decode, self.graph, self.pair) if p is not None]
 
-    def runner(self) -> BaseRunner:
+    def runner(self, decode_steps: int = 0) -> BaseRunner:
+        """Its runner; an encoder-decoder export's feeds its target's last `decode_steps` tokens one at a time."""
+        if self.pair is not None:
+            from headfold.verification.seq2seq import Seq2SeqOnnxRunner
+
+            return Seq2SeqOnnxRunner(self.path, self.pair, decode_steps)
         return _runner(self.kind, self.path)
 
     def decode_runner(self) -> BaseRunner:
@@ -71,8 +79,9 @@ class Artifact:
             "precision": self.precision,
             f"{key_file.name}_sha256": sha256_file(key_file),
         }
-        if self.decode is not None:
-            info[f"{self.decode.name}_sha256"] = sha256_file(self.decode)
+        for other in (self.decode, self.pair):
+            if other is not None and other != self.path:
+                info[f"{other.name}_sha256"] = sha256_file(other)
         if self.model is not None:
             info |= attention_info(self.model, self.precision)
         if self.kind == "engine":
@@ -96,8 +105,11 @@ def attention_info(checkpoint: Path, precision: str) -> dict[str, Any]:
     """Heads, kv heads (one count, or one per layer) and the KV-cache bytes per token they imply at `precision`."""
     facts = CheckpointFacts.read(checkpoint)
     bytes_per_value = 4 if precision == "fp32" else 2
-    cache = 2 * sum(facts.kv_heads) * facts.head_dim * bytes_per_value  # K and V of every layer
-    return {"heads": facts.heads, "kv_heads": collapse(facts.kv_heads), "kv_cache_bytes_per_token": cache}
+    info = {"heads": facts.heads, "kv_heads": collapse(facts.kv_heads)}
+    if facts.blocks:  # an encoder-decoder: self-attention bytes per target token, cross per source token
+        cache = cache_bytes_per_token([b.kind for b in facts.blocks], [b.shape for b in facts.blocks], bytes_per_value)
+        return {**info, "kv_cache_bytes_per_token": cache["self"], "cross_cache_bytes_per_source_token": cache["cross"]}
+    return {**info, "kv_cache_bytes_per_token": 2 * sum(facts.kv_heads) * facts.head_dim * bytes_per_value}  # K and V of every layer
 
 
 def _checkpoint_precision(folder: Path) -> str:
@@ -126,6 +138,12 @@ def _onnx_artifact(graph: Path) -> Artifact:
         return Artifact(graph, "onnx", None, "fp32")
     summary = export_summary.load(graph.parent)
     model = export_summary.export_source(summary, graph.parent)
+    if summary.layout == "seq2seq":  # either graph stands for the pair
+        encoder, decoder = graph.with_name(ENCODER_GRAPH), graph.with_name(DECODER_GRAPH)
+        for part in (encoder, decoder):
+            if part != graph:
+                load_graph(part)
+        return Artifact(encoder, "onnx", model, summary.dtype, pair=decoder)
     return Artifact(graph, "onnx", model, summary.dtype, _decode_graph(graph, summary))
 
 
@@ -146,7 +164,7 @@ def resolve(path: Path) -> Artifact:
         return Artifact(path.resolve(), "checkpoint", path.resolve(), _checkpoint_precision(path))
     if path.is_dir() and export_summary.exists(path):
         check_links(path, "export folder")
-        graph = next((path / g for g in GRAPHS if (path / g).is_file()), None)
+        graph = next((path / g for g in (*GRAPHS, ENCODER_GRAPH) if (path / g).is_file()), None)
         if graph is None:
             raise BadInput(f"export folder {path} has neither {' nor '.join(GRAPHS)}; re-run headfold export")
         return _onnx_artifact(graph.resolve())

@@ -20,6 +20,7 @@ from headfold.verification.budget import FidelityBudget, LossBudget
 from headfold.verification.inputs import Inputs
 from headfold.verification.metrics import EmbeddingMeter, FidelityMeter, LossMeter
 from headfold.verification.runners import Runner
+from headfold.verification.seq2seq import target_view
 
 DECODER_OUTPUT, ENCODER_OUTPUT = "logits", "last_hidden_state"
 
@@ -105,8 +106,9 @@ class CheckSpec:
     notes: list[str] = field(default_factory=list)
 
     def compared(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The feed as the meters see it: its attention_mask marks the positions compared."""
-        return feed if self.positions is None else {**feed, "attention_mask": self.positions(feed)}
+        """The feed as the meters see it (an encoder-decoder's target): its attention_mask marks the positions compared."""
+        view = target_view(feed)
+        return view if self.positions is None else {**view, "attention_mask": self.positions(view)}
 
 
 def _output_name(outputs: dict[str, Any]) -> str:

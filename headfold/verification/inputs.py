@@ -155,9 +155,15 @@ def make_inputs(checkpoint: Path, spec: InputSpec, allow_random: bool = False) -
     limit = facts.position_limit
     window = min(spec.window, limit) if limit else spec.window
     rows, source = choose_rows(facts, spec, window, need_text=not allow_random)
-    pad_id = facts.config.get("pad_token_id") or 0
-    types = wants_token_type_ids(facts.config)
-    feeds = [pad_batch(rows[i : i + spec.batch_size], pad_id, types) for i in range(0, len(rows), spec.batch_size)]
+    if facts.kind == "seq2seq":  # (source, target) pairs: verification.seq2seq
+        from headfold.verification.seq2seq import pair_feeds  # here: it imports runners, which import this module
+
+        feeds, pairs = pair_feeds(facts, rows, spec.batch_size, spec.seed)
+        source |= pairs
+    else:
+        pad_id = facts.config.get("pad_token_id") or 0
+        types = wants_token_type_ids(facts.config)
+        feeds = [pad_batch(rows[i : i + spec.batch_size], pad_id, types) for i in range(0, len(rows), spec.batch_size)]
     ids_hash = hashlib.sha256(b"".join(r.tobytes() for r in rows)).hexdigest()
     info = {
         **source,

@@ -75,6 +75,10 @@ class TorchRunner(BaseRunner):
         self.model = None
 
     def get_input_metadata_impl(self) -> TensorMetadata:
+        if self.facts.kind == "seq2seq":  # source and teacher-forced target (verification.seq2seq)
+            from headfold.verification.seq2seq import token_metadata as pair_metadata
+
+            return pair_metadata(self.facts)
         segments = wants_token_type_ids(self.model.config.to_dict())
         return token_metadata(["input_ids", "attention_mask", *(["token_type_ids"] if segments else [])])
 
@@ -84,7 +88,7 @@ class TorchRunner(BaseRunner):
         with torch.no_grad():
             out = self.model(**inputs)
         self.inference_time = time.perf_counter() - start
-        if self.facts.kind == "decoder":
+        if self.facts.kind != "encoder":  # a decoder's logits; an encoder-decoder's over its target
             return {"logits": out.logits.float().numpy()}
         return {"last_hidden_state": out.last_hidden_state.float().numpy()}
 

@@ -1,6 +1,6 @@
 """Encoder-decoders (T5, BART, Whisper): conversion exactness per attention kind, loading with GQA
 self- and cross-attention, generate() with the EncoderDecoderCache, the manifest's cache bytes, and
-one-line refusals of what is not there yet."""
+one-line refusals (export: test_export_seq2seq; verify and run: test_verify_seq2seq)."""
 
 from __future__ import annotations
 
@@ -194,20 +194,6 @@ def test_text_calibration_of_whisper_and_grouped_t5_are_refused(tiny_checkpoint,
     err = refused(["convert", str(tiny_checkpoint("t5")), str(tmp_path / "out"), "--kv-heads", "2", "--method", "grouped"], capsys)
     assert "relative attention bias belongs to each query head" in err
     assert not (tmp_path / "out").exists()
-
-
-def test_export_and_verify_refuse_encoder_decoders(tiny_checkpoint, tmp_path: Path, capsys) -> None:
-    src = tiny_checkpoint("whisper")
-    out = convert(src, tmp_path / "out", kv_heads=2, method="mean", progress=False)
-    assert "export of encoder-decoders (whisper) is not supported yet" in refused(["export", str(out), str(tmp_path / "onnx")], capsys)
-    assert "verify of encoder-decoders (whisper) is not supported yet" in refused(["verify", str(src), str(out)], capsys)
-    assert not (tmp_path / "onnx").exists()
-    assert "run of encoder-decoders (whisper) is not supported yet: convert it with headfold convert" in refused(["run", str(src), str(tmp_path / "run"), "--kv-heads", "2"], capsys)
-    assert not (tmp_path / "run").exists()
-    with pytest.raises(BadInput, match="not supported yet"):
-        from headfold.graphs.export import export
-
-        export(out, tmp_path / "onnx", progress=False)
 
 
 def test_inspect_reports_self_and_cross_cache_bytes(tiny_checkpoint, tmp_path: Path, capsys) -> None:
