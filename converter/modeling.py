@@ -737,7 +737,7 @@ def hollow_model(facts: CheckpointFacts, dtype: torch.dtype) -> tuple[transforme
         model = _build(cls, config, facts, _gqa_class(config, facts.heads, facts.kv_heads), dtype, device="cpu")
     model.tie_weights()  # again: init_empty_weights wraps every parameter assigned under it in a new one
     plan = _plan(model, facts, _tensor_meta(facts)[0], converters_ok=False)
-    _finish_like_from_pretrained(model, facts.folder)
+    _finish_like_from_pretrained(model, facts)
     return model.eval(), _with_tied_names(model, plan)
 
 
@@ -753,7 +753,7 @@ def _with_tied_names(model: transformers.PreTrainedModel, plan: dict[str, str]) 
 def _finish_like_from_pretrained(model: transformers.PreTrainedModel, facts: CheckpointFacts) -> None:
     """What from_pretrained also does: record the source and use its generation defaults."""
     model.config.name_or_path = str(facts.folder)
-    if facts.kind == "decoder" and (generation := _generation_config(facts.folder)) is not None:
+    if facts.kind != "encoder" and (generation := _generation_config(facts.folder)) is not None:  # decoders and encoder-decoders generate
         model.generation_config = generation
 
 
