@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--source", type=int, default=512, help="source bytes in the latency measurement")
     parser.add_argument("--prompt", type=int, default=16, help="decoder tokens in the self cache before the timed step")
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
-    parser.add_argument("--torch-threads", type=int, default=1, help="training and distillation (2 on a shared 2-core machine ran 20× slower)")
+    parser.add_argument("--torch-threads", type=int, default=1, help="training and distillation (more threads than free cores oversubscribe a shared machine and run far slower)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--json", type=Path, default=RESULTS)
