@@ -33,10 +33,10 @@ import transformers
 from decode_latency import interleaved_medians, session
 
 import headfold
-from headfold.graphs.seq2seq import ENCODER_MASK, cross_names, self_names
 from headfold import corpus
 from headfold.distillation import distill  # headfold.distill without eval_at: the scores on the way
 from headfold.distillation.run import default_batch_size
+from headfold.graphs.seq2seq import ENCODER_MASK, cross_names, self_names
 
 HEADS, WIDTH, HEAD_DIM, LAYERS, WINDOW, TRAIN_BATCH = 8, 128, 16, 4, 256, 16
 CONFIG = dict(vocab_size=corpus.VOCAB_SIZE, d_model=WIDTH, d_kv=HEAD_DIM, d_ff=4 * WIDTH, num_layers=LAYERS, num_decoder_layers=LAYERS,
