@@ -196,7 +196,6 @@ def run(
 def verifiable_dtype(src: Path) -> str:
     """The export dtype run picks: the checkpoint's own, except bf16, which the verify stage's ONNX
     Runtime (CPU) has no kernels for: then fp32, said in a line."""
-    from headfold.converter.checkpoint import CheckpointFacts
     from headfold.graphs.export import checkpoint_dtype
 
     dtype = checkpoint_dtype(CheckpointFacts.read(src))
