@@ -24,6 +24,7 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.tokens import TOKENIZER_FILES, find_tokenizer
 from headfold.converter.tokens import read_text as read_text_file
 from headfold.ground.errors import BadInput
+from headfold.verification.seq2seq import pair_feeds
 
 BUILTIN_TEXT = "builtin:heldout"  # headfold.corpus.heldout_text(): never seen in the embedded model's training
 RANDOM_IDS = "random token ids"
@@ -156,8 +157,6 @@ def make_inputs(checkpoint: Path, spec: InputSpec, allow_random: bool = False) -
     window = min(spec.window, limit) if limit else spec.window
     rows, source = choose_rows(facts, spec, window, need_text=not allow_random)
     if facts.kind == "seq2seq":  # (source, target) pairs: verification.seq2seq
-        from headfold.verification.seq2seq import pair_feeds  # here: it imports runners, which import this module
-
         feeds, pairs = pair_feeds(facts, rows, spec.batch_size, spec.seed)
         source |= pairs
     else:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from polygraphy.backend.base import BaseLoader, BaseRunner
+from polygraphy.backend.base import BaseRunner
 from polygraphy.backend.onnxrt import OnnxrtRunner
 from polygraphy.common import TensorMetadata
 from polygraphy.datatype import DataType
@@ -29,10 +29,10 @@ from polygraphy.logger import G_LOGGER
 
 from headfold.ground.errors import BadInput, first_line
 from headfold.verification.inputs import wants_token_type_ids
+from headfold.verification.seq2seq import token_metadata as pair_metadata
+from headfold.verification.sessions import SessionFromGraph
 
 Runner = BaseRunner  # what verify runs: headfold's runners below, or any of Polygraphy's own
-# Preferred ONNX Runtime providers, best first; those the installed build lacks are skipped.
-ORT_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 PAST = "past_key_values."  # graphs.export's past K/V inputs: past_key_values.{i}.key / .value
 _ORT_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
@@ -76,8 +76,6 @@ class TorchRunner(BaseRunner):
 
     def get_input_metadata_impl(self) -> TensorMetadata:
         if self.facts.kind == "seq2seq":  # source and teacher-forced target (verification.seq2seq)
-            from headfold.verification.seq2seq import token_metadata as pair_metadata
-
             return pair_metadata(self.facts)
         segments = wants_token_type_ids(self.model.config.to_dict())
         return token_metadata(["input_ids", "attention_mask", *(["token_type_ids"] if segments else [])])
@@ -95,28 +93,6 @@ class TorchRunner(BaseRunner):
     def describe(self) -> dict[str, str]:
         dtype = str(next(self.model.parameters()).dtype) if self.model is not None else "unloaded"
         return {"runner": self.name, "backend": f"torch {torch.__version__}", "device": "cpu", "dtype": dtype}
-
-
-class SessionFromGraph(BaseLoader):
-    """An ONNX Runtime session, loaded lazily like Polygraphy's SessionFromOnnx but with headfold's
-    choices: the best provider the installed build has (ORT_PROVIDERS; SessionFromOnnx refuses a
-    missing one), ORT's default threads, errors-only session logging (ORT warns about unused
-    initializers), and a graph ORT cannot load reported as bad input."""
-
-    def __init__(self, graph: Path, providers: Sequence[str] | None = None) -> None:
-        self.graph, self.providers = Path(graph), providers
-
-    def call_impl(self) -> Any:
-        import onnxruntime as ort
-
-        available = set(ort.get_available_providers())
-        providers = [p for p in (self.providers or ORT_PROVIDERS) if p in available] or ["CPUExecutionProvider"]
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        try:
-            return ort.InferenceSession(str(self.graph), options, providers=providers)
-        except Exception as err:  # ORT's errors subclass only Exception; a graph it cannot load is bad input
-            raise BadInput(f"ONNX Runtime cannot load {self.graph} ({first_line(err)}); re-run headfold export (a truncated .onnx.data?)") from None
 
 
 class OnnxRuntimeRunner(OnnxrtRunner):

@@ -29,7 +29,7 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.seq2seq import SYNTHESIZED_AUDIO
 from headfold.graphs.seq2seq import AUDIO_INPUT, ENCODER_MASK
 from headfold.ground.errors import BadInput
-from headfold.verification.runners import SessionFromGraph
+from headfold.verification.sessions import SessionFromGraph
 
 DECODER_IDS, DECODER_MASK = "decoder_input_ids", "decoder_attention_mask"
 _FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # what ORT names the graph's float types
