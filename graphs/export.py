@@ -36,7 +36,7 @@ from headfold.converter.modeling import hollow_model, load_model, resolve_dtype
 from headfold.converter.per_layer import collapse
 from headfold.converter.sources import checkpoint_folder
 from headfold.graphs import seq2seq as seq2seq_graphs
-from headfold.graphs.genai import copy_tokenizer, whisper_runs_in_genai, write_model_folder
+from headfold.graphs.genai import copy_tokenizer, seq2seq_genai_blocker, write_model_folder
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
@@ -520,12 +520,13 @@ def export(
                 ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
                 weights=weights, progress=progress,
             )  # fmt: skip
-        if summary.layout == "merged" or (layout == "seq2seq" and whisper_runs_in_genai(facts) is None):
+        genai_blocker = seq2seq_genai_blocker(facts) if layout == "seq2seq" else None
+        if layout in ("merged", "seq2seq") and genai_blocker is None:
             summary.genai = write_model_folder(
                 facts, tmp, model.config, MODEL_GRAPH, attention=attention, position_ids=explicit_positions
             )
-        elif layout == "seq2seq":  # why onnxruntime-genai cannot run it, in export.json
-            summary.genai = {"not_written": whisper_runs_in_genai(facts), "tokenizer_files": copy_tokenizer(facts.folder, tmp)}
+        elif genai_blocker is not None:  # why onnxruntime-genai cannot run it, in export.json
+            summary.genai = {"not_written": genai_blocker, "tokenizer_files": copy_tokenizer(facts.folder, tmp)}
         else:  # encoder and split graphs: ORT users tokenize with the folder's own files too
             copy_tokenizer(facts.folder, tmp)
         summary.save_in(tmp)

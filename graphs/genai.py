@@ -24,7 +24,7 @@ from headfold.ground.artifacts import DECODER_GRAPH, ENCODER_GRAPH
 from headfold.ground.artifacts import GENAI_CONFIG
 from headfold.ground.errors import read_json_object
 
-__all__ = ["TOKENIZER_FILES", "copy_tokenizer", "genai_config", "write_model_folder", "whisper_genai_config", "whisper_runs_in_genai", "GENAI_WHISPER_FRAMES"]
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer", "genai_config", "write_model_folder", "whisper_genai_config", "seq2seq_genai_blocker", "GENAI_WHISPER_FRAMES"]
 
 # What Hugging Face tokenizers read, and what og.Tokenizer reads (tokenizer.json + tokenizer_config.json).
 TOKENIZER_FILES = (
@@ -122,8 +122,9 @@ def _counts(facts: CheckpointFacts, kind: str) -> set[int]:
     return {b.shape.kv_heads for b in facts.blocks if b.kind == kind}
 
 
-def whisper_runs_in_genai(facts: CheckpointFacts) -> str | None:
-    """None when onnxruntime-genai can run this Whisper export, else why not (for export.json)."""
+def seq2seq_genai_blocker(facts: CheckpointFacts) -> str | None:
+    """Why onnxruntime-genai cannot run this encoder-decoder's export (for export.json); None when it
+    can (a Whisper it takes as it is)."""
     if facts.config.get("model_type") != "whisper":
         return "onnxruntime-genai runs Whisper among headfold's encoder-decoders only"
     if 2 * facts.config.get("max_source_positions", 0) != GENAI_WHISPER_FRAMES:
