@@ -11,6 +11,7 @@ repeats an uninterrupted one exactly on CPU.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -158,6 +159,12 @@ def distill(
                 output.write_log(tmp, trainer.progress.log, trainer.metric)
                 output.write_manifest(tmp, manifest, record, files)
             state.finish(folder)
+    # The DDP reducer holds the process group: dropped here, while every process is still at the same
+    # point, the group ends in end_training; dropped after it (when distill returns), gloo's teardown
+    # could wait on a process that has already exited.
+    trainer = None
+    accelerator.free_memory()
+    gc.collect()
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return out
