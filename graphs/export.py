@@ -14,12 +14,14 @@ weights; export.json summarises them.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import onnx
@@ -41,6 +43,7 @@ from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
+from headfold.graphs.template import TRACED_LAYERS, LayerTemplate, NotAlike
 from headfold.graphs.weights import attach, fake_parameters, optimize_like_torch
 from headfold.ground.artifacts import DECODE_GRAPH, MODEL_GRAPH, PREFILL_GRAPH
 from headfold.ground.atomic import atomic_output, check_output
@@ -62,6 +65,8 @@ __all__ = [
     "DTYPES",
     "checkpoint_dtype",
 ]
+
+log = logging.getLogger(__name__)
 
 # 23 is the first opset with Attention; torch 2.13 writes an invalid model (opset_import 18
 # next to an Attention node) for ≥ 26, see shared/notes/runtime-facts.md.
@@ -304,9 +309,13 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def torch_export(spec: GraphSpec, opset: int, weights: dict[str, TensorInfo] | None = None) -> ir.Model:
+def torch_export(
+    spec: GraphSpec, opset: int, weights: dict[str, TensorInfo] | None = None, template: LayerTemplate | None = None
+) -> ir.Model:
     """torch.onnx's graph for `spec`, optimized as torch.onnx does; `weights` (parameter name in
-    spec.module → checkpoint tensor) give a hollow model's parameters their values (graphs.weights)."""
+    spec.module → checkpoint tensor) give a hollow model's parameters their values (graphs.weights).
+    With a `template`, spec is the model cut to its traced layers, and the graph gets the others as
+    copies of its layer 1 (graphs.template; NotAlike when it cannot)."""
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # torch.onnx warns per op about missing optional packages
         program = torch.onnx.export(
@@ -320,8 +329,10 @@ def torch_export(spec: GraphSpec, opset: int, weights: dict[str, TensorInfo] | N
             verbose=False,
             optimize=False,  # below, once the weights are attached
         )
-    attach(program.model, weights or {})
+    attach(program.model, weights or {}, lazy_prefixes=template.lazy_prefixes() if template else ())
     optimize_like_torch(program.model)
+    if template is not None:
+        template.replicate(program.model, weights or {})
     return program.model
 
 
@@ -351,19 +362,21 @@ def export_graph(
     ort_fusions: bool = False,
     positions: int | None = None,
     weights: dict[str, TensorInfo] | None = None,
+    template: LayerTemplate | None = None,
     progress: bool = False,
 ) -> dict:
     """Export, rewrite, check and save one graph; return its summary.
 
     With `ort_fusions`, ONNX Runtime's fused ops follow (graphs/rewrite/ort_fusions), counted;
     `positions` (the context length) sizes the rotary tables GroupQueryAttention then takes.
-    `weights` stream a hollow model's parameters from the checkpoint (torch_export).
+    `weights` stream a hollow model's parameters from the checkpoint, and a `template` copies its
+    traced layer 1 as the later layers (torch_export).
 
     With `trt_version`, ops that version's TensorRT parser lacks are then decomposed into
     primitives (graphs/rewrite/decompose); the fused attention nodes stay.
     """
     start = time.perf_counter()
-    model = torch_export(spec, opset, weights)
+    model = torch_export(spec, opset, weights, template)
     exported = time.perf_counter()
     graph, layer_of = spec.file, None
     if spec.blocks is not None:
@@ -375,8 +388,8 @@ def export_graph(
     save(model, folder / spec.file, progress=progress)
     saved = time.perf_counter()
     summary = {
-        "inputs": spec.input_names,
-        "outputs": spec.output_names,
+        "inputs": [value.name for value in model.graph.inputs],
+        "outputs": [value.name for value in model.graph.outputs],
         "fusions": report.fusions,
         "attention_nodes": len(report.attention),
         "attention_kv_heads": [node.kv_heads for node in report.attention],
@@ -384,6 +397,8 @@ def export_graph(
         "rewrite_s": round(rewritten - exported, 2),
         "save_s": round(saved - rewritten, 2),  # the weights streamed from the checkpoint
     }
+    if template is not None:  # the later layers are copies of the traced layer 1 (graphs.template)
+        summary["traced_layers"] = TRACED_LAYERS
     if fused_for_ort is not None:
         summary["ort_fusions"] = fused_for_ort
     if decomposed:  # only when the version lacks an op a rule covers
@@ -432,6 +447,21 @@ def _answered_for_unconverted(facts: CheckpointFacts) -> Iterator[None]:
             f"torch.onnx cannot export this {facts.config.get('model_type')!r} model ({first_line(root)}); "
             f"headfold exports it unconverted only where torch.onnx traces it as it is"
         ) from None
+
+
+def _export_all(
+    specs: Callable[[int], list[GraphSpec]], export_one: Callable[[GraphSpec, LayerTemplate | None], dict],
+    template: LayerTemplate | None, layers: int, *, progress: bool,
+) -> dict[str, dict]:
+    """Each graph's summary: traced from the template's layers when the model's layers are alike and
+    the traced layer 1 copies (graphs.template), else from all `layers`."""
+    if template is not None:
+        try:
+            with template.traced() as traced:
+                return {spec.file: export_one(spec, template) for spec in tqdm(specs(traced), desc="export", unit="graph", disable=not progress)}
+        except NotAlike as why:
+            log.info("tracing every layer: the traced layer 1 cannot be copied (%s)", why)
+    return {spec.file: export_one(spec, None) for spec in tqdm(specs(layers), desc="export", unit="graph", disable=not progress)}
 
 
 def _traceable_model(facts: CheckpointFacts, layout: str, dtype: str) -> tuple[transformers.PreTrainedModel, dict[str, TensorInfo] | None]:
@@ -505,21 +535,26 @@ def export(
     model, weights = _traceable_model(facts, layout, dtype)
     layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
     decoder = facts.kind == "decoder"
-    if layout == "seq2seq":
-        specs = encoder_decoder_graphs(model, facts)
-    else:
-        specs = decoder_graphs(model, layers, graphs, explicit_positions=explicit_positions) if decoder else encoder_graphs(model)
+
+    def specs(traced_layers: int) -> list[GraphSpec]:
+        if layout == "seq2seq":
+            return encoder_decoder_graphs(model, facts)
+        return decoder_graphs(model, traced_layers, graphs, explicit_positions=explicit_positions) if decoder else encoder_graphs(model)
+
+    def export_one(folder: Path, spec: GraphSpec, template: LayerTemplate | None) -> dict:
+        return export_graph(
+            spec, folder, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version,
+            ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
+            weights=weights, template=template, progress=progress,
+        )  # fmt: skip
+
+    template = LayerTemplate.of(model, layers, WRAPPED) if weights is not None else None
     summary = ExportSummary(
         source=str(src), model_type=model.config.model_type, opset=opset, dtype=dtype, attention=attention, layers=layers,
         heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=layout, graphs={},
     )  # fmt: skip
     with atomic_output(out, overwrite=overwrite) as tmp, _answered_for_unconverted(facts):
-        for spec in tqdm(specs, desc="export", unit="graph", disable=not progress):
-            summary.graphs[spec.file] = export_graph(
-                spec, tmp, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version,
-                ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
-                weights=weights, progress=progress,
-            )  # fmt: skip
+        summary.graphs = _export_all(specs, partial(export_one, tmp), template, layers, progress=progress)
         genai_blocker = seq2seq_genai_blocker(facts) if layout == "seq2seq" else None
         if layout in ("merged", "seq2seq") and genai_blocker is None:
             summary.genai = write_model_folder(

@@ -31,11 +31,14 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from headfold.converter.checkpoint import TensorInfo, read_tensor
 from headfold.graphs.rewrite.values import is_lazy, never_fold_lazy
 
-__all__ = ["fake_parameters", "attach", "optimize_like_torch", "EAGER_ELEMENTS"]
+__all__ = ["fake_parameters", "attach", "lazy_weight", "optimize_like_torch", "EAGER_ELEMENTS", "SOURCE"]
 
 # Weights up to this many elements are read when attached: the constant folder folds what it may
 # (it folds no larger input but a lone Transpose), and they are small (norms, biases, tables).
 EAGER_ELEMENTS = DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT
+# Value.meta key of a lazy weight: (parameter name in `sources`, permutation or None) — where its
+# values come from, so that graphs.template can give a copied layer its own.
+SOURCE = "headfold.source"
 _TORCH_DTYPES = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}
 
 
@@ -67,16 +70,28 @@ def _reader(info: TensorInfo, dtype: torch.dtype, perm: tuple[int, ...] | None) 
     return read
 
 
-def attach(model: ir.Model, sources: dict[str, TensorInfo]) -> None:
+def lazy_weight(info: TensorInfo, dtype: ir.DataType, perm: tuple[int, ...] | None, *, name: str, source: str) -> ir.Value:
+    """An initializer that reads checkpoint tensor `info` (permuted by `perm`) in `dtype` only when saved."""
+    shape = info.shape if perm is None else [info.shape[p] for p in perm]
+    tensor = ir.LazyTensor(_reader(info, _TORCH_DTYPES[dtype], perm), dtype=dtype, shape=ir.Shape(shape), name=name)
+    value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(dtype), const_value=tensor)
+    value.meta[SOURCE] = (source, perm)
+    return value
+
+
+def attach(model: ir.Model, sources: dict[str, TensorInfo], *, lazy_prefixes: tuple[str, ...] = ()) -> None:
     """Give the initializers named in `sources` (initializer name → checkpoint tensor) their values in
-    the dtype the graph has for them, then fold each lone Transpose of a lazy one lazily."""
+    the dtype the graph has for them, then fold each lone Transpose of a lazy one lazily. Those named
+    with one of `lazy_prefixes` stay lazy whatever their size (graphs.template)."""
     for name, value in model.graph.initializers.items():
         if (info := sources.get(name)) is None:
             continue
         read = _reader(info, _TORCH_DTYPES[value.dtype], None)
-        small = value.const_value is not None and value.const_value.size <= EAGER_ELEMENTS
-        value.const_value = read() if small else ir.LazyTensor(read, dtype=value.dtype, shape=ir.Shape(info.shape))
+        eager = value.const_value is not None and value.const_value.size <= EAGER_ELEMENTS and not name.startswith(lazy_prefixes)
+        value.const_value = read() if eager else ir.LazyTensor(read, dtype=value.dtype, shape=ir.Shape(info.shape))
         value.const_value.name = name
+        if not eager:
+            value.meta[SOURCE] = (name, None)
     _fold_lazy_transposes(model, sources)
 
 
@@ -89,14 +104,11 @@ def _fold_lazy_transposes(model: ir.Model, sources: dict[str, TensorInfo]) -> No
         node, shape = users[0], value.const_value.shape
         attribute = node.attributes.get("perm")
         perm = tuple(attribute.as_ints()) if attribute is not None else tuple(reversed(range(len(shape))))
-        out = node.outputs[0]
-        read = _reader(sources[value.name], _TORCH_DTYPES[value.dtype], perm)
-        lazy = ir.LazyTensor(read, dtype=value.dtype, shape=ir.Shape([shape[p] for p in perm]), name=out.name)
-        folded = ir.Value(shape=lazy.shape, type=ir.TensorType(value.dtype), const_value=lazy)
+        out, source = node.outputs[0], value.meta[SOURCE][0]
+        folded = lazy_weight(sources[source], value.dtype, perm, name=out.name, source=source)
         ir.convenience.replace_all_uses_with(out, folded)
         graph.remove(node, safe=True)
         graph.initializers.pop(value.name)
-        folded.name = out.name
         graph.register_initializer(folded)
 
 
