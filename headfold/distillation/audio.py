@@ -32,6 +32,7 @@ from headfold.ground.inputs import check_links, contained, parse_json, read_json
 
 PREPROCESSOR = "preprocessor_config.json"
 PCM_BYTES = 2  # 16-bit samples
+PROMPT_TOKENS = 4  # the most tokens Whisper's generate puts before a transcript
 TEACHER_TARGETS = "the teacher's greedy transcripts"
 DATA_TARGETS = "the transcripts in the data"
 FORMS = 'a .jsonl whose rows are {"audio": "relative/path.wav", "text": "transcript"}, or a folder of .wav files (the teacher transcribes them)'
@@ -55,6 +56,8 @@ def wav_header(path: Path, rate: int) -> WavHeader:
     """The header of a WAV that headfold reads; BadInput naming the file and the fix for anything else."""
     if not path.is_file():
         raise BadInput(f"audio {path} does not exist or is not a regular file; {FORMS}")
+    if path.stat().st_size == 0:
+        raise BadInput(f"audio {path} is empty; remove it or give it audio")
     try:
         with wave.open(str(path), "rb") as f:
             header, width = WavHeader(f.getframerate(), f.getnchannels(), f.getnframes()), f.getsampwidth()
@@ -223,8 +226,10 @@ def teacher_transcripts(teacher: torch.nn.Module, features: torch.Tensor, seq_le
     token up to and with its end-of-text token, filled with ABSENT."""
     eos, targets = teacher.generation_config.eos_token_id, []
     eos = set(eos if isinstance(eos, list) else [eos])
+    # Whisper's generate refuses new tokens past max_target_positions less its prompt (start, language, task, no-timestamps)
+    new = min(seq_len, teacher.config.max_target_positions - PROMPT_TOKENS)
     for chunk in features.split(rows):
-        out = teacher.generate(input_features=chunk, max_length=seq_len + 1, do_sample=False, num_beams=1, return_dict_in_generate=True)
+        out = teacher.generate(input_features=chunk, max_new_tokens=new, do_sample=False, num_beams=1, return_dict_in_generate=True)
         for sequence in out.sequences[:, 1:].tolist():  # [0]: the decoder's start token
             end = next((i + 1 for i, token in enumerate(sequence) if token in eos), len(sequence))
             targets.append(filled(sequence[:end], seq_len))

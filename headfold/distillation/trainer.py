@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.distillation import state
+from headfold.distillation import sharding, state
 from headfold.distillation.audio import AudioPlan
 from headfold.distillation.data import WindowPlan
 from headfold.distillation.objective import Objective, evaluate
@@ -33,6 +33,8 @@ class Trainer:
         if opts.gradient_checkpointing:
             _checkpoint_layers(model)
         model, self.changed = select(model, student, self.names, opts.train)
+        if accelerator.is_fsdp2:
+            sharding.one_module_per_tied_embedding(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
         # together: under FSDP2 Accelerate shards the model, then points the optimizer at the shards
