@@ -136,11 +136,15 @@ class AudioSource:
         return any(text is None for _, text in self.clips)
 
 
-def _digest(folder: Path, paths: list[Path], head: bytes = b"") -> str:
-    digest = hashlib.sha256(head)
-    for path in paths:
-        digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes())
+def _digest(folder: Path, paths: list[Path], listing: Path | None = None) -> str:
+    """sha256 of the listing (a .jsonl) and of each clip's name and bytes: a resumed run's data must be the same."""
+    digest = hashlib.sha256()
+    for path, named in ([(listing, False)] if listing else []) + [(p, True) for p in paths]:
+        if named:
+            digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -153,7 +157,7 @@ def audio_source(path: Path, option: str, rate: int) -> AudioSource:
     if path.suffix.lower() != ".jsonl" or not path.is_file():
         raise BadInput(f"{option} {path}: Whisper distills on audio; pass {FORMS}")
     clips = tuple(_transcribed_clips(path, option, rate))
-    return AudioSource(str(path), _digest(path.parent, [c for c, _ in clips], path.read_bytes()), clips)
+    return AudioSource(str(path), _digest(path.parent, [c for c, _ in clips], path), clips)
 
 
 def _wav_folder(folder: Path, option: str, rate: int) -> AudioSource:

@@ -1,6 +1,6 @@
 """headfold distill for encoder-decoders beyond text pairs (those: test_seq2seq): Whisper on audio with
 transcripts or with the teacher's own, exactness, bad audio; resume after kill -9 and two processes = one
-for T5 (the decoders' versions: test_distill)."""
+for T5 and Whisper (the decoders' versions: test_distill)."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def test_whisper_seq_len_beyond_its_decoder_and_audio_rows_for_a_text_model(whis
     assert not (tmp_path / "out").exists()
 
 
-# -- T5: resume after kill -9, two processes = one (the decoders' tests in test_distill) -----------
+# -- resume after kill -9, two processes = one (the decoders' tests in test_distill) ---------------
 
 
 @pytest.fixture(scope="module")
@@ -209,22 +209,39 @@ def t5(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
 
 
 @pytest.mark.slow
-def test_t5_resume_after_kill_9_equals_an_uninterrupted_run(t5: dict[str, Path], tmp_path: Path) -> None:
-    teacher, student = str(t5["teacher"]), str(t5["kv2"])
-    options = ["--data", str(t5["text"]), "--steps", "40", "--seq-len", "32", "--batch-size", "2", "--eval-windows", "2", "--save-every", "4"]
-    subprocess.run(_cli(teacher, student, str(tmp_path / "whole"), *options), check=True, env=_env())
+@pytest.mark.parametrize("family", ["t5", "whisper"])
+def test_resume_after_kill_9_equals_an_uninterrupted_run(family: str, t5: dict[str, Path], whisper: Path, whisper_students, audio, tmp_path: Path) -> None:
+    """T5 on text; Whisper on a folder of WAVs, so the resumed run's targets are the teacher's transcripts again."""
+    teacher, student, data = (t5["teacher"], t5["kv2"], t5["text"]) if family == "t5" else (whisper, whisper_students[2], audio["clips"])
+    seq_len = "32" if family == "t5" else "16"
+    options = ["--data", str(data), "--steps", "40", "--seq-len", seq_len, "--batch-size", "2", "--eval-windows", "2", "--save-every", "4"]
+    subprocess.run(_cli(str(teacher), str(student), str(tmp_path / "whole"), *options), check=True, env=_env())
     out, state = tmp_path / "resumed", tmp_path / ".resumed.distill-state"
-    proc = subprocess.Popen(_cli(teacher, student, str(out), *options), env=_env())
+    proc = subprocess.Popen(_cli(str(teacher), str(student), str(out), *options), env=_env())
     deadline = time.monotonic() + 120
     while not any(state.glob("step-*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL and not out.exists() and any(state.glob("step-*"))
-    subprocess.run(_cli(teacher, student, str(out), *options, "--resume"), check=True, env=_env())
+    subprocess.run(_cli(str(teacher), str(student), str(out), *options, "--resume"), check=True, env=_env())
     whole, resumed = read_tensors(tmp_path / "whole"), read_tensors(out)
-    assert any(not torch.equal(whole[k], read_tensors(t5["kv2"])[k]) for k in whole)  # training moved something
+    assert any(not torch.equal(whole[k], read_tensors(student)[k]) for k in whole)  # training moved something
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert distilled(out)["final_eval"] == distilled(tmp_path / "whole")["final_eval"] and not state.exists()
+
+
+@pytest.mark.slow
+def test_whisper_two_processes_give_the_single_process_result(whisper: Path, whisper_students, audio, tmp_path: Path) -> None:
+    """On a folder of WAVs: each process transcribes its own half of every batch with the teacher."""
+    options = ["--data", str(audio["clips"]), "--steps", "4", "--seq-len", "16", "--eval-windows", "2", "--lr", "1e-2"]
+    teacher, student = str(whisper), str(whisper_students[2])
+    subprocess.run(_cli(teacher, student, str(tmp_path / "one"), *options, "--batch-size", "4"), check=True, env=_env())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29544"]
+    subprocess.run([*torchrun, *_cli(teacher, student, str(tmp_path / "two"), *options, "--batch-size", "2")[1:]], check=True, env=_env())
+    one, two = read_tensors(tmp_path / "one"), read_tensors(tmp_path / "two")
+    assert max(float((one[k] - read_tensors(whisper_students[2])[k]).abs().max()) for k in one) > 1e-3  # training did something
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4  # gloo's summation order: float rounding
+    assert distilled(tmp_path / "two")["processes"] == 2 and distilled(tmp_path / "two")["data"]["targets"] == TEACHER_TARGETS
 
 
 @pytest.mark.slow
