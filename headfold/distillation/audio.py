@@ -301,6 +301,11 @@ class AudioPlan:
             )
 
 
+def audio_sha256(student_folder: Path, config: dict, data: Path, option: str) -> str:
+    """The sha256 a run records for audio `data` (what `headfold run` keys its distill stage on)."""
+    return audio_source(Path(data), option, features_for(student_folder, config).rate).sha256
+
+
 def audio_plan(student_folder: Path, config: dict, vocab_size: int, data: Path | None, eval_data: Path | None, seq_len: int, eval_windows: int, seed: int) -> AudioPlan:
     """Training and held-out clips for an audio encoder-decoder (there is no built-in audio)."""
     if data is None:

@@ -134,6 +134,21 @@ def test_transcripts_are_framed_without_the_start_token(whisper: Path) -> None:
     assert encoder.wrap(encoder.encode("ab")) == [97, 98]  # byte-level: the text's bytes, nothing around them
 
 
+def test_the_stage_key_covers_the_audio(whisper: Path, whisper_students, audio, tmp_path: Path) -> None:
+    """`headfold run` re-runs Whisper's distill stage when a clip changes, as when its transcript does."""
+    import shutil
+
+    from headfold.distillation.stage import DistillStage
+
+    data = Path(shutil.copytree(audio["transcribed"].parent, tmp_path / "audio")) / "train.jsonl"
+    key = lambda: DistillStage(data, {"steps": 1, "seq_len": 16}).key(whisper, whisper_students[2])["data_sha256"]  # noqa: E731
+    first = key()
+    write_wav(data.parent / "clips" / "00.wav", seed=99)
+    second = key()
+    data.write_text(data.read_text().replace('"text": "', '"text": "x', 1))
+    assert len({first, second, key()}) == 3
+
+
 # -- bad audio: one line, exit 2, nothing written -------------------------------------------------
 
 
