@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from headfold.distillation.data import ABSENT, AUDIO_FIELD, TEXT_FIELD, Encoder, encoder_for, shuffled
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, first_line
 from headfold.ground.inputs import check_links, contained, parse_json, read_json_object, shown
 
 PREPROCESSOR = "preprocessor_config.json"
@@ -77,7 +77,8 @@ def read_wav(path: Path, rate: int, limit: int) -> np.ndarray:
     header = wav_header(path, rate)
     with wave.open(str(path), "rb") as f:
         data = f.readframes(min(header.frames, limit))
-    samples = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+    whole = len(data) // (PCM_BYTES * header.channels) * PCM_BYTES * header.channels  # a file cut mid-frame: its whole frames
+    samples = np.frombuffer(data[:whole], dtype="<i2").astype(np.float32) / 32768.0
     return samples.reshape(-1, header.channels).mean(1)
 
 
@@ -108,14 +109,18 @@ def features_for(folder: Path, config: dict) -> Features:
     from transformers import WhisperFeatureExtractor
 
     bins = config.get("num_mel_bins")
+    fix = f"restore {PREPROCESSOR} from the original checkpoint"
     if (path := folder / PREPROCESSOR).is_file():
-        extractor = WhisperFeatureExtractor.from_dict(read_json_object(path, f"restore {PREPROCESSOR} from the original checkpoint"))
+        try:
+            extractor = WhisperFeatureExtractor.from_dict(read_json_object(path, fix))
+        except (TypeError, ValueError, ZeroDivisionError) as err:  # values of the wrong type or size
+            raise BadInput(f"{path} is not a Whisper feature extractor's settings ({type(err).__name__}: {first_line(err)}); {fix}") from None
         described = f"{path.name} of {folder}"
     else:
         extractor = WhisperFeatureExtractor(feature_size=bins)
         described = f"built from config.json's num_mel_bins ({folder} has no {PREPROCESSOR})"
     if extractor.feature_size != bins:
-        raise BadInput(f"{path} gives {extractor.feature_size} mel bins, config.json's num_mel_bins {bins}; restore {PREPROCESSOR} from the original checkpoint")
+        raise BadInput(f"{path} gives {extractor.feature_size} mel bins, config.json's num_mel_bins {bins}; {fix}")
     frames = 2 * config["max_source_positions"]  # the encoder's second convolution halves the frames
     return Features(extractor, frames * extractor.hop_length, described)
 

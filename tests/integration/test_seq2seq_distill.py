@@ -127,6 +127,9 @@ def test_a_preprocessor_config_gives_the_features(whisper: Path, audio, tmp_path
     WhisperFeatureExtractor(feature_size=4).save_pretrained(student)
     err = refused(["distill", str(teacher), str(student), str(tmp_path / "bad"), "--data", str(audio["transcribed"]), "--seq-len", "16", "--steps", "1"], capsys)
     assert "gives 4 mel bins, config.json's num_mel_bins 8" in err and not (tmp_path / "bad").exists()
+    (student / "preprocessor_config.json").write_text(json.dumps({"feature_size": 8, "hop_length": 0}))
+    err = refused(["distill", str(teacher), str(student), str(tmp_path / "bad"), "--data", str(audio["transcribed"]), "--seq-len", "16", "--steps", "1"], capsys)
+    assert "is not a Whisper feature extractor's settings (ZeroDivisionError" in err and not (tmp_path / "bad").exists()
 
 
 def test_transcripts_are_framed_without_the_start_token(whisper: Path) -> None:
