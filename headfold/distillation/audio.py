@@ -298,7 +298,7 @@ class AudioPlan:
         return available if available <= needed else None
 
     def check(self) -> None:
-        """BadInput when no clip is left to train on after the held-out ones, or a transcript is longer than nothing."""
+        """BadInput when no clip is left to train on after the held-out ones (every clip's header is checked already)."""
         if len(self.train.clips) <= self.skip:
             raise BadInput(
                 f"--data {self.train.name} has only {len(self.train.clips)} clip(s), all needed as the {self.eval_windows} held-out ones; "

@@ -78,6 +78,7 @@ def test_whisper_distill_lowers_the_decoder_kl(form: str, targets: str, whisper:
     decoder's logits drops, and the manifest says where the targets and features came from."""
     out = distill(whisper, whisper_students[2], tmp_path / "out", data=audio[form], steps=10, lr=1e-2, **AUDIO)
     first, final = distilled(out)["initial_eval"], distilled(out)["final_eval"]
+    print(f"whisper kv 2, {form}: KL {first['kl']:.4g} -> {final['kl']:.4g}")
     assert first["kl"] > 0.1 and final["kl"] < 0.3 * first["kl"], f"{form}: KL {first['kl']:.4g} → {final['kl']:.4g}"
     data = distilled(out)["data"]
     assert data["targets"] == targets and data["train"] == str(audio[form])
@@ -167,6 +168,7 @@ BAD_AUDIO = {  # case → (the clip's file or None, the row's audio entry, what 
     "link-outside": ("link.wav", "link.wav", "entry 'link.wav' resolves outside"),
     "no-text": ("clip.wav", "clip.wav", "line 1 is {'audio': 'clip.wav'}; give every line an object"),
     "text-file": (None, None, "Whisper distills on audio; pass a .jsonl whose rows are"),
+    "few-clips": ("clip.wav", "clip.wav", "has only 3 clip(s), all needed as the 32 held-out ones"),
     "empty-folder": (None, None, "holds no .wav files"),
 }
 
