@@ -252,16 +252,20 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(family: str, t5: dict[s
 
 @pytest.mark.slow
 def test_whisper_two_processes_give_the_single_process_result(whisper: Path, whisper_students, audio, tmp_path: Path) -> None:
-    """On a folder of WAVs: each process transcribes its own half of every batch with the teacher."""
+    """On a folder of WAVs, under torchrun and FSDP2: each process transcribes its own half of every batch with the teacher."""
     options = ["--data", str(audio["clips"]), "--steps", "4", "--seq-len", "16", "--eval-windows", "2", "--lr", "1e-2"]
     teacher, student = str(whisper), str(whisper_students[2])
     subprocess.run(_cli(teacher, student, str(tmp_path / "one"), *options, "--batch-size", "4"), check=True, env=_env())
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29544"]
-    subprocess.run([*torchrun, *_cli(teacher, student, str(tmp_path / "two"), *options, "--batch-size", "2")[1:]], check=True, env=_env())
-    one, two = read_tensors(tmp_path / "one"), read_tensors(tmp_path / "two")
+    (config := tmp_path / "fsdp.yaml").write_text(FSDP2_CONFIG.replace("29533", "29545"))
+    fsdp = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    one = read_tensors(tmp_path / "one")
     assert max(float((one[k] - read_tensors(whisper_students[2])[k]).abs().max()) for k in one) > 1e-3  # training did something
-    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4  # gloo's summation order: float rounding
-    assert distilled(tmp_path / "two")["processes"] == 2 and distilled(tmp_path / "two")["data"]["targets"] == TEACHER_TARGETS
+    for name, launcher in (("torchrun", torchrun), ("fsdp", fsdp)):
+        subprocess.run([*launcher, *_cli(teacher, student, str(tmp_path / name), *options, "--batch-size", "2")[1:]], check=True, env=_env())
+        two = read_tensors(tmp_path / name)
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4, name  # gloo's summation order: float rounding
+        assert distilled(tmp_path / name)["processes"] == 2 and distilled(tmp_path / name)["data"]["targets"] == TEACHER_TARGETS
 
 
 @pytest.mark.slow
