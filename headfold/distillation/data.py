@@ -30,6 +30,7 @@ from headfold.ground.errors import BadInput, HeadfoldError, first_line
 from headfold.ground.inputs import check_links, contained, read_json_object
 
 TEXT_FIELD = "text"
+AUDIO_FIELD = "audio"  # Whisper's rows (audio.py): refused here, so their transcripts never pass for text
 PAIR_FIELDS = ("source", "target")  # an encoder-decoder's (source, target) rows
 ABSENT = -1  # a window position a pair does not fill: masked out of the model's inputs and the loss
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else is read as text
@@ -147,6 +148,8 @@ def _disk_source(folder: Path, option: str) -> TextSource:
 def _texts(stream, path: Path, option: str) -> Iterator[str | tuple[str, str]]:
     """Each row's text, or its (source, target) pair (rows that lack either are skipped)."""
     for number, row in enumerate(stream, 1):
+        if AUDIO_FIELD in row:
+            raise BadInput(f"{option} {path} row {number} names audio, which only Whisper reads; give text with a '{TEXT_FIELD}' field")
         if TEXT_FIELD not in row and all(field in row for field in PAIR_FIELDS):
             pair = tuple(row[field] for field in PAIR_FIELDS)
             if not all(isinstance(part, str) or part is None for part in pair):
@@ -211,7 +214,7 @@ def pair_window(pair: tuple[str, str], encoder: Encoder, seq_len: int) -> list[i
     return [*parts[0], *[ABSENT] * (half - len(parts[0])), *parts[1], *[ABSENT] * (seq_len - half - len(parts[1]))]
 
 
-def _shuffled(items: Iterator[list[int]], rng: random.Random, size: int = SHUFFLE_WINDOWS) -> Iterator[list[int]]:
+def shuffled(items: Iterator[list[int]], rng: random.Random, size: int = SHUFFLE_WINDOWS) -> Iterator[list[int]]:
     """Fill a buffer of `size`, then emit a random element for each new one (like datasets' shuffle)."""
     buffer = list(islice(items, size))
     for item in items:
@@ -238,17 +241,28 @@ class WindowPlan:
     def skip(self) -> int:
         return self.eval_windows if self.heldout is None else 0
 
+    @property
+    def notes(self) -> dict[str, str]:
+        """What the manifest's data entry adds (audio.AudioPlan: where targets and features come from)."""
+        return {}
+
+    def collate(self, rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long)
+
+    def complete(self, batch: torch.Tensor, teacher: torch.nn.Module, rows: int) -> torch.Tensor:
+        """A window holds its own targets (audio.AudioPlan may need the teacher's)."""
+        return batch
+
     def eval_batch(self) -> torch.Tensor:
         """The held-out windows, [count, seq_len]; never trained on."""
-        rows = list(islice(windows(self.heldout or self.train, self.encoder, self.seq_len), self.eval_windows))
-        return torch.tensor(rows, dtype=torch.long)
+        return self.collate(list(islice(windows(self.heldout or self.train, self.encoder, self.seq_len), self.eval_windows)))
 
     def train_windows(self, skip: int = 0) -> Iterator[list[int]]:
         """Training windows forever (a new seeded shuffle per epoch), after dropping the first `skip` (resume)."""
         def epochs() -> Iterator[list[int]]:
             for epoch in range(1 << 62):
                 rng = random.Random(f"{self.seed}:{epoch}")
-                yield from _shuffled(islice(windows(self.train, self.encoder, self.seq_len), self.skip, None), rng)
+                yield from shuffled(islice(windows(self.train, self.encoder, self.seq_len), self.skip, None), rng)
 
         return islice(epochs(), skip, None)
 

@@ -3,8 +3,8 @@
 Decoders: forward KL(teacher ‖ student) of the next-token distributions per token, both softened by
 the temperature T and scaled by T² (Hinton et al.) so the gradient size does not depend on T;
 `kl+ce` adds the student's next-token cross-entropy. Encoder-decoders (`decoder_start` set): each
-window is split into a prefix, the source, and its continuation, the target, which the decoder reads
-teacher-forced after its start token; the same KL of the decoder's next-token distributions. A window
+window is split into a prefix, the source, and its continuation, the target (Whisper: a clip's log-mel
+features and its transcript, audio.py), which the decoder reads teacher-forced after its start token; the same KL of the decoder's next-token distributions. A window
 made from a (source, target) pair marks the positions it does not fill with data.ABSENT: they are
 masked out of the encoder's attention and of the loss and scores. Encoders: MSE of the last hidden states plus
 1 − cosine of the mean-pooled sentence embeddings (what sentence-transformers compares).
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from headfold.distillation.audio import AudioBatch
 
 
 @dataclass(frozen=True)
@@ -46,16 +48,21 @@ class Objective:
         final = out.last_hidden_state if self.encoder else out.logits
         return Outputs(final, tuple(out.hidden_states[1:]) if layers else ())  # [0]: the embeddings
 
-    def split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """An encoder-decoder's window → (source, target): its first half and the continuation."""
+    def split(self, ids: torch.Tensor | AudioBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """An encoder-decoder's window → (source, target): its first half and the continuation; a clip's
+        log-mel features and its transcript's ids."""
+        if isinstance(ids, AudioBatch):
+            return ids.features, ids.ids
         half = ids.shape[1] // 2
         return ids[:, :half], ids[:, half:]
 
-    def _seq2seq_outputs(self, model: torch.nn.Module, ids: torch.Tensor, layers: bool) -> Outputs:
+    def _seq2seq_outputs(self, model: torch.nn.Module, ids: torch.Tensor | AudioBatch, layers: bool) -> Outputs:
         source, target = self.split(ids)
         start = torch.full_like(target[:, :1], self.decoder_start)
         decoder_ids = torch.cat([start, target[:, :-1]], 1).clamp_min(0)  # an ABSENT target position predicts nothing that counts
-        out = model(input_ids=source.clamp_min(0), attention_mask=source >= 0, decoder_input_ids=decoder_ids, output_hidden_states=layers, use_cache=False)
+        # audio: features of whole clips (padded with silence, as Whisper was trained), no mask
+        source_inputs = {"input_features": source} if source.is_floating_point() else {"input_ids": source.clamp_min(0), "attention_mask": source >= 0}
+        out = model(**source_inputs, decoder_input_ids=decoder_ids, output_hidden_states=layers, use_cache=False)
         states = (*out.encoder_hidden_states[1:], *out.decoder_hidden_states[1:]) if layers else ()  # [0]s: the embeddings
         return Outputs(out.logits, states)
 

@@ -29,6 +29,7 @@ from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.sources import checkpoint_folders
 from headfold.distillation import output, sharding, state
 from headfold.distillation.budget import is_embedded, parse_tokens, pretraining_tokens
+from headfold.distillation.audio import AudioPlan, audio_plan
 from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, file_source
 from headfold.distillation.objective import Objective
 from headfold.distillation.trainable import TRAIN_MODES, merged, select, trainable_state
@@ -133,6 +134,8 @@ def distill(
     steps = total_steps(opts, accelerator.num_processes)
     if accelerator.is_main_process:
         log.info(budget_line(plan, opts, steps, accelerator.num_processes))
+        if notes := plan.notes:
+            log.info(f"distill: the targets are {notes['targets']}; log-mel features from {notes['features']}")
     identity = run_identity(teacher, student, plan, opts, accelerator.num_processes)
     folder = state.state_folder(out)
     keep = save_every is not None or resume
@@ -170,13 +173,13 @@ def distill(
     return out
 
 
-def run_record(teacher: Path, student: Path, manifest: dict, identity: dict, plan: WindowPlan, opts: DistillOptions, accelerator, trainer: Trainer, final, reached, seconds: float) -> dict[str, Any]:
+def run_record(teacher: Path, student: Path, manifest: dict, identity: dict, plan: WindowPlan | AudioPlan, opts: DistillOptions, accelerator, trainer: Trainer, final, reached, seconds: float) -> dict[str, Any]:
     """The manifest's `distillation` entry: inputs and their hashes, options, the run and its scores."""
     return {"teacher": {"path": str(teacher.resolve()), "config_sha256": identity["teacher_config_sha256"]},
             "student": {"path": str(student.resolve()), "manifest": manifest},
             "data": {"train": plan.train.name, "train_sha256": plan.train.sha256,
                      "heldout": plan.heldout.name if plan.heldout else f"first {opts.eval_windows} windows of the training data",
-                     "heldout_sha256": (plan.heldout or plan.train).sha256, "tokenizer": plan.encoder.name},
+                     "heldout_sha256": (plan.heldout or plan.train).sha256, "tokenizer": plan.encoder.name, **plan.notes},
             "options": asdict(opts), "processes": accelerator.num_processes, "fsdp": accelerator.is_fsdp2, "steps": trainer.progress.step,
             "tokens": trainer.progress.tokens, "target_reached": reached, "final_eval": final,
             "initial_eval": trainer.progress.log["eval"][0], "seconds": round(seconds, 1)}  # fmt: skip
@@ -212,12 +215,10 @@ def check_copied_tensor(t: SourceCheckpoint, s: SourceCheckpoint, student: Path)
 
 
 def seq2seq_start(student: SourceCheckpoint) -> int | None:
-    """An encoder-decoder's decoder start token (its windows split into source → target); None for other
-    kinds. BadInput for an audio encoder: its training pairs are audio and transcripts, not text yet."""
+    """An encoder-decoder's decoder start token (its windows split into source → target, or a clip and
+    its transcript); None for other kinds."""
     if not student.spec.encoder_decoder:
         return None
-    if student.spec.audio_encoder:
-        raise BadInput(f"distilling {student.spec.family} needs audio with transcripts, which headfold does not read yet; distill text encoder-decoders (T5, BART)")
     start = student.config.get("decoder_start_token_id")
     if start is None:
         raise BadInput(f"config.json of {student.folder} has no decoder_start_token_id, which teacher forcing starts the target with; restore it from the original checkpoint")
@@ -268,8 +269,12 @@ def check_options(opts: DistillOptions, student: SourceCheckpoint, encoder_model
         raise BadInput("give --tokens or --steps, not both")
 
 
-def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts: DistillOptions, encoder_model: bool) -> WindowPlan:
-    """Training and held-out text: the embedded model's own corpus splits when no --data is given."""
+def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts: DistillOptions, encoder_model: bool) -> WindowPlan | AudioPlan:
+    """Training and held-out text (the embedded model's own corpus splits when no --data is given), or
+    an audio encoder-decoder's clips and transcripts."""
+    if student.spec.audio_encoder:
+        vocab = int(student.facts.vocab_size or 0)
+        return audio_plan(student.folder, student.config, vocab, data, eval_data, opts.seq_len, opts.eval_windows, opts.seed)
     embedded = is_embedded(teacher)
     if data is None and not embedded:
         raise BadInput("--data is required: pass a text, .jsonl or .parquet file or a datasets folder (the built-in text is the embedded model's own corpus)")
@@ -300,7 +305,7 @@ def total_steps(opts: DistillOptions, processes: int) -> int:
     return opts.tokens // per_step
 
 
-def budget_line(plan: WindowPlan, opts: DistillOptions, steps: int, processes: int) -> str:
+def budget_line(plan: WindowPlan | AudioPlan, opts: DistillOptions, steps: int, processes: int) -> str:
     """What the token budget means for the data: how many passes over --data it makes."""
     needed = steps * opts.batch_size * processes
     available = plan.repeated(needed)
@@ -308,7 +313,7 @@ def budget_line(plan: WindowPlan, opts: DistillOptions, steps: int, processes: i
     return f"distill: {steps} steps × {opts.batch_size * processes} windows × {opts.seq_len} tokens = {needed * opts.seq_len:,} tokens, {over} {plan.train.name}"
 
 
-def run_identity(teacher: Path, student: Path, plan: WindowPlan, opts: DistillOptions, processes: int) -> dict[str, Any]:
+def run_identity(teacher: Path, student: Path, plan: WindowPlan | AudioPlan, opts: DistillOptions, processes: int) -> dict[str, Any]:
     """What a resumed run must share with the one that wrote the state (as JSON reads it back)."""
     identity = {
         "teacher_config_sha256": sha256_file(teacher / "config.json"),

@@ -43,3 +43,24 @@ def shard_cpu_processes(accelerator) -> None:
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from FSDP_*, as Accelerator() builds it
         # both states, as AcceleratorState.__init__ ends on GPUs (every later AcceleratorState() copies PartialState's)
         accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+
+
+def one_module_per_tied_embedding(model) -> None:
+    """Make every embedding module that holds the input embedding's own weight (T5's encoder and decoder
+    embed_tokens, tied to `shared`) that very module, where it is of the same class and settings.
+
+    Accelerate's FSDP2 preparation puts the input embedding (with the output one it is tied to) into an
+    FSDP group of its own; a second module holding the same weight stays in the root group, and torch
+    refuses a parameter two groups manage ("Parameter 'shared.weight' is shared with a parameter already
+    managed by another FSDP group"). One module object is one group, and it computes the same.
+    """
+    embedding = model.get_input_embeddings()
+
+    def settings(module) -> dict:
+        return {k: v for k, v in vars(module).items() if not k.startswith("_")}
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            same = child is not embedding and type(child) is type(embedding) and getattr(child, "weight", None) is embedding.weight
+            if same and settings(child) == settings(embedding):
+                setattr(parent, name, embedding)

@@ -8,6 +8,7 @@ from typing import Any
 
 from headfold import corpus
 from headfold.converter.checkpoint import CheckpointFacts
+from headfold.distillation.audio import audio_sha256
 from headfold.distillation.data import builtin_source, file_source
 from headfold.distillation.run import DistillOptions, distill, requested, resolve_defaults
 
@@ -27,11 +28,20 @@ class DistillStage:
     def key(self, teacher: Path, student: Path) -> dict[str, Any]:
         """The stage's ledger inputs: the data's content hash and every option as the run resolves it
         (one process), so that a changed default re-runs the stage as a changed option does."""
-        source = builtin_source(corpus.train_text(), "built-in") if self.data is None else file_source(Path(self.data))
-        heldout = None if self.eval_data is None else file_source(Path(self.eval_data), "--distill-eval-data").sha256
-        encoder_model = CheckpointFacts.read(student).kind == "encoder"
-        options = resolve_defaults(requested(teacher, self.options), encoder_model, processes=1)
-        return {"data_sha256": source.sha256, "eval_data_sha256": heldout, "options": asdict(options)}
+        facts = CheckpointFacts.read(student)
+        options = resolve_defaults(requested(teacher, self.options), facts.kind == "encoder", processes=1)
+        data = self._sha256(facts, self.data, "--distill-data")
+        heldout = None if self.eval_data is None else self._sha256(facts, self.eval_data, "--distill-eval-data")
+        return {"data_sha256": data, "eval_data_sha256": heldout, "options": asdict(options)}
+
+    @staticmethod
+    def _sha256(facts: CheckpointFacts, data: Path | None, option: str) -> str:
+        """What the run records of the data: audio for Whisper (clips and transcripts), text for the rest."""
+        if data is None:
+            return builtin_source(corpus.train_text(), "built-in").sha256
+        if facts.spec is not None and facts.spec.audio_encoder:
+            return audio_sha256(facts.folder, facts.config, Path(data), option)
+        return file_source(Path(data), option).sha256
 
     def __call__(self, teacher: Path, student: Path, out: Path, progress: bool = False) -> Path:
         return distill(teacher, student, out, data=self.data, eval_data=self.eval_data, overwrite=True, progress=progress, **self.options)

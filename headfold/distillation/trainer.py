@@ -10,7 +10,8 @@ import torch
 from tqdm.auto import tqdm
 
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.distillation import state
+from headfold.distillation import sharding, state
+from headfold.distillation.audio import AudioPlan
 from headfold.distillation.data import WindowPlan
 from headfold.distillation.objective import Objective, evaluate
 from headfold.distillation.trainable import merged, select, trainable_state
@@ -21,7 +22,7 @@ MAX_GRAD_NORM = 1.0
 
 
 class Trainer:
-    def __init__(self, accelerator, teacher: Path, student: SourceCheckpoint, plan: WindowPlan, opts, steps: int, objective: Objective) -> None:
+    def __init__(self, accelerator, teacher: Path, student: SourceCheckpoint, plan: WindowPlan | AudioPlan, opts, steps: int, objective: Objective) -> None:
         self.accelerator, self.plan, self.opts, self.steps, self.objective = accelerator, plan, opts, steps, objective
         self.metric = "cosine" if objective.encoder else "kl"
         device = accelerator.device
@@ -32,13 +33,15 @@ class Trainer:
         if opts.gradient_checkpointing:
             _checkpoint_layers(model)
         model, self.changed = select(model, student, self.names, opts.train)
+        if accelerator.is_fsdp2:
+            sharding.one_module_per_tied_embedding(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
         # together: under FSDP2 Accelerate shards the model, then points the optimizer at the shards
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         # not accelerator.prepare'd: its wrapper would step once per process
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(steps, opts.warmup))
-        self.eval_batch = plan.eval_batch().to(device)
+        self.eval_batch = plan.complete(plan.eval_batch().to(device), self.teacher, opts.batch_size)
         self.progress = state.Progress()
 
     @property
@@ -99,21 +102,26 @@ class Trainer:
         targeted = self.opts.until_kl is not None or self.opts.until_ppl_increase is not None
         with bar:
             while p.step < self.steps and not (targeted and self.reached(scores)):
-                batch = torch.tensor(list(islice(stream, per_process * acc.num_processes)), dtype=torch.long)
-                loss = self.step(batch[rank * per_process : (rank + 1) * per_process].to(acc.device))
-                p.step, p.windows, p.tokens = p.step + 1, p.windows + len(batch), p.tokens + batch.numel()
+                rows = list(islice(stream, per_process * acc.num_processes))  # the global batch: this process trains on its slice
+                loss = self.step(self.batch(rows[rank * per_process : (rank + 1) * per_process]))
+                tokens = len(rows) * self.plan.seq_len
+                p.step, p.windows, p.tokens = p.step + 1, p.windows + len(rows), p.tokens + tokens
                 p.log["train"].append({"step": p.step, "tokens": p.tokens, "loss": loss, "lr": self.schedule.get_last_lr()[0]})
                 if p.step % eval_every == 0 or p.step == self.steps or p.step in self.opts.eval_at:
                     scores = self._record_eval()
                 if save_every and p.step % save_every == 0 and p.step < self.steps:
                     self.save(folder)
-                bar.update(batch.numel())
+                bar.update(tokens)
                 bar.set_postfix(loss=f"{loss:.4g}", **{self.metric: f"{scores[self.metric]:.4g}"})
         if p.log["eval"][-1]["step"] != p.step:
             scores = self._record_eval()
         return scores, (self.reached(scores) if targeted else None)
 
-    def step(self, ids: torch.Tensor) -> float:
+    def batch(self, rows: list):
+        """Rows of the data stream as the objective's input on this process's device (audio: with targets)."""
+        return self.plan.complete(self.plan.collate(rows).to(self.accelerator.device), self.teacher, self.opts.batch_size)
+
+    def step(self, ids) -> float:
         acc, objective = self.accelerator, self.objective
         with acc.autocast():
             with torch.no_grad():

@@ -236,14 +236,6 @@ def test_distill_lowers_the_decoder_kl(family: str, tiny_checkpoint, text_file: 
     load_model(out)  # still a GQA encoder-decoder that headfold loads
 
 
-def test_distilling_whisper_is_refused(tiny_checkpoint, text_file: Path, tmp_path: Path, capsys) -> None:
-    teacher = tiny_checkpoint("whisper")
-    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
-    err = refused(["distill", str(teacher), str(student), str(tmp_path / "out"), "--data", str(text_file), "--steps", "1"], capsys)
-    assert "distilling whisper needs audio with transcripts" in err
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("stated", [{"decoder_cross": 3}, {"decoder_cross": [4]}, {"cross": 4}, [4, 4]])
 def test_bad_kv_heads_per_attention_in_config(stated, tiny_checkpoint, tmp_path: Path, capsys) -> None:
     """A converted config whose per-attention kv heads do not fit its heads or layers: one line before anything loads."""
