@@ -420,7 +420,7 @@ export_options = OptionGroup(
 
 
 # Distillation (distill; run and demo as --distill-…)
-DISTILL_DATA = spec("--data", type=PATH, default=None, help="Training text: a text file, .jsonl/.parquet with a 'text' field, or a datasets save_to_disk folder. Default only for the embedded model: its training split.")
+DISTILL_DATA = spec("--data", type=PATH, default=None, help="Training data: a text file, .jsonl/.parquet with a 'text' field (encoder-decoders: or 'source' and 'target'), or a datasets save_to_disk folder; Whisper: a .jsonl of 'audio' and 'text' or a folder of WAVs at its sampling rate. Default only for the embedded model: its training split.")
 DISTILL_TOKENS = spec("--tokens", type=str, default=None, help="Training tokens over all processes: 200000, 200k, 1.5M, or 5% of the teacher's pre-training tokens (known only for the embedded model); rounded down to whole steps.")
 DISTILL_TRAINING = (
     DISTILL_DATA,
