@@ -80,6 +80,11 @@ def _flat(cache: DynamicCache) -> tuple[torch.Tensor, ...]:
     return tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
 
 
+def _zeros_like(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Real tensors of the shapes and dtypes of `tensors` (fake ones, from a hollow model)."""
+    return tuple(torch.zeros(t.shape, dtype=t.dtype) for t in tensors)
+
+
 class Encoder(nn.Module):
     """source → encoder_hidden_states, cross K/V per decoder layer.
 
@@ -158,9 +163,9 @@ def seq2seq_graphs(model: transformers.PreTrainedModel) -> list[tuple[str, nn.Mo
         source_axes, cross_axes = ({0: batch, 1: source_len},) * 2, {0: batch, 2: source_len}
     encoder, decoder = Encoder(model), Decoder(model)
     prompt = torch.randint(0, config.vocab_size, (_BATCH, _PAST), generator=gen)
-    with torch.no_grad():
-        cross = encoder(*source)[1:]
-        past = _flat(model(**dict(zip(source_names(model), source)), decoder_input_ids=prompt, use_cache=True).cache.self_attention_cache)
+    with torch.no_grad():  # only their shapes matter (the model may be hollow: its outputs fake tensors)
+        cross = _zeros_like(encoder(*source)[1:])
+        past = _zeros_like(_flat(model(**dict(zip(source_names(model), source)), decoder_input_ids=prompt, use_cache=True).cache.self_attention_cache))
     layers, mask = len(cross) // 2, source[1:]  # mask: the encoder attention mask, when there is one
     ids = torch.randint(0, config.vocab_size, (_BATCH, _TARGET), generator=gen)
     mask_axes = source_axes[1:]
