@@ -492,9 +492,10 @@ def export(
     """Export the checkpoint `src` (a folder, or a hub id ORG/NAME at `revision`) to ONNX graphs in
     `out_dir` (atomically); return the summary.
 
-    The weights are never all in memory: the model is traced hollow and each weight is streamed
-    from the checkpoint into the graph's `.onnx.data`, cast to `dtype` (default: the checkpoint's
-    own, fp32 for fp64), as it is written (graphs.weights).
+    The weights are never all in memory: the model (decoder, encoder or encoder-decoder) is traced
+    hollow and each weight is streamed from the checkpoint into the `.onnx.data` of each graph that
+    holds it, cast to `dtype` (default: the checkpoint's own, fp32 for fp64), as it is written
+    (graphs.weights).
 
     graphs="merged" (decoders) writes model.onnx, genai_config.json and the tokenizer files: an
     onnxruntime-genai model folder; graphs="split" writes prefill.onnx + decode.onnx instead.
