@@ -35,8 +35,8 @@ from transformers.modeling_outputs import BaseModelOutput
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.seq2seq import DECODER_CROSS, DECODER_SELF, ENCODER_SELF
 from headfold.graphs.rewrite import AttentionNode
-from headfold.ground.errors import BadInput
 from headfold.ground.artifacts import DECODER_GRAPH, ENCODER_GRAPH
+from headfold.ground.errors import BadInput
 
 __all__ = ["GraphBlocks", "seq2seq_graphs", "source_names", "cross_names", "self_names", "name_template", "ENCODER_OUTPUT", "ENCODER_MASK", "AUDIO_INPUT"]
 
