@@ -34,7 +34,7 @@ from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
 from headfold.converter.checkpoint import CheckpointFacts, TensorInfo
-from headfold.converter.modeling import hollow_model, load_model, resolve_dtype
+from headfold.converter.modeling import hollow_model, resolve_dtype
 from headfold.converter.per_layer import collapse
 from headfold.converter.sources import checkpoint_folder
 from headfold.graphs import seq2seq as seq2seq_graphs
@@ -464,12 +464,10 @@ def _export_all(
     return {spec.file: export_one(spec, None) for spec in tqdm(specs(layers), desc="export", unit="graph", disable=not progress)}
 
 
-def _traceable_model(facts: CheckpointFacts, layout: str, dtype: str) -> tuple[transformers.PreTrainedModel, dict[str, TensorInfo] | None]:
-    """The model to trace and, for a hollow one, where each of its parameters' values lies in the
-    checkpoint (streamed into .onnx.data as the graph is saved). Encoder-decoders are still traced
-    with their weights loaded: the streamed path is built and tested for decoders and encoders."""
-    if layout == "seq2seq":
-        return load_model(facts, dtype=_torch_dtype(dtype)), None
+def _traceable_model(facts: CheckpointFacts, dtype: str) -> tuple[transformers.PreTrainedModel, dict[str, TensorInfo]]:
+    """The model to trace, hollow (fake parameters), and where each of its parameters' values lies in
+    the checkpoint, by its name in every graph module (they keep the model as `WRAPPED`): streamed
+    into .onnx.data as each graph is saved."""
     model, plan = hollow_model(facts, _torch_dtype(dtype))
     fake_parameters(model)
     index = facts.tensor_index().tensors
@@ -494,9 +492,10 @@ def export(
     """Export the checkpoint `src` (a folder, or a hub id ORG/NAME at `revision`) to ONNX graphs in
     `out_dir` (atomically); return the summary.
 
-    The weights are never all in memory: the model is traced hollow and each weight is streamed
-    from the checkpoint into the graph's `.onnx.data`, cast to `dtype` (default: the checkpoint's
-    own, fp32 for fp64), as it is written (graphs.weights).
+    The weights are never all in memory: the model (decoder, encoder or encoder-decoder) is traced
+    hollow and each weight is streamed from the checkpoint into the `.onnx.data` of each graph that
+    holds it, cast to `dtype` (default: the checkpoint's own, fp32 for fp64), as it is written
+    (graphs.weights).
 
     graphs="merged" (decoders) writes model.onnx, genai_config.json and the tokenizer files: an
     onnxruntime-genai model folder; graphs="split" writes prefill.onnx + decode.onnx instead.
@@ -532,7 +531,7 @@ def export(
     facts = CheckpointFacts.read(src)
     layout = _layout(facts, graphs, attention=attention, optimize=optimize, explicit_positions=explicit_positions, trt_version=trt_version)
     dtype = dtype or checkpoint_dtype(facts)
-    model, weights = _traceable_model(facts, layout, dtype)
+    model, weights = _traceable_model(facts, dtype)
     layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
     decoder = facts.kind == "decoder"
 
@@ -548,7 +547,8 @@ def export(
             weights=weights, template=template, progress=progress,
         )  # fmt: skip
 
-    template = LayerTemplate.of(model, layers, WRAPPED) if weights is not None else None
+    # An encoder-decoder's two stacks of layers are traced whole: the template copies one stack of one graph.
+    template = LayerTemplate.of(model, layers, WRAPPED) if layout != "seq2seq" else None
     summary = ExportSummary(
         source=str(src), model_type=model.config.model_type, opset=opset, dtype=dtype, attention=attention, layers=layers,
         heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=layout, graphs={},

@@ -20,12 +20,15 @@ the nodes are told apart by the module scope the exporter records (spec paths pe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import transformers
 from torch import nn
 from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
@@ -33,6 +36,7 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.seq2seq import DECODER_CROSS, DECODER_SELF, ENCODER_SELF
 from headfold.graphs.rewrite import AttentionNode
 from headfold.ground.artifacts import DECODER_GRAPH, ENCODER_GRAPH
+from headfold.ground.errors import BadInput
 
 __all__ = ["GraphBlocks", "seq2seq_graphs", "source_names", "cross_names", "self_names", "name_template", "ENCODER_OUTPUT", "ENCODER_MASK", "AUDIO_INPUT"]
 
@@ -78,6 +82,26 @@ def _pairs(flat: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Ten
 
 def _flat(cache: DynamicCache) -> tuple[torch.Tensor, ...]:
     return tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def _zeros_like(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Real tensors of the shapes and dtypes of `tensors` (fake ones, from a hollow model)."""
+    return tuple(torch.zeros(t.shape, dtype=t.dtype) for t in tensors)
+
+
+@contextmanager
+def _traceable(model: transformers.PreTrainedModel) -> Iterator[None]:
+    """A hollow model's run (fake parameters) that branches on activation values cannot be traced
+    either: bad input for that dtype (BART's encoder layers test in fp16 whether they are finite)."""
+    try:
+        yield
+    except GuardOnDataDependentSymNode as err:
+        where = re.search(r"Caused by: \((.*?)\)", str(err))
+        dtype = str(model.dtype).removeprefix("torch.")
+        raise BadInput(
+            f"transformers' {model.config.model_type} code branches on its activations' values in {dtype}"
+            f"{f' ({where.group(1)})' if where else ''}, which torch.export cannot trace; export with another --dtype (fp32, bf16)"
+        ) from None
 
 
 class Encoder(nn.Module):
@@ -145,7 +169,11 @@ class GraphBlocks:
 
 
 def seq2seq_graphs(model: transformers.PreTrainedModel) -> list[tuple[str, nn.Module, tuple, list[str], list[str], tuple]]:
-    """(file, module, example args, input names, output names, dynamic shapes) of encoder.onnx and decoder.onnx."""
+    """(file, module, example args, input names, output names, dynamic shapes) of encoder.onnx and decoder.onnx.
+
+    `model` may be hollow (fake parameters: graphs.weights): the example past and cross K/V take only
+    the shapes of its outputs, and the modules keep it as `model`, the prefix of their parameters' names.
+    """
     batch, source_len, target, past_len = Dim("batch"), Dim("source_sequence"), Dim("sequence"), Dim("past_sequence")
     gen = torch.Generator().manual_seed(0)
     config = model.config
@@ -158,9 +186,9 @@ def seq2seq_graphs(model: transformers.PreTrainedModel) -> list[tuple[str, nn.Mo
         source_axes, cross_axes = ({0: batch, 1: source_len},) * 2, {0: batch, 2: source_len}
     encoder, decoder = Encoder(model), Decoder(model)
     prompt = torch.randint(0, config.vocab_size, (_BATCH, _PAST), generator=gen)
-    with torch.no_grad():
-        cross = encoder(*source)[1:]
-        past = _flat(model(**dict(zip(source_names(model), source)), decoder_input_ids=prompt, use_cache=True).cache.self_attention_cache)
+    with torch.no_grad(), _traceable(model):  # only their shapes matter (the model may be hollow: its outputs fake tensors)
+        cross = _zeros_like(encoder(*source)[1:])
+        past = _zeros_like(_flat(model(**dict(zip(source_names(model), source)), decoder_input_ids=prompt, use_cache=True).cache.self_attention_cache))
     layers, mask = len(cross) // 2, source[1:]  # mask: the encoder attention mask, when there is one
     ids = torch.randint(0, config.vocab_size, (_BATCH, _TARGET), generator=gen)
     mask_axes = source_axes[1:]
