@@ -293,7 +293,7 @@ def test_seq2seq_peak_memory_is_bounded_by_the_largest_layer(tmp_path: Path) -> 
 def test_run_exports_a_bf16_checkpoint_in_fp32_for_its_cpu_verify(tiny_checkpoint, caplog) -> None:
     from headfold.pipeline import verifiable_dtype
 
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="headfold"):  # an earlier CLI run in this worker may have set it to -q's WARNING
         assert verifiable_dtype(tiny_checkpoint("llama", dtype=torch.bfloat16)) == "fp32"
     assert "the checkpoint is bf16: run exports fp32" in caplog.text
     assert verifiable_dtype(tiny_checkpoint("llama", dtype=torch.float16)) == "fp16"
