@@ -7,8 +7,7 @@ The checkpoint is generated (random bf16 weights in Llama-2-7B's layout: hidden 
 intermediate 11008, vocab 32000, 32 layers; all-MiniLM's tokenizer), converted to GQA with
 `headfold convert --method mean` (the default method calibrates through the whole model: hours on
 two cores, not what this measures) and exported with `headfold export` (the checkpoint's dtype,
-bf16), then in fp16 beside onnxruntime-genai's model builder (`-p fp16 -e cpu`) on the same folder,
-one export on disk at a time. Each stage runs in a fresh process; CPU seconds from os.wait4, peak RSS from its VmHWM. The full model
+bf16). Each stage runs in a fresh process; CPU seconds from os.wait4, peak RSS from its VmHWM. The full model
 does not run in torch here: the converted checkpoint's first `--check-layers` layers (embeddings,
 final norm and head included) are copied into their own checkpoint, exported in fp32 (ONNX Runtime on
 CPU has no bf16 kernels) and its prompt logits compared with torch's. Writes
@@ -32,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from export_throughput import _copy_tokenizer, measured, module, python  # noqa: E402
+from export_throughput import _copy_tokenizer, measured, python  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from support.synthetic import llama_checkpoint  # noqa: E402  (export_throughput put tests/ on the path)
@@ -104,20 +103,16 @@ def main() -> None:
     sizes = json.loads((root / "source.json").read_text())
     shared = {"layers": args.layers, "kv_heads": args.kv_heads, "source_gb": round(sizes["total_bytes"] / 1e9, 2)}
     rows = []
-    builder = ("onnxruntime_genai.models.builder", "-m", str(converted), "-i", str(converted), "-o", str(exported), "-p", "fp16", "-e", "cpu")
     for stage, command, out in [
         ("convert (mean)", python(CONVERT, str(source), str(converted), str(args.kv_heads)), converted),
         ("export (bf16)", python(EXPORT, str(converted), str(exported)), exported),
-        ("export (fp16)", python(EXPORT, str(converted), str(exported), "fp16"), exported),
-        ("genai builder (fp16, cpu)", module(*builder), exported),
     ]:
         shutil.rmtree(out, ignore_errors=True)
         row = {"stage": stage, **shared, **measured(command)}
         row["written_gb"] = round(sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 1e9, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if out == exported:  # one export on disk at a time
-            shutil.rmtree(exported)
+    shutil.rmtree(exported)
     small = truncated(converted, root / f"converted-{args.check_layers}L", args.check_layers)
     check_out = root / "onnx-check"
     shutil.rmtree(check_out, ignore_errors=True)
@@ -127,8 +122,7 @@ def main() -> None:
     print(json.dumps(row), flush=True)
     what = (
         "a generated 7B-layout bf16 checkpoint (Llama-2-7B's shapes: hidden 4096, 32 heads, intermediate 11008, vocab 32000) "
-        "converted to GQA (`--method mean`) and exported (bf16, merged graph; then fp16 beside onnxruntime-genai's model builder, "
-        "`-p fp16 -e cpu`, on the same converted folder) in fresh processes: cpu_s = user + system "
+        "converted to GQA (`--method mean`) and exported (bf16, merged graph) in fresh processes: cpu_s = user + system "
         "seconds (os.wait4), peak_rss_gb from the process's VmHWM; the last row exports the converted checkpoint's first layers in fp32 and "
         "compares its prompt logits (2 rows, one left-padded) with torch's; benchmarks/export_at_scale.py on "
         f"{platform.machine()}, {os.cpu_count()} cores"
