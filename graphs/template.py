@@ -87,6 +87,11 @@ class LayerTemplate:
             for key, values in lists.items():
                 setattr(config, key, values)
 
+    def in_layer(self, name: str, layer: int) -> str:
+        """A name under layer 1's scope (a parameter) renamed into `layer`'s; any other name as it is."""
+        old = f"{self.scope(1)}."
+        return f"{self.scope(layer)}.{name.removeprefix(old)}" if name.startswith(old) else name
+
     def lazy_prefixes(self) -> tuple[str, ...]:
         """The parameter prefixes whose weights stay lazy in the traced graph (graphs.weights.attach)."""
         return tuple(f"{self.scope(i)}." for i in range(TRACED_LAYERS))
@@ -176,7 +181,7 @@ class _Copier:
         for node in self.copied.values():
             for value in node.outputs:
                 outside = [(user, i) for user, i in value.uses() if id(user) not in self.copied]
-                as_output = value.is_graph_output() and value.name not in self.outputs.get(1, {})
+                as_output = value.is_graph_output() and value.name not in self.outputs[1]
                 if outside or as_output:
                     chain[value] = outside
         if len(chain) != 1:
@@ -194,10 +199,11 @@ class _Copier:
     def _weight(self, value: ir.Value, layer: int) -> ir.Value:
         """Layer `layer`'s counterpart of a weight of layer 1, read from the checkpoint when saved."""
         name, perm = value.meta[SOURCE]
-        own = name.replace(f"{self.template.scope(1)}.", f"{self.template.scope(layer)}.", 1)
-        if (source := self.sources.get(own)) is None or source.shape != self.sources[name].shape:
+        own = self.template.in_layer(name, layer)
+        if own == name or (source := self.sources.get(own)) is None or source.shape != self.sources[name].shape:
             raise NotAlike(f"layer {layer} has no weight like {name}")
-        copy = lazy_weight(source, value.dtype, perm, name=_copy_name(value.name, self.template, layer), source=own)
+        copy_name = self.template.in_layer(value.name, layer)  # a folded transpose keeps its graph name
+        copy = lazy_weight(source, value.dtype, perm, name=copy_name if copy_name != value.name else f"{value.name}__{layer}", source=own)
         self.graph.register_initializer(copy)
         return copy
 
@@ -215,12 +221,12 @@ class _Copier:
                 output.name, output.shape, output.type = self._output_name(original, layer), _copied(original.shape), original.type
                 values[original] = output
             nodes.append(copy)
-        for value in self.outputs.get(1, {}).values():  # present K/V, in the graph's order
+        for value in self.outputs[1].values():  # present K/V, in the graph's order
             self.graph.outputs.append(values[value])
         return _Copies(nodes, values)
 
     def _output_name(self, value: ir.Value, layer: int) -> str:
-        if value.is_graph_output() and value.name in self.outputs.get(1, {}):
+        if value.is_graph_output() and value.name in self.outputs[1]:
             return _renumbered(value.name, 1, layer)
         return f"{value.name}__{layer}"
 
@@ -296,8 +302,3 @@ def _renumbered(name: str, old: int, new: int) -> str:
 def _rescoped(text: str, old: str, new: str) -> str:
     """Metadata naming module scope `old` (and its children) renamed to `new`; model.layers.1 is not model.layers.10."""
     return re.sub(re.escape(old) + r"(?![0-9])", new, text)
-
-
-def _copy_name(name: str, template: LayerTemplate, layer: int) -> str:
-    old = f"{template.scope(1)}."
-    return name.replace(old, f"{template.scope(layer)}.", 1) if name.startswith(old) else f"{name}__{layer}"
