@@ -39,7 +39,7 @@ from headfold.converter.per_layer import collapse
 from headfold.converter.sources import checkpoint_folder
 from headfold.graphs import seq2seq as seq2seq_graphs
 from headfold.graphs.genai import copy_tokenizer, seq2seq_genai_blocker, write_model_folder
-from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize
+from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize, ort_gqa
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
@@ -64,6 +64,10 @@ __all__ = [
     "OPSETS",
     "DTYPES",
     "checkpoint_dtype",
+    "ATTENTION_CHOICES",
+    "OPTIMIZATIONS",
+    "AttentionChoice",
+    "choose_attention",
 ]
 
 log = logging.getLogger(__name__)
@@ -358,6 +362,7 @@ def export_graph(
     kv_heads: int | Sequence[int],
     layers: int,
     attention: AttentionKind = "onnx",
+    windows: Sequence[int | None] = (),
     trt_version: str | None = None,
     ort_fusions: bool = False,
     positions: int | None = None,
@@ -367,6 +372,7 @@ def export_graph(
 ) -> dict:
     """Export, rewrite, check and save one graph; return its summary.
 
+    `windows` (per layer) are the sliding windows an ort-gqa graph's nodes take as local_window_size.
     With `ort_fusions`, ONNX Runtime's fused ops follow (graphs/rewrite/ort_fusions), counted;
     `positions` (the context length) sizes the rotary tables GroupQueryAttention then takes.
     `weights` stream a hollow model's parameters from the checkpoint, and a `template` copies its
@@ -381,7 +387,7 @@ def export_graph(
     graph, layer_of = spec.file, None
     if spec.blocks is not None:
         kv_heads, layers, graph, layer_of = spec.blocks.kv_heads, len(spec.blocks.kv_heads), spec.blocks.label, spec.blocks.layer_of
-    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=graph, attention=attention, layer_of=layer_of)
+    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=graph, attention=attention, layer_of=layer_of, windows=windows)
     decomposed = {op: n for op, n in decompose(model, trt_version).items() if n} if trt_version else {}
     fused_for_ort = fuse_for_ort(model, positions=positions) if ort_fusions else None
     rewritten = time.perf_counter()
@@ -425,9 +431,56 @@ def _layout(
         raise BadInput(f"--trt-version targets headfold build, which takes decoder and encoder exports; drop it for the encoder-decoder {src}")
     if graphs != "merged":
         raise BadInput(f"{src} is an encoder-decoder: export writes encoder.onnx and one merged decoder.onnx; drop --graphs {graphs}")
-    if optimize:
+    if optimize == "ort":
         raise BadInput(f"--optimize {optimize} is for decoders and encoders; drop it for the encoder-decoder {src}")
     return "seq2seq"
+
+
+ATTENTION_CHOICES = ("auto", *ATTENTION_OPS)
+OPTIMIZATIONS = ("auto", "ort", "none")
+ORT_DEFAULT = (
+    "the default for ONNX Runtime and onnxruntime-genai: GroupQueryAttention writes each step's K/V "
+    "in place into one shared past/present buffer"
+)
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The fused attention op an export writes, and why (export.json records both per graph)."""
+
+    kind: AttentionKind
+    reason: str
+
+    def optimization(self, requested: str | None) -> str | None:
+        """The --optimize that applies: "auto" is ORT's fusions on a GroupQueryAttention graph (what
+        onnxruntime-genai's builder writes) and none on the portable standard graph."""
+        if requested == "auto":
+            return "ort" if self.kind == "ort-gqa" else None
+        return None if requested == "none" else requested
+
+
+def choose_attention(facts: CheckpointFacts, requested: str, *, layout: str, trt_version: str | None) -> AttentionChoice:
+    """"auto": GroupQueryAttention for a merged decoder graph (the folder users deploy in ONNX Runtime
+    and onnxruntime-genai) where the op computes the family's attention, else the standard
+    Attention (TensorRT targets, split graphs, encoders, encoder-decoders, ALiBi). "onnx" and
+    "ort-gqa" are taken as asked; BadInput where ort-gqa cannot compute the model or its target."""
+    if requested not in ATTENTION_CHOICES:
+        raise BadInput(f"unknown attention kind {requested!r}; use one of {', '.join(ATTENTION_CHOICES)}")
+    why_not = ort_gqa.inexpressible(facts)
+    if requested == "ort-gqa":
+        if trt_version:
+            raise BadInput("--attention ort-gqa writes ONNX Runtime's own GroupQueryAttention, which TensorRT cannot parse; drop --attention or --trt-version")
+        if why_not:
+            raise BadInput(f"--attention ort-gqa cannot export {facts.folder}: {why_not}; drop --attention to get the standard Attention graph")
+    if requested != "auto":
+        return AttentionChoice(requested, f"requested (--attention {requested})")
+    if why_not:
+        return AttentionChoice("onnx", why_not)
+    if trt_version:
+        return AttentionChoice("onnx", f"a TensorRT {trt_version} target: its parser takes the standard Attention op")
+    if layout != "merged":
+        return AttentionChoice("onnx", "split graphs are the pair headfold build makes TensorRT engines of: the standard Attention op")
+    return AttentionChoice("ort-gqa", ORT_DEFAULT)
 
 
 @contextmanager
@@ -480,13 +533,13 @@ def export(
     *,
     opset: int = 23,
     dtype: str | None = None,
-    attention: AttentionKind = "onnx",
+    attention: str = "auto",
     revision: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
     trt_version: str | None = None,
     graphs: str = "merged",
-    optimize: str | None = None,
+    optimize: str | None = "auto",
     explicit_positions: bool = False,
 ) -> dict:
     """Export the checkpoint `src` (a folder, or a hub id ORG/NAME at `revision`) to ONNX graphs in
@@ -499,12 +552,16 @@ def export(
 
     graphs="merged" (decoders) writes model.onnx, genai_config.json and the tokenizer files: an
     onnxruntime-genai model folder; graphs="split" writes prefill.onnx + decode.onnx instead.
-    optimize="ort" applies ONNX Runtime's fusions and records their counts per graph.
+    optimize="ort" applies ONNX Runtime's fusions and records their counts per graph; "auto" (the
+    default) applies them to GroupQueryAttention graphs only, "none" (or None) never.
     explicit_positions=True gives the merged graph a position_ids [B, S] input that the rotary
     positions come from (else they are counted over the mask's real tokens); genai_config names it.
 
-    attention="ort-gqa" (decoders) writes com.microsoft.GroupQueryAttention nodes for ONNX Runtime;
-    those graphs need unpadded or right-padded batches (headfold.graphs.rewrite.ort_gqa).
+    attention="auto" (the default) writes com.microsoft.GroupQueryAttention, with a shared K/V
+    buffer in genai_config.json, into a merged decoder graph whose attention the op computes, and
+    the standard Attention everywhere else (choose_attention; export.json says which and why per
+    graph); "onnx" and "ort-gqa" ask for one. GroupQueryAttention graphs need unpadded or
+    right-padded batches, as onnxruntime-genai feeds them (headfold.graphs.rewrite.ort_gqa).
     trt_version="10.14" decomposes the ops that TensorRT version cannot parse (RMSNormalization,
     RotaryEmbedding before 10.15) and records them per graph as "decomposed_for_tensorrt".
     Raises BadInput for unsupported opsets/dtypes/attention kinds and unloadable checkpoints,
@@ -514,22 +571,24 @@ def export(
     check_opset(opset)
     if graphs not in GRAPH_LAYOUTS:
         raise BadInput(f"unknown graph layout {graphs!r}; use --graphs merged or --graphs split")
-    if optimize not in (None, "ort"):
-        raise BadInput(f"unknown optimization {optimize!r}; use --optimize ort")
-    if optimize and trt_version:
+    if optimize not in (None, *OPTIMIZATIONS):
+        raise BadInput(f"unknown optimization {optimize!r}; use --optimize {', '.join(OPTIMIZATIONS)}")
+    if optimize == "ort" and trt_version:
         raise BadInput("--optimize ort writes ONNX Runtime's own ops, which TensorRT cannot parse; drop --optimize or --trt-version")
     if explicit_positions and graphs != "merged":
         raise BadInput("position_ids is an input of the merged graph only; drop it or use --graphs merged")
     if trt_version is not None:
         rule_set(trt_version)  # an unknown version is bad input before the slow part
-    if attention not in ATTENTION_OPS:
-        raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
+    if attention not in ATTENTION_CHOICES:
+        raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_CHOICES)}")
     if dtype is not None:
         _torch_dtype(dtype)  # an unknown dtype is bad input before the checkpoint is read
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)
     layout = _layout(facts, graphs, attention=attention, optimize=optimize, explicit_positions=explicit_positions, trt_version=trt_version)
+    choice = choose_attention(facts, attention, layout=layout, trt_version=trt_version)
+    optimize = choice.optimization(optimize)
     dtype = dtype or checkpoint_dtype(facts)
     model, weights = _traceable_model(facts, dtype)
     layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
@@ -540,17 +599,20 @@ def export(
             return encoder_decoder_graphs(model, facts)
         return decoder_graphs(model, traced_layers, graphs, explicit_positions=explicit_positions) if decoder else encoder_graphs(model)
 
+    windows = ort_gqa.sliding_windows(model.config, layers) if choice.kind == "ort-gqa" else ()
+
     def export_one(folder: Path, spec: GraphSpec, template: LayerTemplate | None) -> dict:
-        return export_graph(
-            spec, folder, opset=opset, kv_heads=kv_heads, layers=layers, attention=attention, trt_version=trt_version,
-            ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
+        summary = export_graph(
+            spec, folder, opset=opset, kv_heads=kv_heads, layers=layers, attention=choice.kind, windows=windows,
+            trt_version=trt_version, ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
             weights=weights, template=template, progress=progress,
         )  # fmt: skip
+        return {**summary, "attention": choice.kind, "attention_reason": choice.reason}
 
     # An encoder-decoder's two stacks of layers are traced whole: the template copies one stack of one graph.
     template = LayerTemplate.of(model, layers, WRAPPED) if layout != "seq2seq" else None
     summary = ExportSummary(
-        source=str(src), model_type=model.config.model_type, opset=opset, dtype=dtype, attention=attention, layers=layers,
+        source=str(src), model_type=model.config.model_type, opset=opset, dtype=dtype, attention=choice.kind, layers=layers,
         heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=layout, graphs={},
     )  # fmt: skip
     with atomic_output(out, overwrite=overwrite) as tmp, _answered_for_unconverted(facts):
@@ -558,7 +620,7 @@ def export(
         genai_blocker = seq2seq_genai_blocker(facts) if layout == "seq2seq" else None
         if layout in ("merged", "seq2seq") and genai_blocker is None:
             summary.genai = write_model_folder(
-                facts, tmp, model.config, MODEL_GRAPH, attention=attention, position_ids=explicit_positions
+                facts, tmp, model.config, MODEL_GRAPH, attention=choice.kind, position_ids=explicit_positions
             )
         elif genai_blocker is not None:  # why onnxruntime-genai cannot run it, in export.json
             summary.genai = {"not_written": genai_blocker, "tokenizer_files": copy_tokenizer(facts.folder, tmp)}

@@ -201,9 +201,9 @@ def export(
     revision: str | None = None,
     opset: int = 23,
     dtype: str | None = None,
-    attention: str = "onnx",
+    attention: str = "auto",
     graphs: str = "merged",
-    optimize: str | None = None,
+    optimize: str | None = "auto",
     position_ids: bool = False,
     trt_version: str | None = None,
     overwrite: bool = False,
@@ -219,10 +219,11 @@ def export(
         output: the folder to write.
         opset: 23, 24 or 25.
         dtype: "fp32", "fp16" or "bf16" weights; None: the checkpoint's own.
-        attention: "onnx" (standard Attention) or "ort-gqa" (com.microsoft.GroupQueryAttention).
+        attention: "auto" (GroupQueryAttention in a merged decoder graph that ONNX Runtime runs, else the
+            standard Attention), "onnx" (standard Attention) or "ort-gqa" (com.microsoft.GroupQueryAttention).
         graphs: decoders: "merged" (model.onnx + genai_config.json: an onnxruntime-genai folder) or
             "split" (prefill.onnx + decode.onnx, what `build` takes).
-        optimize: "ort" for ONNX Runtime's fused ops.
+        optimize: "ort" for ONNX Runtime's fused ops; "auto" for them on GroupQueryAttention graphs; "none".
         position_ids: merged decoders: take a position_ids input.
         trt_version: decompose what that TensorRT release's parser lacks, e.g. "10.14".
         overwrite: replace an output headfold wrote before.

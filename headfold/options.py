@@ -391,9 +391,9 @@ def conversion_options(*, kv_default: str | None = None, written: bool = True, p
 class ExportOptions:
     opset: int = 23
     dtype: str | None = None  # None: the checkpoint's own
-    attention: str = "onnx"
+    attention: str = "auto"  # GroupQueryAttention in the merged decoder graph ONNX Runtime runs, else the standard Attention
     graphs: str | None = None  # None: split for a TensorRT target, else merged (run: split where TensorRT builds)
-    optimize: str | None = None
+    optimize: str = "auto"  # ORT's fusions on GroupQueryAttention graphs
     position_ids: bool = False
     trt_version: str | None = None
 
@@ -408,9 +408,9 @@ export_options = OptionGroup(
     EXPORT,
     (
         OPSET, DTYPE,
-        spec("--attention", type=click.Choice(("onnx", "ort-gqa")), default="onnx", help="Fused node: onnx = standard Attention (ORT, TensorRT); ort-gqa = com.microsoft.GroupQueryAttention for ONNX Runtime CUDA decoding (decoders only; unpadded or right-padded batches; CUDA runs it in fp16/bf16)."),
+        spec("--attention", type=click.Choice(("auto", "onnx", "ort-gqa")), default="auto", help="Fused node: ort-gqa = ONNX Runtime's com.microsoft.GroupQueryAttention, K/V cache written in place into one shared buffer (decoders; unpadded or right-padded batches, as onnxruntime-genai feeds them); onnx = the standard Attention (any runtime, TensorRT). auto = ort-gqa in a merged decoder graph whose attention it computes, onnx for TensorRT targets, split graphs, encoders, encoder-decoders and ALiBi models; export.json says which and why. [default: auto]"),
         spec("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split for a TensorRT target]"),
-        spec("--optimize", type=click.Choice(("ort",)), default=None, help="ort = ONNX Runtime's fusions (onnxscript ort_fusions: simplified/skip layer norm, fused matmuls), counted in export.json; the graph then runs in ONNX Runtime only."),
+        spec("--optimize", type=click.Choice(("auto", "ort", "none")), default="auto", help="ort = ONNX Runtime's fusions (skip layer norm, fused matmuls; with GroupQueryAttention: rotary inside it, packed Q/K/V), counted in export.json; the graph then runs in ONNX Runtime only. auto = ort on GroupQueryAttention graphs, none on the standard graph. [default: auto]"),
         spec("--position-ids", is_flag=True, help="Merged decoder graph: take a position_ids [B, S] input (named in genai_config.json) instead of counting positions over the mask's real tokens."),
         TRT_VERSION,
     ),

@@ -33,13 +33,14 @@ ATOL = 1e-4  # as the export tests: ORT against torch in fp32
 GB = 1 << 30
 WIDE = {"head_dim": 16}  # ORT's GroupQueryAttention takes the rotary (and then packed QKV) on heads of 16
 
-FAST = [("llama", 2, {}), ("gpt2", 1, {}), ("bert", 4, {}), ("t5", HEADS // 2, {})]  # gpt2, t5: tied embeddings
+# gpt2, t5: tied embeddings; llama with --attention onnx: the standard merged graph (the default is GroupQueryAttention)
+FAST = [("llama", 2, {}), ("llama", 2, {"attention": "onnx"}), ("gpt2", 1, {}), ("bert", 4, {}), ("t5", HEADS // 2, {})]
 SLOW = [
     *[(family, kv, {}) for family, kv in [("mistral", 4), ("qwen2", 1), ("qwen3", 2), ("phi3", 2), ("gpt_neox", 2), ("opt", 2), ("roberta", 1), *MERGED_CASES]],
     ("llama", 2, {"graphs": "split"}),
     ("gpt2", 1, {"graphs": "split"}),
-    ("llama", 2, {"optimize": "ort"}),
-    ("llama", 2, {"attention": "ort-gqa", "optimize": "ort", "checkpoint": WIDE}),
+    ("llama", 2, {"attention": "onnx", "optimize": "ort"}),
+    ("llama", 2, {"checkpoint": WIDE}),  # GroupQueryAttention with the rotary inside and packed QKV
     ("llama", 2, {"trt_version": "10.14", "graphs": "split"}),
     *[(family, kv, {}) for family in SEQ2SEQ for kv in (HEADS // 2, None) if (family, kv) != ("t5", HEADS // 2)],
 ]
@@ -53,7 +54,8 @@ CASES = [pytest.param(*case, id=case_id(*case)) for case in FAST] + [pytest.para
 
 
 def reference_export(checkpoint: Path, folder: Path, graphs: str = "merged", attention: str = "onnx", optimize: str | None = None, trt_version: str | None = None) -> Path:
-    """The graphs exported from the model loaded with its weights (the export before streaming)."""
+    """The graphs exported from the model loaded with its weights (the export before streaming);
+    `attention` and `optimize` as the streamed export resolved them (its export.json)."""
     facts = CheckpointFacts.read(checkpoint)
     model = load_model(facts, dtype=resolve_dtype(facts))
     if facts.kind == "seq2seq":
@@ -135,20 +137,22 @@ def test_streamed_export_equals_the_loaded_models(tiny_export, tmp_path: Path, f
     options = {"graphs": "merged", **options}
     checkpoint, folder = tiny_export(family, kv, **options)
     options.pop("checkpoint", None)
-    assert_same_graphs(reference_export(checkpoint, tmp_path / "reference", **options), folder)
+    summary = json.loads((folder / "export.json").read_text())
+    resolved = {**options, "attention": summary["attention"], "optimize": summary["optimize"]}
+    assert_same_graphs(reference_export(checkpoint, tmp_path / "reference", **resolved), folder)
     if family in SEQ2SEQ:
         assert seq2seq_error(checkpoint, folder) <= ATOL
         return
     graph = "model.onnx" if options["graphs"] == "merged" or family in ENCODERS else "prefill.onnx"
     if "trt_version" not in options:  # decomposed ops run in ORT too, but test_decompose covers them
-        assert prompt_error(checkpoint, folder / graph, padded="attention" not in options) <= ATOL
+        assert prompt_error(checkpoint, folder / graph, padded=summary["attention"] != "ort-gqa") <= ATOL
 
 
 @pytest.mark.slow
 def test_every_weight_streamed_keeps_the_numbers(tiny_export, tmp_path: Path, monkeypatch) -> None:
     """With every weight lazy (none small enough to read early), transposes and ORT's packed QKV are
     made at save time: same outputs as the export that folds small weights in memory."""
-    options = {"graphs": "merged", "attention": "ort-gqa", "optimize": "ort"}
+    options = {"graphs": "merged"}  # the default folder: GroupQueryAttention, ORT's fusions
     checkpoint, folder = tiny_export("llama", 2, checkpoint=WIDE, **options)
     monkeypatch.setattr(weights, "EAGER_ELEMENTS", 0)
     export(checkpoint, tmp_path / "lazy", progress=False, **options)
@@ -167,7 +171,7 @@ def test_every_weight_streamed_keeps_the_numbers(tiny_export, tmp_path: Path, mo
 @pytest.mark.parametrize(("dtype", "code"), [(torch.float16, onnx.TensorProto.FLOAT16), (torch.bfloat16, onnx.TensorProto.BFLOAT16)])
 def test_default_dtype_is_the_checkpoints(tiny_checkpoint, tmp_path: Path, dtype: torch.dtype, code: int) -> None:
     checkpoint = tiny_checkpoint("llama", dtype=dtype)
-    summary = export(checkpoint, tmp_path / "onnx", progress=False)
+    summary = export(checkpoint, tmp_path / "onnx", attention="onnx", progress=False)  # the standard graph keeps RMSNormalization
     assert summary["dtype"] == {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     graph = onnx.load(tmp_path / "onnx" / "model.onnx", load_external_data=False).graph
     floats = {t.data_type for t in graph.initializer} - {onnx.TensorProto.INT64, onnx.TensorProto.BOOL}

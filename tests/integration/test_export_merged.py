@@ -1,6 +1,8 @@
-"""The merged decoder graph (the default export): ORT vs torch for a prompt, one token and chunked
-appends after a past, with left, right and gapped padding; per-layer kv heads; ort-gqa nodes that
-take past in every phase; --optimize ort equal to the unfused graph; build refuses it with the fix."""
+"""The merged decoder graph: the standard-Attention graph (--attention onnx) against torch for a prompt,
+one token and chunked appends after a past, with left, right and gapped padding, per-layer kv heads;
+the default folder's GroupQueryAttention nodes take past in every phase and equal the standard graph
+on right-padded rows; --optimize ort equal to the unfused graph; bad option pairs refused; build
+refuses a merged folder with the fix."""
 
 from __future__ import annotations
 
@@ -32,10 +34,14 @@ CASES = [("llama", 2), ("gpt2", 1)] + [
 @pytest.fixture(scope="module")
 def merged(tiny_checkpoint, tiny_export, tmp_path_factory):
     """merged(family, kv, config={overrides}, **export options) → (checkpoint, export folder), cached
-    (the session's, shared with other modules, for the family's own tiny model)."""
+    (the session's, shared with other modules, for the family's own tiny model). The standard
+    Attention graph unless `attention` says otherwise ("auto": the default folder)."""
     cache: dict[tuple, tuple[Path, Path]] = {}
 
     def get(family: str, kv, config: dict | None = None, **options) -> tuple[Path, Path]:
+        options = {"attention": "onnx", **options}
+        if options["attention"] == "auto":  # the export's default: the same folder as tiny_export's default
+            del options["attention"]
         if not config:
             return tiny_export(family, None if kv == HEADS else kv, graphs="merged", **options)
         key = (family, kv, tuple(sorted((config or {}).items())), tuple(sorted(options.items())))
@@ -106,11 +112,11 @@ def test_prompt_steps_and_appends_match_torch(merged, family: str, kv) -> None:
         assert error <= ATOL, f"{family} chunks {chunks}: max abs error {error:.2e}"
 
 
-def test_ort_gqa_takes_past_in_every_phase(merged) -> None:
-    """Every GroupQueryAttention reads past K/V and writes present (shared buffers); right-padded
-    prompts then one-token steps equal the standard graph."""
+def test_default_folder_takes_past_in_every_phase(merged) -> None:
+    """The default folder's GroupQueryAttention nodes read past K/V and write present (shared buffers);
+    right-padded prompts then one-token steps equal the standard graph."""
     checkpoint, standard = merged("llama", 2)
-    _, gqa = merged("llama", 2, attention="ort-gqa")
+    _, gqa = merged("llama", 2, attention="auto")
     graph = onnx.load(gqa / "model.onnx", load_external_data=False)
     nodes = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
     outputs = {o.name for o in graph.graph.output}
@@ -160,10 +166,10 @@ GQA_FUSIONS = [
 
 @pytest.mark.parametrize(("family", "kv", "config", "fired"), GQA_FUSIONS)
 def test_optimize_ort_on_gqa_folds_rotary_and_packs_qkv_exactly(merged, family: str, kv, config, fired: dict) -> None:
-    """--attention ort-gqa --optimize ort: GroupQueryAttention with rotary inside and packed QKV
-    where valid, counted, and equal to the unfused ort-gqa graph (right-padded prompt, then steps)."""
-    checkpoint, unfused = merged(family, kv, config, attention="ort-gqa")
-    _, fused = merged(family, kv, config, attention="ort-gqa", optimize="ort")
+    """The default folder (GroupQueryAttention, --optimize ort): rotary inside and packed QKV where
+    valid, counted, and equal to the unfused ort-gqa graph (right-padded prompt, then steps)."""
+    checkpoint, unfused = merged(family, kv, config, attention="ort-gqa", optimize="none")
+    _, fused = merged(family, kv, config, attention="auto")
     counts = json.loads((fused / "export.json").read_text())["graphs"]["model.onnx"]["ort_fusions"]
     assert {rule: counts[rule] for rule in fired} == {rule: n * LAYERS for rule, n in fired.items()}
     graph = onnx.load(fused / "model.onnx", load_external_data=False).graph
@@ -201,6 +207,12 @@ def test_bad_layouts_and_option_clashes(tiny_checkpoint, tmp_path: Path) -> None
         export(src, tmp_path / "a", graphs="both", progress=False)
     with pytest.raises(BadInput, match="TensorRT cannot parse"):
         export(src, tmp_path / "b", optimize="ort", trt_version="10.15", progress=False)
+    with pytest.raises(BadInput, match="GroupQueryAttention, which TensorRT cannot parse"):
+        export(src, tmp_path / "c", attention="ort-gqa", trt_version="10.15", progress=False)
+    with pytest.raises(BadInput, match="bloom adds ALiBi position biases.*; drop --attention"):
+        export(tiny_checkpoint("bloom"), tmp_path / "d", attention="ort-gqa", progress=False)
+    with pytest.raises(BadInput, match="unknown attention kind 'gqa'"):
+        export(src, tmp_path / "e", attention="gqa", progress=False)
     assert not any(tmp_path.iterdir())
 
 
@@ -214,11 +226,11 @@ def test_build_refuses_the_merged_graph_with_the_fix(merged, tmp_path: Path) -> 
 
 
 def test_explicit_position_ids_on_fused_ort_gqa(merged) -> None:
-    """--attention ort-gqa --optimize ort --position-ids: GroupQueryAttention still takes the rotary
-    (its positions come from the past length and the mask, which the fed mask-derived position_ids
+    """The default folder with --position-ids: GroupQueryAttention still takes the rotary (its
+    positions come from the past length and the mask, which the fed mask-derived position_ids
     equal), and the graph gives the implicit-positions graph's logits (right-padded prompt, steps)."""
-    _, implicit = merged("llama", 2, WIDE, attention="ort-gqa", optimize="ort")
-    _, explicit = merged("llama", 2, WIDE, attention="ort-gqa", optimize="ort", explicit_positions=True)
+    _, implicit = merged("llama", 2, WIDE, attention="auto")
+    _, explicit = merged("llama", 2, WIDE, attention="auto", explicit_positions=True)
     graph = onnx.load(explicit / "model.onnx", load_external_data=False).graph
     assert [i.name for i in graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
     counts = json.loads((explicit / "export.json").read_text())["graphs"]["model.onnx"]["ort_fusions"]

@@ -23,10 +23,11 @@ from headfold.graphs.template import TRACED_LAYERS, LayerTemplate
 LAYERS = 4
 WIDE = {"head_dim": 16}  # ORT's GroupQueryAttention takes the rotary (and then packed QKV) on heads of 16
 FAST = {"llama", "gpt2", "bert"}  # rotary + RMSNorm; tied Conv1D with biases; an encoder, whose last layer is the output
-OPTIONS = [
+OPTIONS = [  # the families' own cases export the default folder: GroupQueryAttention (standard Attention for encoders and BLOOM)
     {"graphs": "split"},
-    {"optimize": "ort"},
-    {"attention": "ort-gqa", "optimize": "ort", "checkpoint": WIDE},
+    {"attention": "onnx"},
+    {"attention": "onnx", "optimize": "ort"},
+    {"checkpoint": WIDE},  # the rotary inside GroupQueryAttention, packed QKV
     {"trt_version": "10.14", "graphs": "split"},
     {"explicit_positions": True},
 ]
@@ -86,7 +87,7 @@ def test_template_export_computes_what_tracing_every_layer_does(four_layers, tmp
         assert summary["attention_kv_heads"] == whole["graphs"][graph]["attention_kv_heads"] == [copied["kv_heads"]] * LAYERS
         assert summary.get("ort_fusions") == whole["graphs"][graph].get("ort_fusions")
         assert summary.get("decomposed_for_tensorrt") == whole["graphs"][graph].get("decomposed_for_tensorrt")
-        past = 0 if options.get("attention") == "ort-gqa" else 3  # ORT's GQA takes a past with one new token per row only
+        past = 0 if copied["attention"] == "ort-gqa" else 3  # ORT's GQA takes a past with one new token per row only
         for ours, theirs in zip(outputs(tmp_path / "template", graph, past), outputs(tmp_path / "whole", graph, past), strict=True):
             np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
 

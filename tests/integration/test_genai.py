@@ -1,11 +1,13 @@
 """The merged export folder in the real onnxruntime-genai client (CPU): greedy tokens equal torch's.
 
-Batch 1 and batch 4 with prompts of different lengths (right-padded, as og.Tokenizer pads), for the
-embedded model at kv 4 (standard Attention and ORT GroupQueryAttention with shared K/V buffers), a
-per-layer plan (4,2,1,1), and tiny Qwen2 and GPT-2 conversions fed token ids directly; a
-multi-turn conversation (tokens appended after a past) equals torch on the concatenated turns;
-og's own shape log shows the ort-gqa graph writing into one shared max-length K/V buffer.
-The embedded model's tokenizer files encode every text to its UTF-8 bytes in transformers and og.
+Batch 1 and batch 4 with prompts of different lengths (right-padded, as og.Tokenizer pads and as og
+feeds them: its own input log shows it), for the default folder (GroupQueryAttention with shared K/V
+buffers) of the embedded model at kv 4 (rotary inside the op, packed Q/K/V), a per-layer plan
+(4,2,1,1), every tiny decoder family fed token ids directly (BLOOM keeps the standard Attention) and
+sliding windows; the standard-Attention folder too. A multi-turn conversation (tokens appended after
+a past) equals torch on the concatenated turns; og's own shape log shows the default graph writing
+into one shared max-length K/V buffer. The embedded model's tokenizer files encode every text to its
+UTF-8 bytes in transformers and og.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import onnx
 import pytest
 import torch
 
-from support.tiny_models import MERGED_CASES, VOCAB
+from support.tiny_models import DECODER_CASES, VOCAB
 
 from headfold import convert, corpus
 from headfold.converter.modeling import load_model
@@ -35,25 +37,27 @@ TEXT_PROMPTS = ['The "while" statement', "def f(x):\n    return", "A", "Lists ar
 
 @pytest.fixture(scope="module")
 def folders(tiny_checkpoint, tmp_path_factory):
-    """folders(name) → (checkpoint, export folder), converted and exported once per module."""
+    """folders(name, attention="auto") → (checkpoint, export folder), converted and exported once per module."""
     root = tmp_path_factory.mktemp("genai")
     sources = {
         "default-kv4": lambda: convert(DEFAULT, root / "default-kv4", 4, method="mean", progress=False),
         "default-4,2,1,1": lambda: convert(DEFAULT, root / "default-plan", (4, 2, 1, 1), method="mean", progress=False),
-        "qwen2-kv2": lambda: convert(tiny_checkpoint("qwen2"), root / "qwen2-kv2", 2, method="mean", progress=False),
-        "gpt2-kv2": lambda: convert(tiny_checkpoint("gpt2"), root / "gpt2-kv2", 2, method="mean", progress=False),
+        # a window of 5 keys, shorter than every prompt plus its answer (Mistral's whole stack, Qwen2's layers ≥ 1)
+        "mistral-window": lambda: convert(tiny_checkpoint("mistral", sliding_window=5), root / "mistral-window", 2, method="mean", progress=False),
+        "qwen2-window": lambda: convert(
+            tiny_checkpoint("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1), root / "qwen2-window", 2, method="mean", progress=False
+        ),
     }
     cache: dict[str, tuple[Path, Path]] = {}
 
-    def get(name: str, attention: str = "onnx") -> tuple[Path, Path]:
-        """attention: "onnx", or "ort-gqa+ort" (--attention ort-gqa --optimize ort, what og should run)."""
+    def get(name: str, attention: str = "auto") -> tuple[Path, Path]:
+        """attention: "auto" (the default folder), or "onnx" (the standard Attention graph)."""
         if name not in cache:
             cache[name] = sources[name](), None
         key = f"{name}/{attention}"
         if key not in cache:
             checkpoint, folder = cache[name][0], root / f"{name}-{attention}-onnx".replace(",", "_")
-            gqa = attention == "ort-gqa+ort"
-            export(checkpoint, folder, attention="ort-gqa" if gqa else attention, optimize="ort" if gqa else None, progress=False)
+            export(checkpoint, folder, attention=attention, progress=False)
             cache[key] = checkpoint, folder
         return cache[key]
 
@@ -121,7 +125,10 @@ def test_model_folder_contents(folders) -> None:
     assert (decoder["head_size"], decoder["hidden_size"], decoder["num_hidden_layers"]) == (32, 256, 4)
     assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key" and decoder["outputs"]["present_value_names"] == "present.%d.value"
     assert {k: config["model"][k] for k in ("eos_token_id", "pad_token_id", "context_length")} == {"eos_token_id": 0, "pad_token_id": 0, "context_length": 512}
-    assert config["search"]["past_present_share_buffer"] is False and config["search"]["do_sample"] is False
+    assert config["search"]["past_present_share_buffer"] is True and config["search"]["do_sample"] is False
+    summary = json.loads((folder / "export.json").read_text())
+    assert summary["attention"] == summary["graphs"]["model.onnx"]["attention"] == "ort-gqa" and summary["optimize"] == "ort"
+    assert summary["graphs"]["model.onnx"]["attention_kv_heads"] == [4, 2, 1, 1]
     assert (folder / "tokenizer.json").read_bytes() == (DEFAULT / "tokenizer.json").read_bytes()
     graph = onnx.load(folder / "model.onnx", load_external_data=False)
     past = {i.name: i.type.tensor_type.shape.dim[1].dim_value for i in graph.graph.input if i.name.startswith("past")}
@@ -135,12 +142,12 @@ def test_model_folder_contents(folders) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["onnx", "ort-gqa+ort"])
+@pytest.mark.parametrize("attention", ["auto", "onnx"])
 def test_embedded_kv4_generates_torch_tokens(folders, attention: str) -> None:
     checkpoint, folder = folders("default-kv4", attention)
     share = json.loads((folder / CONFIG_FILE).read_text())["search"]["past_present_share_buffer"]
-    assert share is (attention == "ort-gqa+ort")
-    if attention == "ort-gqa+ort":  # head_dim 32: rotary inside GroupQueryAttention, Q/K/V packed
+    assert share is (attention == "auto")
+    if attention == "auto":  # head_dim 32: rotary inside GroupQueryAttention, Q/K/V packed
         fused = json.loads((folder / "export.json").read_text())["graphs"]["model.onnx"]["ort_fusions"]
         assert fused["RotaryIntoGroupQueryAttention"] == fused["PackedQKV"] == 4
     _assert_same_tokens(checkpoint, folder, [list(p.encode()) for p in TEXT_PROMPTS])
@@ -153,18 +160,26 @@ def test_per_layer_plan_generates_torch_tokens(folders) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2-kv2", "gpt2-kv2"])
-def test_tiny_conversions_generate_torch_tokens(folders, name: str) -> None:
-    checkpoint, folder = folders(name)
-    _assert_same_tokens(checkpoint, folder, _tiny_prompts(json.loads((checkpoint / "config.json").read_text())["vocab_size"]))
+@pytest.mark.parametrize(("family", "kv"), DECODER_CASES)
+def test_every_family_generates_torch_tokens(tiny_export, family: str, kv: int) -> None:
+    """og runs the default folder (model type "decoder") of every decoder family: batch 1 and a
+    right-padded batch 4, generated tokens after the pads. GroupQueryAttention with a shared buffer
+    but for BLOOM, whose ALiBi keeps the standard Attention (ALiBi positions count real tokens only)."""
+    checkpoint, folder = tiny_export(family, kv, graphs="merged")
+    summary = json.loads((folder / "export.json").read_text())
+    assert summary["attention"] == ("onnx" if family == "bloom" else "ort-gqa"), summary["graphs"]["model.onnx"]["attention_reason"]
+    share = json.loads((folder / CONFIG_FILE).read_text())["search"]["past_present_share_buffer"]
+    assert share is (summary["attention"] == "ort-gqa")
+    _assert_same_tokens(checkpoint, folder, _tiny_prompts(VOCAB))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "kv"), MERGED_CASES)
-def test_added_families_generate_torch_tokens(tiny_export, family: str, kv: int) -> None:
-    """og runs any merged decoder graph (model type "decoder"), whatever the family: batch 1 and a
-    right-padded batch 4, generated tokens after the pads (ALiBi positions count real tokens only)."""
-    checkpoint, folder = tiny_export(family, kv, graphs="merged")
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window"])
+def test_sliding_windows_generate_torch_tokens(folders, name: str) -> None:
+    """A sliding window becomes its layers' local_window_size: past the window og still follows torch."""
+    checkpoint, folder = folders(name)
+    fused = json.loads((folder / "export.json").read_text())["graphs"]["model.onnx"]["fusions"]
+    assert fused["SlidingWindow"] == (2 if name == "mistral-window" else 1)
     _assert_same_tokens(checkpoint, folder, _tiny_prompts(VOCAB))
 
 
@@ -178,7 +193,7 @@ def test_multi_turn_append_equals_torch(folders) -> None:
     buffers (the standard-Attention graph) og 0.18 can neither rewind nor append after generating:
     it sizes present by the mask, which counts the pending token (docs/deploying.md).
     """
-    checkpoint, folder = folders("default-kv4", "ort-gqa+ort")
+    checkpoint, folder = folders("default-kv4")
     turns = [list(b'Q: what does "pass" do?\nA:'), list(b"\nQ: and a while loop?\nA:")]
     model = load_model(checkpoint)
     first = torch_greedy(model, turns[0], NEW_TOKENS)
@@ -206,7 +221,7 @@ def test_multi_turn_append_equals_torch(folders) -> None:
 def test_ort_gqa_writes_into_one_shared_buffer(folders, capfd) -> None:
     """og's own log of output shapes: with past_present_share_buffer every present.{i} is the
     max_length buffer from the prompt on, i.e. GroupQueryAttention wrote in place (no Concat copy)."""
-    _, folder = folders("default-kv4", "ort-gqa+ort")
+    _, folder = folders("default-kv4")
     model = og.Model(str(folder))
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=40, do_sample=False)
@@ -222,3 +237,28 @@ def test_ort_gqa_writes_into_one_shared_buffer(folders, capfd) -> None:
     log = re.sub(r"\x1b\[[0-9;]*m", "", captured.out + captured.err)
     shapes = re.findall(r"present\.0\.key ShapeDims\[ 4\]Shape\[ ([\d ]+) \]", log)
     assert len(shapes) == 2 and all(shape.split() == ["1", "4", "40", "32"] for shape in shapes)
+
+
+def test_og_feeds_right_padded_prompts(folders, capfd) -> None:
+    """What og feeds the graph (its own input log): a batch of prompts of different lengths right-padded
+    with the pad id and masked, then each step's token with a one appended to the mask — the padding
+    GroupQueryAttention's row lengths describe (ort_gqa)."""
+    _, folder = folders("default-kv4")
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=12, do_sample=False, batch_size=2)
+    generator = og.Generator(model, params)
+    og.set_log_options(enabled=True, model_input_values=True)
+    try:
+        generator.append_tokens(np.array([list(b"abcde"), list(b"abc") + [0, 0]], dtype=np.int32))
+        generator.generate_next_token()
+        generator.generate_next_token()
+    finally:
+        og.set_log_options(enabled=False, model_input_values=False)
+    captured = capfd.readouterr()
+    log = re.sub(r"\x1b\[[0-9;]*m", "", captured.out + captured.err)
+    masks = re.findall(r"Name: attention_mask ShapeDims\[ 2\]Shape\[ ([\d ]+) \].*?\nValues\[ ([\d .]+) \]", log)
+    assert [(shape.split(), values.split()) for shape, values in masks] == [
+        (["2", "5"], "1 1 1 1 1 1 1 1 0 0".split()),
+        (["2", "6"], "1 1 1 1 1 ... 1 1 0 0 1".split()),  # og elides the middle of longer tensors
+    ]

@@ -37,6 +37,12 @@ SEQ2SEQ: tuple[str, ...] = ("t5", "bart", "whisper")
 # One conversion per later-added family (kv across h/2, h/4, 1), exported as a merged graph once per
 # session (fixture tiny_export) and shared by the export and onnxruntime-genai tests.
 MERGED_CASES: tuple[tuple[str, int], ...] = (("phi", 2), ("gemma", 4), ("olmo", 1), ("stablelm", 2), ("gptj", 2), ("bloom", 2))
+# Every decoder family (gpt2 at kv 1 is written as gpt_bigcode), exported as the default merged folder
+# once per session (fixture tiny_export, graphs="merged") and shared by the export, verify and
+# onnxruntime-genai tests.
+DECODER_CASES: tuple[tuple[str, int], ...] = (
+    ("llama", 2), ("gpt2", 1), ("gpt2", 2), ("mistral", 4), ("qwen2", 1), ("qwen3", 2), ("phi3", 2), ("gpt_neox", 2), ("opt", 2), *MERGED_CASES,
+)  # fmt: skip
 
 VOCAB = 160
 HEADS = 8
