@@ -84,7 +84,7 @@ class _RunnerCache:
         if artifact.path not in self._kv_cache:
             # a merged graph continues through its own runner: one session for both paths
             decode = self.full(artifact) if artifact.decode == artifact.path else artifact.decode_runner()
-            self._kv_cache[artifact.path] = KvCacheRunner(self.full(artifact), decode, self.decode_steps)
+            self._kv_cache[artifact.path] = KvCacheRunner(self.full(artifact), decode, self.decode_steps, shared=artifact.shared_cache)
         return self._kv_cache[artifact.path]
 
 

@@ -6,7 +6,8 @@ model is the checkpoint export.json names as its source; an engine's is its sour
 (found through the engine's .engine.json sidecar). A decoder export's graph carries the graph
 that continues from its cache along (`Artifact.decode`) for the KV-cache check
 (verification.decoding): a merged model.onnx continues through itself, a split prefill.onnx
-through decode.onnx. An encoder-decoder's export is its encoder.onnx with decoder.onnx as its
+through decode.onnx; a merged GroupQueryAttention graph continues in one shared past/present buffer
+per layer, as onnxruntime-genai runs it (`Artifact.shared_cache`). An encoder-decoder's export is its encoder.onnx with decoder.onnx as its
 `pair`, run together (verification.seq2seq).
 Same model on both sides → fidelity; a candidate whose model is a headfold conversion
 (headfold.json) of the reference's → conversion loss.
@@ -45,6 +46,7 @@ class Artifact:
     decode: Path | None = None  # a decoder's decode graph or engine (KV cache), next to its prefill one
     graph: Path | None = None  # an engine's source graph
     pair: Path | None = None  # an encoder-decoder export's decoder.onnx, run after the encoder.onnx in `path`
+    shared_cache: bool = False  # its decode graph writes K/V in place into shared past/present buffers (GroupQueryAttention)
 
     @property
     def reads(self) -> list[Path]:
@@ -144,7 +146,9 @@ def _onnx_artifact(graph: Path) -> Artifact:
             if part != graph:
                 load_graph(part)
         return Artifact(encoder, "onnx", model, summary.dtype, pair=decoder)
-    return Artifact(graph, "onnx", model, summary.dtype, _decode_graph(graph, summary))
+    decode = _decode_graph(graph, summary)
+    shared = decode == graph and summary.attention == "ort-gqa"  # genai_config.json's past_present_share_buffer
+    return Artifact(graph, "onnx", model, summary.dtype, decode, shared_cache=shared)
 
 
 def _engine_artifact(engine: Path) -> Artifact:

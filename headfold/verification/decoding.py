@@ -8,14 +8,16 @@ graph for a merged export, through decode.onnx for a split one), fed that token
 present K/V as past K/V. The attention mask grows by one per step, so a row shorter than the
 batch's longest keeps its pads between prefix and new tokens; the graphs derive positions from
 the mask (graphs.export.position_ids), so each new token still gets its own position, as in
-generation. The `<fidelity check>-decode` check compares those positions only, against the
-other side's full forward (torch, a prefill graph, an engine) or its own KV-cache path.
+generation. A GroupQueryAttention export runs as onnxruntime-genai runs it (`shared`): one
+max-length K/V buffer per layer bound as both past and present, written in place by every call
+(runners.SharedKvCache). The `<fidelity check>-decode` check compares those positions only, against
+the other side's full forward (torch, a prefill graph, an engine) or its own KV-cache path.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -26,7 +28,7 @@ from polygraphy.common import TensorMetadata
 
 from headfold.verification.checks import CheckSpec
 from headfold.verification.inputs import pad_batch
-from headfold.verification.runners import BaseRunner, Runner, token_metadata
+from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, Runner, SharedKvCache, token_metadata
 
 # graphs.export's cache names: prefill/decode output present.{i}.key, decode input past_key_values.{i}.key
 PRESENT, PAST = "present.", "past_key_values."
@@ -87,12 +89,16 @@ class KvCacheRunner(BaseRunner):
 
     `prefill` may be the runner another check already uses for the prefill graph (it is shared,
     not reloaded: activating activates only the runners not yet active, and releases only those);
-    `decode` runs the decode graph. Both speak the export's names.
+    `decode` runs the decode graph. Both speak the export's names. `shared`: the merged graph's
+    ONNX Runtime runner, run with shared past/present buffers (SharedKvCache) instead of feeding
+    present back as past.
     """
 
-    def __init__(self, prefill: Runner, decode: Runner, steps: int) -> None:
+    def __init__(self, prefill: Runner, decode: Runner, steps: int, *, shared: bool = False) -> None:
         super().__init__(name=decode.name)
-        self.prefill, self.decode, self.steps = prefill, decode, steps
+        if shared and not (prefill is decode and isinstance(decode, OnnxRuntimeRunner)):
+            raise ValueError("a shared K/V buffer runs one merged graph in ONNX Runtime for the prompt and every step")
+        self.prefill, self.decode, self.steps, self.shared = prefill, decode, steps, shared
         self._stack: ExitStack | None = None
 
     def activate_impl(self) -> None:
@@ -112,13 +118,13 @@ class KvCacheRunner(BaseRunner):
         start = time.perf_counter()
         plan = DecodePlan.of(feed_dict, self.steps)
         prefill = pad_batch(plan.prefixes, plan.pad_id, token_type_ids=False)
-        mask, past = prefill["attention_mask"], past_from_present(self.prefill.infer(prefill))
+        mask = prefill["attention_mask"]
+        step = self._prompted(prefill, mask.shape[1] + plan.steps)
         logits = None
         for k in range(plan.steps):
             tokens, active = plan.step(k)
             mask = np.concatenate([mask, active[:, None].astype(mask.dtype)], axis=1)
-            out = self.decode.infer({"input_ids": tokens, "attention_mask": mask, **past})
-            past = past_from_present(out)
+            out = step({"input_ids": tokens, "attention_mask": mask})
             if logits is None:  # the full-forward shape, zero where nothing was decoded
                 logits = np.zeros((*feed_dict["input_ids"].shape, out["logits"].shape[-1]), out["logits"].dtype)
             for row in np.flatnonzero(active):
@@ -126,10 +132,28 @@ class KvCacheRunner(BaseRunner):
         self.inference_time = time.perf_counter() - start
         return {"logits": logits}
 
+    def _prompted(self, prompt: dict[str, np.ndarray], length: int) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        """Run the prompt; return what runs each next step with the cache so far (`length`: the
+        longest the cache gets)."""
+        if self.shared:  # the prompt and every step write into the buffers: nothing is fed back
+            cache = SharedKvCache(self.decode, len(prompt["input_ids"]), length)
+            cache.infer(prompt)
+            return cache.infer
+        past = past_from_present(self.prefill.infer(prompt))
+
+        def step(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            nonlocal past
+            out = self.decode.infer({**feed, **past})
+            past = past_from_present(out)
+            return out
+
+        return step
+
     def describe(self) -> dict[str, Any]:
         describe = getattr(self.decode, "describe", None)
         info = describe() if describe else {}
-        return {**info, "runner": self.name, "prefill_runner": self.prefill.name, "decode_steps": self.steps}
+        cache = "one shared past/present buffer per layer" if self.shared else "present fed back as past"
+        return {**info, "runner": self.name, "prefill_runner": self.prefill.name, "decode_steps": self.steps, "kv_cache": cache}
 
 
 def decode_check(fidelity: CheckSpec, reference: Runner, candidate: Runner, steps: int) -> CheckSpec | None:

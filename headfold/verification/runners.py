@@ -131,3 +131,39 @@ class OnnxRuntimeRunner(OnnxrtRunner):
 
         providers = self.session.get_providers() if self.session is not None else list(self.providers or ())
         return {"runner": self.name, "backend": f"onnxruntime {ort.__version__}", "providers": ",".join(providers)}
+
+
+PRESENT = "present."  # graphs.export's present K/V outputs: present.{i}.key / .value
+
+
+class SharedKvCache:
+    """onnxruntime-genai's `past_present_share_buffer` in plain ONNX Runtime: each layer's past and
+    present K/V are one [B, kvᵢ, length, d] buffer bound as both (IOBinding), so a GroupQueryAttention
+    graph writes every step's K/V into it in place, as onnxruntime-genai runs it (the buffers live on
+    the device of the session's first provider).
+
+    `infer(feed)` runs input_ids and attention_mask (the prompt, then one token per call; the mask
+    covering everything so far) and returns the logits.
+    """
+
+    def __init__(self, runner: OnnxRuntimeRunner, batch: int, length: int) -> None:
+        import onnxruntime as ort
+
+        self.session = runner.session
+        device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
+        self.buffers = {
+            i.name: ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, i.shape[1], length, i.shape[3]), _ORT_FLOATS[i.type]), device, 0)
+            for i in self.session.get_inputs()
+            if i.name.startswith(PAST)
+        }
+
+    def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        binding = self.session.io_binding()
+        for name, value in feed.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name, buffer in self.buffers.items():
+            binding.bind_ortvalue_input(name, buffer)
+            binding.bind_ortvalue_output(PRESENT + name.removeprefix(PAST), buffer)
+        binding.bind_output("logits")
+        self.session.run_with_iobinding(binding)
+        return {"logits": binding.copy_outputs_to_cpu()[-1]}

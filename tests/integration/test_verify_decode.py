@@ -1,9 +1,12 @@
 """The KV-cache path in `headfold verify`: prompt + teacher-forced steps through the merged model.onnx
-(its own present K/V fed back as past), or through decode.onnx for a split export.
+(the default folder's GroupQueryAttention writing into one shared past/present buffer per layer, as
+onnxruntime-genai runs it; the standard graph's present K/V fed back as past), or through decode.onnx
+for a split export.
 
-Tiny llama (GQA, per-layer kv heads) and gpt2 exports pass within 1e-4, merged and split; a graph
-wired to the wrong layer's cache fails (exit 1, naming the decode check's metric) while its prompt
-logits pass; --decode-steps 0 skips the path and says so; encoders get no decode check.
+Tiny llama (GQA, per-layer kv heads) and gpt2 exports pass within 1e-4, default, standard and split,
+over many steps too; a graph wired to the wrong layer's cache fails (exit 1, naming the decode check's
+metric) while its prompt logits pass, in either cache; --decode-steps 0 skips the path and says so;
+encoders get no decode check.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 from polygraphy.backend.base import BaseRunner
-from support.tiny_models import MERGED_CASES
+from support.tiny_models import DECODER_CASES
 
 from headfold import convert
 from headfold.cli import main
@@ -41,10 +44,12 @@ class Exports(dict):
         self.tiny_checkpoint, self.root = tiny_checkpoint, root
 
     def __missing__(self, name: str) -> tuple[Path, Path]:
-        if name.endswith(":split"):
-            checkpoint, _ = self[name.removesuffix(":split")]
-            onnx_dir = self.root / f"{checkpoint.name}-split"
-            export(checkpoint, onnx_dir, progress=False, graphs="split")
+        """name: a model, with ":split" the split pair, with ":onnx" the standard merged graph (else the default folder)."""
+        variant = next((v for v in (":split", ":onnx") if name.endswith(v)), None)
+        if variant is not None:
+            checkpoint, _ = self[name.removesuffix(variant)]
+            onnx_dir = self.root / f"{checkpoint.name}-{variant[1:]}-export"
+            export(checkpoint, onnx_dir, progress=False, **({"graphs": "split"} if variant == ":split" else {"attention": "onnx"}))
             self[name] = checkpoint, onnx_dir
             return self[name]
         llama = lambda: self.tiny_checkpoint("llama", vocab_size=256)  # noqa: E731
@@ -66,9 +71,9 @@ def exports(tiny_checkpoint, tmp_path_factory) -> Exports:
     return Exports(tiny_checkpoint, tmp_path_factory.mktemp("decode"))
 
 
-def _expected_elements(checkpoint: Path, steps: int) -> int:
+def _expected_elements(checkpoint: Path, steps: int, spec: InputSpec = SPEC) -> int:
     """Decoded positions × vocabulary: each row's last `steps` tokens (all but its first if shorter)."""
-    inputs = make_inputs(checkpoint, SPEC)
+    inputs = make_inputs(checkpoint, spec)
     rows = [int(n) for feed in inputs.feeds for n in feed["attention_mask"].sum(1)]
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     return sum(min(steps, n - 1) for n in rows) * vocab
@@ -88,7 +93,7 @@ def test_decoded_positions_count_real_tokens_whatever_the_padding() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-kv2", "llama-kv4,2", "gpt2", "llama-kv2:split"])
+@pytest.mark.parametrize("name", ["llama-kv2", "llama-kv4,2", "gpt2", "llama-kv2:onnx", "llama-kv2:split"])
 def test_decode_fidelity_passes(exports, name: str) -> None:
     checkpoint, onnx_dir = exports[name]
     graphs = ("prefill.onnx", "decode.onnx") if name.endswith(":split") else ("model.onnx", "model.onnx")
@@ -101,17 +106,30 @@ def test_decode_fidelity_passes(exports, name: str) -> None:
     assert prefill.candidate["runner"] == f"onnxruntime:{graphs[0]}"
     assert decode.candidate["runner"] == f"onnxruntime:{graphs[1]}" and decode.candidate["decode_steps"] == 16
     assert {f"{graph}_sha256" for graph in graphs} <= set(decode.candidate)
+    shared = ":" not in name  # the default folder: GroupQueryAttention, as onnxruntime-genai runs it
+    assert decode.candidate["kv_cache"] == ("one shared past/present buffer per layer" if shared else "present fed back as past")
     print(f"{name}: decode max abs {decode.metrics['max_abs_err']:.3g}, prefill max abs {prefill.metrics['max_abs_err']:.3g}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "kv"), MERGED_CASES)
-def test_added_families_verify_against_their_export(tiny_export, family: str, kv: int) -> None:
-    """Prefill and KV-cache decode fidelity of each added family's merged graph (random ids: no tokenizer)."""
+@pytest.mark.parametrize(("family", "kv"), DECODER_CASES)
+def test_every_family_verifies_against_its_default_folder(tiny_export, family: str, kv: int) -> None:
+    """Prefill and KV-cache decode fidelity of each family's default folder (random ids: no tokenizer)."""
     checkpoint, onnx_dir = tiny_export(family, kv, graphs="merged")  # shared with the export and genai tests
     report = verify(checkpoint, onnx_dir, inputs=SPEC)
     assert [c.name for c in report.checks] == ["fidelity", "fidelity-decode"] and report.passed
     assert all(c.metrics["top1"] == 1.0 and c.metrics["max_abs_err"] <= ATOL for c in report.checks)
+
+
+@pytest.mark.slow
+def test_shared_buffer_over_many_steps(exports) -> None:
+    """The shared-buffer path over 24 steps (rows of 32 tokens at most: most of each row goes through
+    the cache, one token at a time) against torch's full forward."""
+    checkpoint, onnx_dir = exports["llama-kv2"]
+    spec = InputSpec(window=32, max_rows=8, batch_size=4, decode_steps=24)
+    _, decode = verify(checkpoint, onnx_dir, inputs=spec).checks
+    assert decode.passed and decode.candidate["kv_cache"] == "one shared past/present buffer per layer"
+    assert decode.metrics["max_abs_err"] <= ATOL and decode.metrics["elements"] == _expected_elements(checkpoint, 24, spec)
 
 
 @pytest.mark.slow
@@ -128,7 +146,7 @@ def test_export_as_reference_and_step_count(exports) -> None:
 @pytest.mark.parametrize("layout", ["merged", "split"])
 def test_left_padded_rows_decode_like_the_prompt(exports, layout: str) -> None:
     """Left padding (as generate pads): the KV-cache path matches the prompt's logits, whose positions come from the mask."""
-    checkpoint, onnx_dir = exports["llama-kv2" if layout == "merged" else "llama-kv2:split"]
+    checkpoint, onnx_dir = exports["llama-kv2:onnx" if layout == "merged" else "llama-kv2:split"]  # GroupQueryAttention takes right padding only
     inputs = make_inputs(checkpoint, SPEC)
     pads = [(feed["attention_mask"] == 0).sum(1) for feed in inputs.feeds]  # right padding → left padding
     inputs.feeds = [{k: np.stack([np.roll(row, n) for row, n in zip(v, p)]) for k, v in f.items()} for f, p in zip(inputs.feeds, pads)]
@@ -187,8 +205,9 @@ def _swap_past_inputs(onnx_dir: Path, folder: Path, graph: str = "model.onnx") -
 
 
 @pytest.mark.slow
-def test_broken_decode_graph_exits_1_naming_the_decode_metric(exports, tmp_path: Path, capsys) -> None:
-    checkpoint, onnx_dir = exports["llama-kv2"]
+@pytest.mark.parametrize("name", ["llama-kv2", "llama-kv2:onnx"])
+def test_broken_decode_graph_exits_1_naming_the_decode_metric(exports, tmp_path: Path, capsys, name: str) -> None:
+    checkpoint, onnx_dir = exports[name]
     broken = _swap_past_inputs(onnx_dir, tmp_path / "broken")
     report, junit = tmp_path / "r.json", tmp_path / "j.xml"
     assert main(["verify", str(checkpoint), str(broken), *SMALL, "--report", str(report), "--junit", str(junit)]) == 1
