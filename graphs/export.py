@@ -40,6 +40,7 @@ from headfold.converter.sources import checkpoint_folder
 from headfold.graphs import seq2seq as seq2seq_graphs
 from headfold.graphs.genai import copy_tokenizer, seq2seq_genai_blocker, write_model_folder
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize, ort_gqa
+from headfold.graphs.rewrite.int4 import BLOCK_SIZES, Int4, quantize_weights
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
@@ -63,6 +64,7 @@ __all__ = [
     "check_opset",
     "OPSETS",
     "DTYPES",
+    "INT4",
     "checkpoint_dtype",
     "ATTENTION_CHOICES",
     "OPTIMIZATIONS",
@@ -76,6 +78,7 @@ log = logging.getLogger(__name__)
 # next to an Attention node) for ≥ 26, see shared/notes/runtime-facts.md.
 OPSETS = (23, 24, 25)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+INT4 = "int4"  # MatMul weights in 4 bits (graphs.rewrite.int4), traced and everything else in fp32
 
 WRAPPED = "model"  # the attribute the graph modules below keep the transformers model in: its parameters' prefix
 # Example sizes for tracing; all are dynamic in the graph. Avoid 0/1, which torch.export specialises.
@@ -308,9 +311,24 @@ def checkpoint_dtype(facts: CheckpointFacts) -> str:
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
+    if dtype == INT4:
+        return torch.float32
     if dtype not in DTYPES:
-        raise BadInput(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        raise BadInput(f"unknown dtype {dtype!r}; use one of {', '.join([*DTYPES, INT4])}")
     return DTYPES[dtype]
+
+
+def int4_settings(dtype: str | None, block_size: int | None, symmetric: bool | None) -> Int4 | None:
+    """The int4 quantization `--dtype int4` asks for (defaults: Int4's); BadInput for settings without
+    it or a block size MatMulNBits does not take."""
+    if dtype != INT4:
+        if block_size is not None or symmetric is not None:
+            raise BadInput("--int4-block-size and --int4-symmetric/--int4-asymmetric set up --dtype int4; add it or drop them")
+        return None
+    if block_size is not None and block_size not in BLOCK_SIZES:
+        raise BadInput(f"--int4-block-size {block_size}: MatMulNBits takes {', '.join(map(str, BLOCK_SIZES))}")
+    defaults = Int4()
+    return Int4(block_size=block_size or defaults.block_size, symmetric=defaults.symmetric if symmetric is None else symmetric)
 
 
 def torch_export(
@@ -366,6 +384,7 @@ def export_graph(
     trt_version: str | None = None,
     ort_fusions: bool = False,
     positions: int | None = None,
+    int4: Int4 | None = None,
     weights: dict[str, TensorInfo] | None = None,
     template: LayerTemplate | None = None,
     progress: bool = False,
@@ -374,7 +393,8 @@ def export_graph(
 
     `windows` (per layer) are the sliding windows an ort-gqa graph's nodes take as local_window_size.
     With `ort_fusions`, ONNX Runtime's fused ops follow (graphs/rewrite/ort_fusions), counted;
-    `positions` (the context length) sizes the rotary tables GroupQueryAttention then takes.
+    `positions` (the context length) sizes the rotary tables GroupQueryAttention then takes. With
+    `int4`, MatMul weights then become MatMulNBits, each quantized as it is saved (graphs/rewrite/int4).
     `weights` stream a hollow model's parameters from the checkpoint, and a `template` copies its
     traced layer 1 as the later layers (torch_export).
 
@@ -390,6 +410,7 @@ def export_graph(
     report = optimize(model, kv_heads=kv_heads, layers=layers, graph=graph, attention=attention, layer_of=layer_of, windows=windows)
     decomposed = {op: n for op, n in decompose(model, trt_version).items() if n} if trt_version else {}
     fused_for_ort = fuse_for_ort(model, positions=positions) if ort_fusions else None
+    quantized = quantize_weights(model, int4) if int4 is not None else None
     rewritten = time.perf_counter()
     save(model, folder / spec.file, progress=progress)
     saved = time.perf_counter()
@@ -407,6 +428,8 @@ def export_graph(
         summary["traced_layers"] = TRACED_LAYERS
     if fused_for_ort is not None:
         summary["ort_fusions"] = fused_for_ort
+    if quantized is not None:
+        summary["int4"] = quantized
     if decomposed:  # only when the version lacks an op a rule covers
         summary["decomposed_for_tensorrt"] = {"version": trt_version, **decomposed}
     return summary
@@ -541,6 +564,8 @@ def export(
     graphs: str = "merged",
     optimize: str | None = "auto",
     explicit_positions: bool = False,
+    int4_block_size: int | None = None,
+    int4_symmetric: bool | None = None,
 ) -> dict:
     """Export the checkpoint `src` (a folder, or a hub id ORG/NAME at `revision`) to ONNX graphs in
     `out_dir` (atomically); return the summary.
@@ -548,7 +573,9 @@ def export(
     The weights are never all in memory: the model (decoder, encoder or encoder-decoder) is traced
     hollow and each weight is streamed from the checkpoint into the `.onnx.data` of each graph that
     holds it, cast to `dtype` (default: the checkpoint's own, fp32 for fp64), as it is written
-    (graphs.weights).
+    (graphs.weights). dtype="int4" (decoders) quantizes the MatMul weights to 4 bits with ONNX
+    Runtime's MatMulNBits quantizer, each as it is written (`int4_block_size`, default 32;
+    `int4_symmetric`, default True), everything else fp32; export.json records it as "quantization".
 
     graphs="merged" (decoders) writes model.onnx, genai_config.json and the tokenizer files: an
     onnxruntime-genai model folder; graphs="split" writes prefill.onnx + decode.onnx instead.
@@ -583,10 +610,15 @@ def export(
         raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_CHOICES)}")
     if dtype is not None:
         _torch_dtype(dtype)  # an unknown dtype is bad input before the checkpoint is read
+    int4 = int4_settings(dtype, int4_block_size, int4_symmetric)
+    if int4 is not None and trt_version:
+        raise BadInput("--dtype int4 writes ONNX Runtime's MatMulNBits, which TensorRT cannot parse; drop --dtype int4 or --trt-version")
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)
     layout = _layout(facts, graphs, attention=attention, optimize=optimize, explicit_positions=explicit_positions, trt_version=trt_version)
+    if int4 is not None and facts.kind != "decoder":
+        raise BadInput(f"--dtype int4 is for decoders (onnxruntime-genai's int4 folders); {src} is {'an encoder' if facts.kind == 'encoder' else 'an encoder-decoder'}")
     choice = choose_attention(facts, attention, layout=layout, trt_version=trt_version)
     optimize = choice.optimization(optimize)
     dtype = dtype or checkpoint_dtype(facts)
@@ -605,7 +637,7 @@ def export(
         summary = export_graph(
             spec, folder, opset=opset, kv_heads=kv_heads, layers=layers, attention=choice.kind, windows=windows,
             trt_version=trt_version, ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
-            weights=weights, template=template, progress=progress,
+            int4=int4, weights=weights, template=template, progress=progress,
         )  # fmt: skip
         return {**summary, "attention": choice.kind, "attention_reason": choice.reason}
 
@@ -614,6 +646,7 @@ def export(
     summary = ExportSummary(
         source=str(src), model_type=model.config.model_type, opset=opset, dtype=dtype, attention=choice.kind, layers=layers,
         heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=layout, graphs={},
+        quantization=int4.summary() if int4 is not None else None,
     )  # fmt: skip
     with atomic_output(out, overwrite=overwrite) as tmp, _answered_for_unconverted(facts):
         summary.graphs = _export_all(specs, partial(export_one, tmp), template, layers, progress=progress)

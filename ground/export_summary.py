@@ -32,6 +32,7 @@ class ExportSummary(Record):
     layout: str | None = None  # merged | split | encoder
     graphs: dict[str, dict[str, Any]]  # graph file -> its export facts (nodes, fusions, …)
     genai: dict[str, Any] | None = optional()  # merged decoders: the onnxruntime-genai model folder
+    quantization: dict[str, Any] | None = optional()  # dtype int4: how the MatMul weights were quantized
     extra: dict[str, Any] = keep_unknown()
 
     def save_in(self, folder: Path) -> None:

@@ -160,7 +160,7 @@ JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"
 REVISION = spec("--revision", default=None, metavar="REV", help="Branch, tag or commit of the hub ids (ORG/NAME) given as checkpoints; they are read from the Hugging Face cache (HF_HOME), fetched when online.")
 TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")
 OPSET = spec("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25 (Attention exists from 23; torch writes invalid models above 25).")
-DTYPE = spec("--dtype", type=click.Choice(PRECISIONS), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks the fidelity defaults. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
+DTYPE = spec("--dtype", type=click.Choice((*PRECISIONS, "int4")), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
 
 
 # -- groups: options under one heading that become one argument --------------------------------
@@ -396,12 +396,15 @@ class ExportOptions:
     optimize: str = "auto"  # ORT's fusions on GroupQueryAttention graphs
     position_ids: bool = False
     trt_version: str | None = None
+    int4_block_size: int | None = None  # None: the int4 default (graphs.rewrite.int4.Int4)
+    int4_symmetric: bool | None = None
 
     def kwargs(self) -> dict[str, Any]:
         """As headfold.graphs.export.export takes them; graphs None: the caller's layout (export: split
         for a TensorRT target, else merged; run: split where TensorRT builds)."""
         return {"opset": self.opset, "dtype": self.dtype, "attention": self.attention, "graphs": self.graphs, "optimize": self.optimize,
-                "explicit_positions": self.position_ids, "trt_version": self.trt_version}  # fmt: skip
+                "explicit_positions": self.position_ids, "trt_version": self.trt_version,
+                "int4_block_size": self.int4_block_size, "int4_symmetric": self.int4_symmetric}  # fmt: skip
 
 
 export_options = OptionGroup(
@@ -412,6 +415,8 @@ export_options = OptionGroup(
         spec("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split for a TensorRT target]"),
         spec("--optimize", type=click.Choice(("auto", "ort", "none")), default="auto", help="ort = ONNX Runtime's fusions (skip layer norm, fused matmuls; with GroupQueryAttention: rotary inside it, packed Q/K/V), counted in export.json; the graph then runs in ONNX Runtime only. auto = ort on GroupQueryAttention graphs, none on the standard graph. [default: auto]"),
         spec("--position-ids", is_flag=True, help="Merged decoder graph: take a position_ids [B, S] input (named in genai_config.json) instead of counting positions over the mask's real tokens."),
+        spec("--int4-block-size", type=int, default=None, help="--dtype int4: weights per quantization block along K (16, 32, 64, 128 or 256). [default: 32, as onnxruntime-genai's builder]"),
+        spec("--int4-symmetric/--int4-asymmetric", default=None, help="--dtype int4: symmetric blocks (int4, no zero points) or asymmetric (uint4 with zero points). [default: symmetric, as onnxruntime-genai's builder]"),
         TRT_VERSION,
     ),
     "export",

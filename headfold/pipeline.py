@@ -177,6 +177,8 @@ def run(
     check_convertible(src, kv_heads, method, allow_pickle)
     check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
     export = {**(export or {}), "dtype": (export or {}).get("dtype") or verifiable_dtype(src)}
+    if export["dtype"] == "int4":  # its verify stage gates the export by fidelity, which int4 weights do not keep
+        raise BadInput("headfold run checks its export's fidelity to the checkpoint; int4 weights are gated by their loss: run without --dtype int4, then headfold export --dtype int4 and headfold verify CHECKPOINT EXPORT")
     settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration or {}, distill, export, build or {}, inputs, thresholds, progress)
     check_disjoint(out, settings.reads(src))  # the run folder holds none of its inputs, nor lies inside one
     check_opset(settings.export.get("opset", 23))

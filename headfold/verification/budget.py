@@ -16,6 +16,8 @@ from headfold.ground.errors import BadInput
 from headfold.ground.inputs import read_config_file, shown
 from headfold.ground.units import PRECISIONS, parse_fraction
 
+BUDGET_PRECISIONS = (*PRECISIONS, "int4")  # a budget file's per-precision sub-tables; int4 exports are gated by their loss
+
 # atol/rtol follow Polygraphy: an element fails only when it exceeds both. The fp32 numbers
 # leave about two orders of magnitude over what ONNX Runtime and torch differ by on CPU (the export
 # tests' bounds); the half-precision ones follow NVIDIA's fp16 transformer recipe, bf16 has 3 fewer bits.
@@ -54,7 +56,7 @@ def _apply(budget, table: dict[str, Any], where: str):
     names = {f.name for f in fields(budget)}
     values = {}
     for key, value in table.items():
-        if isinstance(value, dict) and key in PRECISIONS:
+        if isinstance(value, dict) and key in BUDGET_PRECISIONS:
             continue
         if key not in names:
             raise BadInput(f"unknown budget key {shown(key)} in {where}; known keys: {', '.join(sorted(names))}")

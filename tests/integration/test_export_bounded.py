@@ -229,26 +229,33 @@ CHILD = """
 import json, re, sys
 from pathlib import Path
 from headfold.graphs.export import export
-export(sys.argv[1], sys.argv[2], progress=False)
+export(sys.argv[1], sys.argv[2], progress=False, **({"dtype": sys.argv[3]} if len(sys.argv) > 3 else {}))
 peak_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
 print(json.dumps({"peak_rss_bytes": peak_kb * 1024}))
 """
 
 
 @pytest.mark.slow
-def test_peak_memory_is_bounded_by_the_largest_layer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", [None, "int4"])
+def test_peak_memory_is_bounded_by_the_largest_layer(tmp_path: Path, dtype: str | None) -> None:
     """A ~0.5 GB fp16 Llama layout (GQA) exported in a fresh process: peak RSS ≤ 2 × its largest
-    tensor group (the embeddings, here) + 1 GB, the bound that holds whatever the model's size."""
+    tensor group (the embeddings, here) + 1 GB, the bound that holds whatever the model's size; in
+    int4 too (each weight read in fp32, quantized and written, one at a time)."""
     sizes = llama_checkpoint(
         tmp_path / "checkpoint", hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=4, vocab_size=32000,
     )  # fmt: skip
     assert sizes["total_bytes"] > 0.45 * GB
-    done = subprocess.run([sys.executable, "-c", CHILD, tmp_path / "checkpoint", tmp_path / "onnx"], capture_output=True, text=True, check=True)
+    command = [sys.executable, "-c", CHILD, tmp_path / "checkpoint", tmp_path / "onnx", *([dtype] if dtype else [])]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
     peak = json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
+    print(f"peak RSS {peak / GB:.2f} GB ({dtype or 'fp16'})")
     assert peak <= 2 * sizes["largest_group_bytes"] + GB, f"peak RSS {peak / GB:.2f} GB"
     data = (tmp_path / "onnx" / "model.onnx.data").stat().st_size
-    assert data >= sizes["total_bytes"]  # every weight, in fp16 (the source's dtype)
+    if dtype is None:
+        assert data >= sizes["total_bytes"]  # every weight, in fp16 (the source's dtype)
+    else:  # 4 bits per MatMul weight (with a scale per 32) and the fp32 embeddings
+        assert data < 0.6 * sizes["total_bytes"]
 
 
 def synthetic_checkpoint(folder: Path, family: str, dtype: torch.dtype = torch.float16, **sizes) -> dict[str, int]:

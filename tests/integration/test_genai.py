@@ -21,6 +21,7 @@ import onnx
 import pytest
 import torch
 
+from support.ort_decoding import og_greedy
 from support.tiny_models import DECODER_CASES, VOCAB
 
 from headfold import convert, corpus
@@ -70,22 +71,6 @@ def torch_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
     return out[0, len(prompt) :].tolist()
-
-
-def og_greedy(folder: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """og greedy generation for a batch of prompts, right-padded with the pad id as og.Tokenizer pads."""
-    model = og.Model(str(folder))
-    pad = json.loads((folder / CONFIG_FILE).read_text())["model"]["pad_token_id"]
-    width = max(map(len, prompts))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=width + new_tokens, do_sample=False, batch_size=len(prompts))
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([p + [pad] * (width - len(p)) for p in prompts], dtype=np.int32))
-    steps = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        steps.append(np.array(generator.get_next_tokens()))
-    return np.stack(steps, axis=1).tolist()
 
 
 def _assert_same_tokens(checkpoint: Path, folder: Path, prompts: list[list[int]]) -> None:

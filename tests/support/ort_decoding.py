@@ -1,11 +1,15 @@
-"""Test helper: run exported graphs in ONNX Runtime CPU, incl. greedy decoding with the KV cache."""
+"""Test helpers: run exported graphs in ONNX Runtime CPU, incl. greedy decoding with the KV cache, and
+in onnxruntime-genai."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+
+from headfold.ground.artifacts import GENAI_CONFIG
 
 
 def session(path: Path) -> ort.InferenceSession:
@@ -27,3 +31,21 @@ def ort_greedy(onnx_dir: Path, input_ids: np.ndarray, mask: np.ndarray, layers: 
         logits, *present = decode.run(None, feeds)
         tokens.append(logits[:, -1].argmax(-1))
     return np.stack(tokens, axis=1), present
+
+
+def og_greedy(folder: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """og greedy generation for a batch of prompts, right-padded with the pad id as og.Tokenizer pads."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    pad = json.loads((folder / GENAI_CONFIG).read_text())["model"]["pad_token_id"]
+    width = max(map(len, prompts))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=width + new_tokens, do_sample=False, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([p + [pad] * (width - len(p)) for p in prompts], dtype=np.int32))
+    steps = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        steps.append(np.array(generator.get_next_tokens()))
+    return np.stack(steps, axis=1).tolist()
