@@ -5,8 +5,9 @@ out_features == vocab_size for the LM head) is converted to kv = heads / 4 (mean
 both checkpoints are turned into og model folders by --exporters: `python -m
 onnxruntime_genai.models.builder -p fp32 -e cpu` ("og builder", the reference), `headfold export
 --attention ort-gqa --optimize ort` ("headfold gqa": GroupQueryAttention with rotary inside, packed
-QKV, shared buffers, fused norms) and, when asked, plain `headfold export` ("headfold": standard
-Attention, separate past/present buffers). Each folder then generates --new-tokens greedy tokens
+QKV, shared buffers, fused norms: today's default folder) and, when asked, `headfold export --attention
+onnx` ("headfold": standard Attention, separate past/present buffers). benchmarks/side_by_side.py
+measures the default folder against the builder's in fp32 and int4, at several past lengths. Each folder then generates --new-tokens greedy tokens
 after a --context-token random prompt at each --batch; tokens/s counts the generated tokens of every
 row over the generation steps only (the prompt step is timed apart). The exporters run back to back
 in --rounds interleaved rounds (who goes first alternates), and each round's ratio to the builder
@@ -111,8 +112,8 @@ def nodes_and_files(folder: Path) -> dict:
 
 EXPORTERS = {
     "og builder": None,
-    "headfold": {},
-    "headfold gqa": {"attention": "ort-gqa", "optimize": "ort"},
+    "headfold": {"attention": "onnx"},  # the standard Attention graph
+    "headfold gqa": {"attention": "ort-gqa", "optimize": "ort"},  # what the default folder is now
 }
 
 

@@ -175,6 +175,50 @@ def generate_throughput(data: dict) -> str:
     return "\n\n".join(parts)
 
 
+def side_by_side(data: dict) -> str:
+    """benchmarks/side_by_side.py: onnxruntime-genai decode speed of headfold's default folder and the model builder's, same checkpoint."""
+    return "\n\n".join(filter(None, [_side_by_side_setup(data), side_by_side_tables(data), _profile_table(data.get("profile") or {})]))
+
+
+def _side_by_side_setup(data: dict) -> str:
+    a = data["args"]
+    loads = [r["load_1min"] for r in data["rows"]]
+    return (
+        f"A random-weights Llama of {a['layers']} layers, {a['heads']} heads of {a['head_dim']} (vocabulary {a['vocab']}) and its kv = h/4 "
+        f"conversion; {a['new_tokens']} greedy tokens after a prompt of *past* tokens, {a['threads']} threads, the exporters interleaved over "
+        f"{a['rounds']} rounds, medians; load average {min(loads)}–{max(loads)} on {data['machine']}."
+    )
+
+
+def side_by_side_tables(data: dict) -> str:
+    """The speed table and the MHA → h/4 table (docs/deploying.md quotes both)."""
+    speed = [
+        [s["precision"], s["model"], s["batch"], s["past"], s["builder_step_ms"], s["headfold_step_ms"], s["builder_tokens_per_s"], s["headfold_tokens_per_s"],
+         f"{s['headfold_vs_builder']:.2f} ({s['ratio_range'][0]:.2f}–{s['ratio_range'][1]:.2f})", f"{s['headfold_vs_builder_cpu']:.2f}"]
+        for s in data["summary"]
+    ]  # fmt: skip
+    header = ["weights", "model", "batch", "past", "builder ms/step", "headfold ms/step", "builder tok/s", "headfold tok/s", "headfold ÷ builder (range)", "by CPU time"]
+    gqa = [[g["precision"], g["batch"], g["past"], f"{g['speedup']:.2f}×", f"{g['speedup_cpu']:.2f}×", f"{g['ideal_bytes_ratio']:.2f}×", f"{g['of_ideal']:.0%}"] for g in data["gqa_speedup"]]
+    return "\n\n".join([
+        table(header, speed),
+        "headfold's folder, MHA → GQA h/4: decode-step speed-up (by wall and by CPU time) beside the ideal, the ratio of bytes a step moves (weights + K/V cache read + K/V written):",
+        table(["weights", "batch", "past", "speed-up", "by CPU time", "ideal (bytes)", "of ideal"], gqa),
+    ])  # fmt: skip
+
+
+def _profile_table(profile: dict) -> str:
+    folders = [k for k in profile if k not in ("setup", "optimized_ops")]
+    if not folders:
+        return ""
+    ops = sorted({op for f in folders for op in profile[f] if op != "kernel_us_per_step"}, key=lambda op: (-max(profile[f].get(op, 0) for f in folders), op))
+    body = [[op, *(f"{profile[f][op]:.1%}" if op in profile[f] else "" for f in folders)] for op in ops]
+    body.append(["kernel µs per step", *(fmt(profile[f]["kernel_us_per_step"]) for f in folders)])
+    shares = f"ONNX Runtime's profile of the decode steps ({profile['setup']}): each op type's share of a step's kernel time (the median step per op type)\n\n" + table(["op", *folders], body)
+    optimized = profile.get("optimized_ops", {})
+    graphs = [[f, counts["nodes"], ", ".join(f"{n} {op}" for op, n in counts.items() if op != "nodes")] for f, counts in optimized.items()]
+    return shares + ("\n\nThe graph ONNX Runtime runs, after its own optimizer:\n\n" + table(["folder", "nodes", "op types"], graphs) if graphs else "")
+
+
 def calibration_memory(data: dict) -> str:
     """benchmarks/calibration_memory.py: a data-aware conversion's memory and time, and the scaling plan from them."""
     labels = sorted({k.split("_")[0] for k in data if k.endswith("_peak_rss_mb")})
@@ -213,6 +257,7 @@ RENDERERS: dict[str, Callable] = {
     "distill_recovery": distill_recovery,
     "distill_recipe_sweep": distill_recipe_sweep,
     "generate_throughput": generate_throughput,
+    "side_by_side": side_by_side,
     "calibration": calibration_memory,  # calibration_memory.py --json …
 }
 
@@ -287,6 +332,12 @@ def scaling_plan() -> str:
     return table_note("calibration_before_after.json") + "\n\n" + scaling_table(_load("calibration_before_after.json"))
 
 
+def deployed_speed() -> str:
+    """docs/deploying.md: the default folder against the builder's, and MHA against h/4."""
+    note = "From [`side_by_side.json`](../benchmarks/results/side_by_side.json) (`benchmarks/side_by_side.py`; its setup and profiles: [benchmarks.md](benchmarks.md#side_by_sidejson)):"
+    return note + "\n\n" + side_by_side_tables(_load("side_by_side.json"))
+
+
 def table_note(name: str) -> str:
     return f"From [`{name}`](../benchmarks/results/{name}) (`benchmarks/calibration_memory.py`):"
 
@@ -299,7 +350,7 @@ def demo_reference() -> str:
     return note + "\n\n" + table(["command", "perplexity", "KL", "top-1", "budget"], body)
 
 
-SNIPPETS: dict[str, Callable[[], str]] = {"headline": headline, "scaling-plan": scaling_plan, "demo-reference": demo_reference}
+SNIPPETS: dict[str, Callable[[], str]] = {"headline": headline, "scaling-plan": scaling_plan, "demo-reference": demo_reference, "side-by-side": deployed_speed}
 MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 
 

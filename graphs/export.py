@@ -318,9 +318,11 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def int4_settings(dtype: str | None, block_size: int | None, symmetric: bool | None) -> Int4 | None:
+def int4_settings(dtype: str | None, block_size: int | None, symmetric: bool | None, trt_version: str | None = None) -> Int4 | None:
     """The int4 quantization `--dtype int4` asks for (defaults: Int4's); BadInput for settings without
-    it or a block size MatMulNBits does not take."""
+    it, a block size MatMulNBits does not take, or a TensorRT target."""
+    if dtype == INT4 and trt_version:
+        raise BadInput("--dtype int4 writes ONNX Runtime's MatMulNBits, which TensorRT cannot parse; drop --dtype int4 or --trt-version")
     if dtype != INT4:
         if block_size is not None or symmetric is not None:
             raise BadInput("--int4-block-size and --int4-symmetric/--int4-asymmetric set up --dtype int4; add it or drop them")
@@ -610,9 +612,7 @@ def export(
         raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_CHOICES)}")
     if dtype is not None:
         _torch_dtype(dtype)  # an unknown dtype is bad input before the checkpoint is read
-    int4 = int4_settings(dtype, int4_block_size, int4_symmetric)
-    if int4 is not None and trt_version:
-        raise BadInput("--dtype int4 writes ONNX Runtime's MatMulNBits, which TensorRT cannot parse; drop --dtype int4 or --trt-version")
+    int4 = int4_settings(dtype, int4_block_size, int4_symmetric, trt_version)
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)

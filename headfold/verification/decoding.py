@@ -136,7 +136,7 @@ class KvCacheRunner(BaseRunner):
         """Run the prompt; return what runs each next step with the cache so far (`length`: the
         longest the cache gets)."""
         if self.shared:  # the prompt and every step write into the buffers: nothing is fed back
-            cache = SharedKvCache(self.decode, len(prompt["input_ids"]), length)
+            cache = SharedKvCache(self.decode.session, len(prompt["input_ids"]), length)
             cache.infer(prompt)
             return cache.infer
         past = past_from_present(self.prefill.infer(prompt))

@@ -146,13 +146,15 @@ class SharedKvCache:
     covering everything so far) and returns the logits.
     """
 
-    def __init__(self, runner: OnnxRuntimeRunner, batch: int, length: int) -> None:
+    def __init__(self, session: Any, batch: int, length: int, head_size: int | None = None) -> None:
+        """`session`: the graph's onnxruntime.InferenceSession (an OnnxRuntimeRunner's `session`);
+        `head_size` where its past inputs leave it symbolic (onnxruntime-genai's builder's graphs)."""
         import onnxruntime as ort
 
-        self.session = runner.session
+        self.session = session
         device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         self.buffers = {
-            i.name: ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, i.shape[1], length, i.shape[3]), _ORT_FLOATS[i.type]), device, 0)
+            i.name: ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, i.shape[1], length, head_size or i.shape[3]), _ORT_FLOATS[i.type]), device, 0)
             for i in self.session.get_inputs()
             if i.name.startswith(PAST)
         }
