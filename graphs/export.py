@@ -382,7 +382,6 @@ def export_graph(
     kv_heads: int | Sequence[int],
     layers: int,
     attention: AttentionKind = "onnx",
-    windows: Sequence[int | None] = (),
     trt_version: str | None = None,
     ort_fusions: bool = False,
     positions: int | None = None,
@@ -393,7 +392,6 @@ def export_graph(
 ) -> dict:
     """Export, rewrite, check and save one graph; return its summary.
 
-    `windows` (per layer) are the sliding windows an ort-gqa graph's nodes take as local_window_size.
     With `ort_fusions`, ONNX Runtime's fused ops follow (graphs/rewrite/ort_fusions), counted;
     `positions` (the context length) sizes the rotary tables GroupQueryAttention then takes. With
     `int4`, MatMul weights then become MatMulNBits, each quantized as it is saved (graphs/rewrite/int4).
@@ -409,7 +407,7 @@ def export_graph(
     graph, layer_of = spec.file, None
     if spec.blocks is not None:
         kv_heads, layers, graph, layer_of = spec.blocks.kv_heads, len(spec.blocks.kv_heads), spec.blocks.label, spec.blocks.layer_of
-    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=graph, attention=attention, layer_of=layer_of, windows=windows)
+    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=graph, attention=attention, layer_of=layer_of)
     decomposed = {op: n for op, n in decompose(model, trt_version).items() if n} if trt_version else {}
     fused_for_ort = fuse_for_ort(model, positions=positions) if ort_fusions else None
     quantized = quantize_weights(model, int4) if int4 is not None else None
@@ -631,12 +629,9 @@ def export(
             return encoder_decoder_graphs(model, facts)
         return decoder_graphs(model, traced_layers, graphs, explicit_positions=explicit_positions) if decoder else encoder_graphs(model)
 
-    windows = ort_gqa.sliding_windows(model.config, layers) if choice.kind == "ort-gqa" else ()
-
     def export_one(folder: Path, spec: GraphSpec, template: LayerTemplate | None) -> dict:
         summary = export_graph(
-            spec, folder, opset=opset, kv_heads=kv_heads, layers=layers, attention=choice.kind, windows=windows,
-            trt_version=trt_version, ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
+            spec, folder, opset=opset, kv_heads=kv_heads, layers=layers, attention=choice.kind, trt_version=trt_version, ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
             int4=int4, weights=weights, template=template, progress=progress,
         )  # fmt: skip
         return {**summary, "attention": choice.kind, "attention_reason": choice.reason}

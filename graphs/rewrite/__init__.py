@@ -68,7 +68,6 @@ def optimize(
     graph: str = "graph",
     attention: AttentionKind = "onnx",
     layer_of: Callable[[AttentionNode], int | None] | None = None,
-    windows: Sequence[int | None] = (),
 ) -> FusionReport:
     """Apply every rule in place, then fail (CheckFailed) unless each layer has one fused GQA node
     at its kv heads (`kv_heads`: one count for every layer, or one per layer).
@@ -79,8 +78,7 @@ def optimize(
 
     attention="ort-gqa" (decoder graphs only: the contrib op is causal) ends with
     com.microsoft.GroupQueryAttention instead of the standard Attention; see ort_gqa for its
-    padding contract. `windows` (one per layer, None for full attention) become those nodes'
-    local_window_size.
+    padding contract.
     """
     if attention not in ATTENTION_OPS:
         raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
@@ -92,10 +90,6 @@ def optimize(
         fusions |= {rule.name: rule.apply_to_model(model) for rule in ort_gqa.rules(model)}
         deduplicate(model)  # one seqlens_k / total_sequence_length for all layers
         cleanup(model)
-        if any(w is not None for w in windows):
-            nodes = [node for node in model.graph if is_attention_node(node, attention)]  # without scopes: graph order
-            layers = [(node, i if _layer(node) is None else _layer(node)) for i, node in enumerate(nodes)]
-            fusions["SlidingWindow"] = ort_gqa.set_windows(layers, windows)
     found = attention_nodes(model, attention)
     if layer_of is not None:
         found = [replace(node, layer=layer_of(node)) for node in found]

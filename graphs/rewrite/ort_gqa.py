@@ -13,9 +13,7 @@ right-padded batches**, which is what onnxruntime-genai feeds (its prompts right
 one appended to the mask per step). A left-padded row would attend to its pads: ORT keeps each
 row's cache compact, writing a new token's K/V at the row's own length, so a pad before a row's
 real tokens takes a cache slot a later token's position reads. The caller keeps appending ones to
-`attention_mask` exactly as for the standard graphs. A layer with a sliding window gets it as
-`local_window_size` (the same count of visible keys as transformers' `sliding_window`), read from
-the config (`sliding_windows`), not from the mask.
+`attention_mask` exactly as for the standard graphs.
 
 In the merged graph every layer's node takes past K/V and writes present K/V in every phase (an
 empty past at the prompt), so onnxruntime-genai can hand it one max-length buffer as both
@@ -25,7 +23,6 @@ non-empty past when the batch has more than one row; one row (chat turns) and th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import onnx_ir as ir
@@ -115,26 +112,6 @@ def rules(model: ir.Model) -> list:
     if mask is None:
         return []
     return [AttentionToGroupQueryAttention.rule(mask, past=True), AttentionToGroupQueryAttention.rule(mask, past=False)]
-
-
-def sliding_windows(config: Any, layers: int) -> list[int | None]:
-    """Each layer's sliding window (keys a token sees, itself included) as the transformers config
-    gives it to the mask: every layer when the config has a window and no layer_types (Mistral,
-    Phi-3), else the layers typed "sliding_attention" (Qwen2/3 with use_sliding_window)."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["sliding_attention"] * layers
-    return [window if isinstance(window, int) and window > 0 and kind == "sliding_attention" else None for kind in types]
-
-
-def set_windows(nodes: Sequence[tuple[ir.Node, int | None]], windows: Sequence[int | None]) -> int:
-    """`local_window_size` on each (GroupQueryAttention node, its layer) whose layer has a window; how many."""
-    count = 0
-    for node, layer in nodes:
-        window = windows[layer] if layer is not None and 0 <= layer < len(windows) else None
-        if window is not None:
-            node.attributes["local_window_size"] = ir.AttrInt64("local_window_size", window)
-            count += 1
-    return count
 
 
 def inexpressible(facts: Any) -> str | None:

@@ -3,8 +3,8 @@
 Batch 1 and batch 4 with prompts of different lengths (right-padded, as og.Tokenizer pads and as og
 feeds them: its own input log shows it), for the default folder (GroupQueryAttention with shared K/V
 buffers) of the embedded model at kv 4 (rotary inside the op, packed Q/K/V), a per-layer plan
-(4,2,1,1), every tiny decoder family fed token ids directly (BLOOM keeps the standard Attention) and
-sliding windows; the standard-Attention folder too. A multi-turn conversation (tokens appended after
+(4,2,1,1) and every tiny decoder family fed token ids directly (BLOOM keeps the standard Attention);
+the standard-Attention folder too. A multi-turn conversation (tokens appended after
 a past) equals torch on the concatenated turns; og's own shape log shows the default graph writing
 into one shared max-length K/V buffer. The embedded model's tokenizer files encode every text to its
 UTF-8 bytes in transformers and og.
@@ -43,11 +43,6 @@ def folders(tiny_checkpoint, tmp_path_factory):
     sources = {
         "default-kv4": lambda: convert(DEFAULT, root / "default-kv4", 4, method="mean", progress=False),
         "default-4,2,1,1": lambda: convert(DEFAULT, root / "default-plan", (4, 2, 1, 1), method="mean", progress=False),
-        # a window of 5 keys, shorter than every prompt plus its answer (Mistral's whole stack, Qwen2's layers ≥ 1)
-        "mistral-window": lambda: convert(tiny_checkpoint("mistral", sliding_window=5), root / "mistral-window", 2, method="mean", progress=False),
-        "qwen2-window": lambda: convert(
-            tiny_checkpoint("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1), root / "qwen2-window", 2, method="mean", progress=False
-        ),
     }
     cache: dict[str, tuple[Path, Path]] = {}
 
@@ -155,16 +150,6 @@ def test_every_family_generates_torch_tokens(tiny_export, family: str, kv: int) 
     assert summary["attention"] == ("onnx" if family == "bloom" else "ort-gqa"), summary["graphs"]["model.onnx"]["attention_reason"]
     share = json.loads((folder / CONFIG_FILE).read_text())["search"]["past_present_share_buffer"]
     assert share is (summary["attention"] == "ort-gqa")
-    _assert_same_tokens(checkpoint, folder, _tiny_prompts(VOCAB))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window"])
-def test_sliding_windows_generate_torch_tokens(folders, name: str) -> None:
-    """A sliding window becomes its layers' local_window_size: past the window og still follows torch."""
-    checkpoint, folder = folders(name)
-    fused = json.loads((folder / "export.json").read_text())["graphs"]["model.onnx"]["fusions"]
-    assert fused["SlidingWindow"] == (2 if name == "mistral-window" else 1)
     _assert_same_tokens(checkpoint, folder, _tiny_prompts(VOCAB))
 
 
