@@ -50,6 +50,7 @@ from headfold.ground.artifacts import DECODE_GRAPH, MODEL_GRAPH, PREFILL_GRAPH
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput, HeadfoldError, first_line
 from headfold.ground.export_summary import ExportSummary
+from headfold.ground.units import INT4  # MatMul weights in 4 bits (graphs.rewrite.int4), traced and everything else in fp32
 
 __all__ = [
     "export",
@@ -78,7 +79,6 @@ log = logging.getLogger(__name__)
 # next to an Attention node) for ≥ 26, see shared/notes/runtime-facts.md.
 OPSETS = (23, 24, 25)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-INT4 = "int4"  # MatMul weights in 4 bits (graphs.rewrite.int4), traced and everything else in fp32
 
 WRAPPED = "model"  # the attribute the graph modules below keep the transformers model in: its parameters' prefix
 # Example sizes for tracing; all are dynamic in the graph. Avoid 0/1, which torch.export specialises.

@@ -11,6 +11,7 @@ from headfold.ground.errors import BadInput
 from headfold.ground.inputs import shown
 
 PRECISIONS = ("fp32", "fp16", "bf16")  # what export writes, build builds and verify budgets key on; most to fewest mantissa bits
+INT4 = "int4"  # export's 4-bit MatMul weights: no engine precision, compared by its loss, not element by element
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", re.IGNORECASE)
 COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
 

@@ -29,7 +29,7 @@ from headfold.converter.seq2seq import DEFAULT_POOL, POOL_CHOICES
 from headfold.ground.artifacts import CREATED_BY, created_by
 from headfold.ground.errors import BadInput, HeadfoldError
 from headfold.ground.inputs import printable
-from headfold.ground.units import PRECISIONS, parse_fraction
+from headfold.ground.units import INT4, PRECISIONS, parse_fraction
 
 log = logging.getLogger(__name__)
 OPTIONS = "Options"  # the heading of a command's own options, listed first
@@ -160,7 +160,7 @@ JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"
 REVISION = spec("--revision", default=None, metavar="REV", help="Branch, tag or commit of the hub ids (ORG/NAME) given as checkpoints; they are read from the Hugging Face cache (HF_HOME), fetched when online.")
 TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")
 OPSET = spec("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25 (Attention exists from 23; torch writes invalid models above 25).")
-DTYPE = spec("--dtype", type=click.Choice((*PRECISIONS, "int4")), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
+DTYPE = spec("--dtype", type=click.Choice((*PRECISIONS, INT4)), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
 
 
 # -- groups: options under one heading that become one argument --------------------------------

@@ -6,9 +6,9 @@ model is the checkpoint export.json names as its source; an engine's is its sour
 (found through the engine's .engine.json sidecar). A decoder export's graph carries the graph
 that continues from its cache along (`Artifact.decode`) for the KV-cache check
 (verification.decoding): a merged model.onnx continues through itself, a split prefill.onnx
-through decode.onnx; a merged GroupQueryAttention graph continues in one shared past/present buffer
-per layer, as onnxruntime-genai runs it (`Artifact.shared_cache`). An encoder-decoder's export is its encoder.onnx with decoder.onnx as its
-`pair`, run together (verification.seq2seq).
+through decode.onnx; a merged GroupQueryAttention graph continues in one shared past/present
+buffer per layer, as onnxruntime-genai runs it (`Artifact.shared_cache`). An encoder-decoder's
+export is its encoder.onnx with decoder.onnx as its `pair`, run together (verification.seq2seq).
 Same model on both sides → fidelity, or loss where a side has int4 weights (quantization loses
 what a conversion loses: the same metrics and budgets); a candidate whose model is a headfold
 conversion (headfold.json) of the reference's → conversion loss.
@@ -29,14 +29,13 @@ from headfold.ground.artifacts import DECODE_GRAPH, DECODER_GRAPH, ENCODER_GRAPH
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.ground.inputs import check_links
-from headfold.ground.units import PRECISIONS
+from headfold.ground.units import INT4, PRECISIONS
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 
 GRAPHS = (PREFILL_GRAPH, MODEL_GRAPH)  # the full-sequence graph of a decoder / an encoder
 PREFILL_ENGINE, DECODE_ENGINE = engine_name(PREFILL_GRAPH), engine_name(DECODE_GRAPH)  # the pair after `headfold build`
 ENGINES = tuple(map(engine_name, GRAPHS))  # in a `headfold build` folder, like GRAPHS
 _TORCH_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-QUANTIZED = "int4"  # an export's weight precision beyond PRECISIONS (graphs.rewrite.int4): compared by its loss
 
 
 @dataclass(frozen=True)
@@ -187,7 +186,7 @@ def resolve(path: Path) -> Artifact:
 
 
 def loosest(a: str, b: str) -> str:
-    return max(a, b, key=(*PRECISIONS, QUANTIZED).index)  # from most to fewest mantissa bits
+    return max(a, b, key=(*PRECISIONS, INT4).index)  # from most to fewest mantissa bits
 
 
 def _converted_from(reference: Path, candidate: Path) -> bool:
@@ -202,7 +201,7 @@ def check_kind(reference: Artifact, candidate: Artifact, requested: str = "auto"
         return requested
     if reference.model == candidate.model or None in (reference.model, candidate.model):
         # an ONNX file of unknown origin is taken to be the other side's export
-        return "loss" if QUANTIZED in (reference.precision, candidate.precision) else "fidelity"
+        return "loss" if INT4 in (reference.precision, candidate.precision) else "fidelity"
     if candidate.is_conversion and _converted_from(reference.model, candidate.model):
         return "loss"
     if candidate.is_conversion:

@@ -14,9 +14,9 @@ from typing import Any
 
 from headfold.ground.errors import BadInput
 from headfold.ground.inputs import read_config_file, shown
-from headfold.ground.units import PRECISIONS, parse_fraction
+from headfold.ground.units import INT4, PRECISIONS, parse_fraction
 
-BUDGET_PRECISIONS = (*PRECISIONS, "int4")  # a budget file's per-precision sub-tables; int4 exports are gated by their loss
+BUDGET_PRECISIONS = (*PRECISIONS, INT4)  # a budget file's per-precision sub-tables ([loss.int4]: int4 exports are gated by their loss)
 
 # atol/rtol follow Polygraphy: an element fails only when it exceeds both. The fp32 numbers
 # leave about two orders of magnitude over what ONNX Runtime and torch differ by on CPU (the export

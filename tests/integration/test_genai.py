@@ -187,24 +187,29 @@ def test_multi_turn_append_equals_torch(folders) -> None:
     assert answers == [first, second]
 
 
+def og_log(folder: Path, prompts: list[list[int]], max_length: int, capfd, **logged: bool) -> str:
+    """og's own log (`logged`: og.set_log_options flags) of the prompt's run and two steps, colours stripped."""
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=max_length, do_sample=False, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    og.set_log_options(enabled=True, **logged)
+    try:
+        generator.append_tokens(np.array(prompts, dtype=np.int32))
+        generator.generate_next_token()
+        generator.generate_next_token()
+    finally:
+        og.set_log_options(enabled=False, **dict.fromkeys(logged, False))
+    captured = capfd.readouterr()
+    return re.sub(r"\x1b\[[0-9;]*m", "", captured.out + captured.err)
+
+
 @pytest.mark.slow
 def test_ort_gqa_writes_into_one_shared_buffer(folders, capfd) -> None:
     """og's own log of output shapes: with past_present_share_buffer every present.{i} is the
     max_length buffer from the prompt on, i.e. GroupQueryAttention wrote in place (no Concat copy)."""
     _, folder = folders("default-kv4")
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=40, do_sample=False)
-    generator = og.Generator(model, params)
-    og.set_log_options(enabled=True, model_output_shapes=True)
-    try:
-        generator.append_tokens(np.array([list(b"def f(x):")], dtype=np.int32))
-        generator.generate_next_token()
-        generator.generate_next_token()
-    finally:
-        og.set_log_options(enabled=False, model_output_shapes=False)
-    captured = capfd.readouterr()
-    log = re.sub(r"\x1b\[[0-9;]*m", "", captured.out + captured.err)
+    log = og_log(folder, [list(b"def f(x):")], 40, capfd, model_output_shapes=True)
     shapes = re.findall(r"present\.0\.key ShapeDims\[ 4\]Shape\[ ([\d ]+) \]", log)
     assert len(shapes) == 2 and all(shape.split() == ["1", "4", "40", "32"] for shape in shapes)
 
@@ -214,19 +219,7 @@ def test_og_feeds_right_padded_prompts(folders, capfd) -> None:
     with the pad id and masked, then each step's token with a one appended to the mask — the padding
     GroupQueryAttention's row lengths describe (ort_gqa)."""
     _, folder = folders("default-kv4")
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=12, do_sample=False, batch_size=2)
-    generator = og.Generator(model, params)
-    og.set_log_options(enabled=True, model_input_values=True)
-    try:
-        generator.append_tokens(np.array([list(b"abcde"), list(b"abc") + [0, 0]], dtype=np.int32))
-        generator.generate_next_token()
-        generator.generate_next_token()
-    finally:
-        og.set_log_options(enabled=False, model_input_values=False)
-    captured = capfd.readouterr()
-    log = re.sub(r"\x1b\[[0-9;]*m", "", captured.out + captured.err)
+    log = og_log(folder, [list(b"abcde"), list(b"abc") + [0, 0]], 12, capfd, model_input_values=True)
     masks = re.findall(r"Name: attention_mask ShapeDims\[ 2\]Shape\[ ([\d ]+) \].*?\nValues\[ ([\d .]+) \]", log)
     assert [(shape.split(), values.split()) for shape, values in masks] == [
         (["2", "5"], "1 1 1 1 1 1 1 1 0 0".split()),
