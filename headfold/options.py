@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 OPTIONS = "Options"  # the heading of a command's own options, listed first
 CONVERSION, EXPORT = "Conversion options", "Export options"
 PATH = click.Path(path_type=Path)
+CHECKPOINT = click.Path()  # a str as typed: converter/sources.py reads "./x" and "x/" as paths, "ORG/NAME" as a hub id
 
 
 class Option(click.Option):

@@ -83,6 +83,7 @@ def test_groups_build_the_objects_their_commands_take() -> None:
 def test_an_option_that_does_not_apply_is_an_error(args: list[str], words: str, tmp_path: Path, capsys) -> None:
     (tmp_path / "t.txt").write_text("some text")
     (tmp_path / "ids.txt").write_text("1 2 3\n")
+    (tmp_path / "src").mkdir()  # a folder, empty: the option is refused before anything reads it (a missing one is "no such folder")
     before = sorted(p.name for p in tmp_path.iterdir())
     code = main([a.format(d=tmp_path) for a in args])
     err = capsys.readouterr().err.strip()
