@@ -257,7 +257,7 @@ def verify_cmd(reference: str, candidate: str, check: str, inputs: InputSpec, th
     files = [p for p in (None if output.json_to_stdout else output.json_path, markdown_path, junit_path) if p is not None]
     reads = files_read(reference, candidate, inputs, thresholds)
     check_outputs([(p, False) for p in files], overwrite=output.overwrite, sources=reads)  # before the work
-    report = verify(reference, candidate, inputs=inputs, thresholds=thresholds, check=check)
+    report = verify(reference, candidate, inputs=inputs, thresholds=thresholds, check=check, progress=output.progress)
     report.write(None if output.json_to_stdout else output.json_path, markdown_path, junit_path, overwrite=output.overwrite, sources=reads)
     _finish(report, replace(output, json_path=Path("-") if output.json_to_stdout else None))
 
@@ -395,35 +395,56 @@ def inspect_cmd(src: str, candidates: str | None, method: str, kv_budget, calibr
 DEMO_TOKENS = (("--distill-tokens",), {**DISTILL_TOKENS[1], "default": "1.5%"})
 
 
+def _demo_rows() -> int:
+    """--max-rows of the demo: the rows its reference budget was measured on (imported when the demo runs)."""
+    from headfold.demo import DEMO_INPUTS
+
+    return DEMO_INPUTS.max_rows
+
+
 @cli.command()
 @conversion_options(kv_default="4", written=False)
+@calibration_options
+@distill_stage_options
 @options(
     DEMO_TOKENS,
     spec("--no-distill", is_flag=True, help="Skip distillation: what training-free conversion alone reaches (the reference budget then fails)."),
     title="Distill stage",
 )  # fmt: skip
+@export_options
+@profile_options
+@input_options(max_rows={"default": _demo_rows, "show_default": "the rows of the reference budget"})
 @threshold_options
 @options(spec("--keep", type=PATH, default=None, metavar="DIR", help="Run in DIR and keep it (the stage folders and reports); default: a temporary folder, removed at the end."), title="Output")
 @output_options(writes=True)
-def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: str, no_distill: bool, thresholds: Thresholds, keep: Path | None, output: Output) -> None:
+def demo(
+    kv_heads: int | tuple[int, ...], method: str, calibration: Calibration, distill: DistillStage | None, distill_tokens: str, no_distill: bool,
+    export: ExportOptions, profile: Profile, trt_version: str | None, inputs: InputSpec, thresholds: Thresholds, keep: Path | None, output: Output,
+) -> None:  # fmt: skip
     """`headfold run` on the embedded trained model (Llama layout, 4 layers × 8 heads).
 
     Converts, distills on the model's own training split, exports, (builds where TensorRT is
     present) and verifies on Python documentation text the model never saw in training, then
     prints the report table. Without --budget the gates are the embedded model's reference budget
-    (headfold/data/default_model/demo-budget.toml).
+    (headfold/data/default_model/demo-budget.toml). Takes run's options for every stage
+    (--distill-… over the demo's own distillation).
     """
     from headfold.demo import DEMO_DISTILL, demo_budget
     from headfold.demo import demo as run_demo
     from headfold.distillation.stage import DistillStage
 
     if no_distill:
-        refuse(("distill_tokens",), "with --no-distill")
+        refuse([name for name in click.get_current_context().params if name.startswith("distill_")], "with --no-distill")
     if keep is None:
         refuse(("overwrite",), "without --keep DIR (the demo writes nowhere else)")
-    distill = None if no_distill else DistillStage(None, {**DEMO_DISTILL.options, "tokens": distill_tokens})
+    asked = distill or DistillStage(None, {})  # the --distill-… options given, over the demo's own distillation
+    own = {**DEMO_DISTILL.options, **({} if "steps" in asked.options else {"tokens": distill_tokens})}  # --distill-steps replaces its tokens
+    distill = None if no_distill else DistillStage(asked.data, {**own, **asked.options}, asked.eval_data)
     budget = thresholds if thresholds.file else replace(thresholds, file=demo_budget())
-    report = run_demo(kv_heads, method, distill=distill, thresholds=budget, keep=keep, overwrite=output.overwrite, progress=output.progress)
+    report = run_demo(
+        kv_heads, method, distill=distill, thresholds=budget, keep=keep, overwrite=output.overwrite, progress=output.progress,
+        calibration=calibration.kwargs(), export=export.kwargs(), build=profile.kwargs(), inputs=inputs,
+    )  # fmt: skip
     _finish(report, output)
     if keep is not None:
         output.say(f"kept {keep}: convert/, {'distill/, ' if distill else ''}export/, verify/ (report.json, report.md, junit.xml)")
