@@ -115,7 +115,7 @@ def _near(text: str) -> str:
     """' (did you mean NAME?)' for an entry beside the missing path whose name is close to it."""
     path = Path(text).expanduser()
     try:
-        names = [entry.name for entry in os.scandir(path.parent or ".")]
+        names = [entry.name for entry in os.scandir(path.parent)]
     except OSError:
         return ""
     near = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
@@ -179,7 +179,7 @@ def _not_in_cache(repo_id: str, revision: str | None, err: Exception) -> str:
     from huggingface_hub import errors as hub
 
     at, cache = _at(repo_id, revision), constants.HF_HUB_CACHE
-    if isinstance(err, hub.IncompleteSnapshotError):
+    if isinstance(err, getattr(hub, "IncompleteSnapshotError", ())):  # huggingface_hub 2 on
         what = f"the Hugging Face cache ({cache}) holds an incomplete copy of {at}"
     elif refs := _cached_refs(repo_id):
         what = f"the Hugging Face cache ({cache}) has {repo_id} at {', '.join(refs)} but not at {revision or 'main'} (--revision picks one)"

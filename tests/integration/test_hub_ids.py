@@ -236,8 +236,9 @@ def test_the_cache_never_leads_outside_itself(lay_out, words: list[str], hub: Pa
 
 
 @pytest.mark.slow
-def test_inspect_distill_export_verify_and_run_take_a_hub_id(hub: Path, tmp_path: Path, capsys) -> None:
+def test_inspect_distill_export_verify_and_run_take_a_hub_id(hub: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     """The embedded model, served from the cache: every other command that takes a checkpoint."""
+    monkeypatch.chdir(tmp_path)  # not the repository root, whose headfold/ folder would make the id a path
     cache_entry(hub, EMBEDDED_REPO, default_model_path())
     rows = ["--max-rows", "2", "--window", "32", "--decode-steps", "2"]
     code, out, err = cli(capsys, "inspect", EMBEDDED_REPO, "--candidates", "4", "--calibration-tokens", "256", "--json", "-q")
