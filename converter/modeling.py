@@ -462,10 +462,15 @@ def _gqa_class(config: transformers.PretrainedConfig, heads: int, kv_heads: tupl
 
 def _native_gqa(config: transformers.PretrainedConfig) -> bool:
     """Whether transformers groups this family's K/V itself: the spec says so (gpt_bigcode: multi_query);
-    for a family without a spec, its config class declares num_key_value_heads."""
+    for a family without a spec, its config class declares num_key_value_heads or derives it (falcon
+    from multi_query, transformers 5.25 on): read off a config built from the class's defaults, so that
+    a stray key in config.json does not count."""
     if config.model_type in supported_model_types():
         return spec_for(config.model_type).native_gqa
-    return hasattr(type(config), "num_key_value_heads")
+    try:
+        return hasattr(type(config)(), "num_key_value_heads")
+    except (ValueError, TypeError, StrictDataclassError):  # a class with no defaults for everything: what it declares
+        return hasattr(type(config), "num_key_value_heads")
 
 
 def _open(file: Path) -> safe_open:

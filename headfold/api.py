@@ -304,6 +304,7 @@ def verify(
     min_cosine: float | None = None,
     atol: float | None = None,
     rtol: float | None = None,
+    progress: bool = True,
 ) -> Report:
     """Compare CANDIDATE with REFERENCE on the same inputs (`headfold verify`); the report.
 
@@ -328,11 +329,12 @@ def verify(
         min_top1: smallest top-1 agreement, e.g. "90%".
         min_cosine: smallest cosine.
         atol, rtol: fidelity: an element fails when it exceeds both.
+        progress: show a progress bar (rows done).
     """
     from headfold.verification.api import verify as run_verify
 
     return run_verify(
-        reference, candidate, check=check, revision=revision,
+        reference, candidate, check=check, revision=revision, progress=progress,
         inputs=_inputs(text, token_ids, window, max_rows, batch_size, seed, decode_steps),
         thresholds=_thresholds(budget, max_ppl_increase, max_kl, min_top1, min_cosine, atol, rtol),
     )  # fmt: skip

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 OPTIONS = "Options"  # the heading of a command's own options, listed first
 CONVERSION, EXPORT = "Conversion options", "Export options"
 PATH = click.Path(path_type=Path)
+CHECKPOINT = click.Path()  # a str as typed: converter/sources.py reads "./x" and "x/" as paths, "ORG/NAME" as a hub id
 
 
 class Option(click.Option):
@@ -335,8 +336,10 @@ INPUT_SPECS = (
 TOKEN_IDS = spec("--token-ids", type=PATH, default=None, metavar="FILE", help="Feed these token ids instead of a text: one row per line, whitespace-separated ids. Without it, a model with no tokenizer files gets seeded random ids (fidelity only).")
 
 
-def input_options(token_ids: bool = False) -> OptionGroup:
-    return OptionGroup("Input options", INPUT_SPECS + ((TOKEN_IDS,) if token_ids else ()), "inputs", _input_spec)
+def input_options(token_ids: bool = False, **changed: dict[str, Any]) -> OptionGroup:
+    """The input group; `changed` replaces click keywords of an option by its name (demo: max_rows's default)."""
+    specs = [(decls, {**kwargs, **changed.get(decls[0][2:].replace("-", "_"), {})}) for decls, kwargs in INPUT_SPECS + ((TOKEN_IDS,) if token_ids else ())]
+    return OptionGroup("Input options", tuple(specs), "inputs", _input_spec)
 
 
 # Thresholds of verify / run / demo
@@ -563,6 +566,9 @@ def quiet_libraries() -> None:
 
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per runner otherwise
         hf_logging.set_verbosity_error()
-    warnings.filterwarnings("ignore")  # torch.onnx's "torchvision is not installed" and friends
+    warnings.filterwarnings("ignore")
+    # torch.onnx's "torchvision is not installed" lines and friends: torch resets its own loggers when
+    # it is imported, so a torch imported later is told through TORCH_LOGS ('-': errors only).
+    os.environ.setdefault("TORCH_LOGS", "-onnx,-export")
     for name in ("torch.onnx", "onnxscript", "torch._dynamo", "torch.export"):
         logging.getLogger(name).setLevel(logging.ERROR)

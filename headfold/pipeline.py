@@ -119,7 +119,7 @@ def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work
     return digest, result
 
 
-def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: str, engines: Path | None = None) -> Report:
+def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: str, engines: Path | None = None, progress: bool = False) -> Report:
     from headfold.verification.api import run_artifact_checks
 
     original, conversion, graph = resolve(src), resolve(converted), resolve(onnx_dir)
@@ -130,7 +130,7 @@ def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresho
     ]
     if engines is not None:  # the prefill engine against the converted checkpoint, like the ONNX graph
         checks.append(("fidelity-tensorrt", "fidelity", conversion, resolve(engines), thresholds.fidelity(dtype)))
-    return Report(run_artifact_checks(checks, inputs), inputs.info)
+    return Report(run_artifact_checks(checks, inputs, progress=progress), inputs.info)
 
 
 def _write_report(report: Report, folder: Path) -> None:
@@ -293,7 +293,7 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budget
     }
 
     def verify_stage() -> Report:
-        report = _verify(src, converted, onnx_dir, settings.inputs, settings.thresholds, settings.dtype, engines if build_digest else None)
+        report = _verify(src, converted, onnx_dir, settings.inputs, settings.thresholds, settings.dtype, engines if build_digest else None, settings.progress)
         report.stages = {**stages, "verify": "ran"}
         _write_report(report, verified)
         return report
