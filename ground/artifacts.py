@@ -32,7 +32,7 @@ ENGINE_SUFFIXES = (ENGINE_SUFFIX, ".plan")  # what build and verify take as an e
 SIDECAR_SUFFIX = ".json"  # model.engine -> model.engine.json, the engine sidecar
 REPORT = "report.json"  # headfold verify / run: the checks and their verdicts
 
-# What marks a folder as headfold's own output, which `--overwrite` may replace (DESIGN.md)
+# What marks a folder as headfold's own output, which `--overwrite` may replace (docs/design.md)
 OWN_RECORDS = (MANIFEST, EXPORT_SUMMARY, LEDGER, REPORT)
 # ... and a single file (a report, a plan, a PNG, an .onnx): this text in it. JSON carries it as
 # {"created_by": "headfold VERSION"}, Markdown and XML as a comment, a PNG as its Software text

@@ -1,4 +1,4 @@
-"""The ways headfold stops early; the CLI maps them to exit codes (DESIGN.md): 1 a check failed,
+"""The ways headfold stops early; the CLI maps them to exit codes (docs/design.md): 1 a check failed,
 2 bad input, 3 anything else (a bug)."""
 
 from __future__ import annotations

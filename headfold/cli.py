@@ -1,4 +1,4 @@
-"""The `headfold` command line (contract in DESIGN.md): exit 0 ok, 1 a check failed, 2 bad input, 3 a bug.
+"""The `headfold` command line (contract in docs/design.md): exit 0 ok, 1 a check failed, 2 bad input, 3 a bug.
 
 The options are declared once, in groups, in headfold/options.py; each command here says which
 groups it takes and does its work with the objects they build. Every command takes the same
