@@ -27,7 +27,7 @@ from support.hostile import World, assert_one_line, entries, make_world
 from support.tiny_models import make_checkpoint
 
 import headfold.converter.conversion as conversion
-from headfold import corpus
+from headfold import convert, corpus
 from headfold.cli import main
 from headfold.engines import env
 from headfold.ground.errors import BadInput
@@ -299,13 +299,16 @@ def test_config_values_are_checked_by_every_loader(case: str, src: Path, tmp_pat
 
 
 def test_absurd_sizes_are_refused_before_a_model_is_built(tiny_checkpoint, tmp_path: Path, capsys) -> None:
-    """A converted GPT-2 (headfold's own GQA module) whose config claims 10^10 tokens: a shape
-    mismatch against the weights, found on the meta device, not a MemoryError."""
+    """A converted GPT-2 (headfold's own GQA module) whose config claims 10^10 tokens: refused by the
+    reader, naming the key; one that claims 10^6: a shape mismatch against the weights, found on the
+    meta device, naming the tensor and the key. Never a MemoryError."""
     converted = tmp_path / "gpt2-kv2"
     assert run(capsys, "convert", tiny_checkpoint("gpt2"), converted, "--kv-heads", "2", "--method", "mean", "-q")[0] == 0
-    edit_config(converted, vocab_size=10**10)
     report = tmp_path / "report.json"
-    refused(capsys, converted, report, ["verify", converted, converted, "--report", report], "wte.weight")
+    edit_config(converted, vocab_size=10**10)
+    refused(capsys, converted, report, ["verify", converted, converted, "--report", report], "'vocab_size' is 10000000000, more than")
+    edit_config(converted, vocab_size=10**6)
+    refused(capsys, converted, report, ["verify", converted, converted, "--report", report], "wte.weight", "(vocab_size=1000000) implies [1000000,")
 
 
 # ---- 5. one line, always ----------------------------------------------------------------------
@@ -645,6 +648,51 @@ def test_every_command_refuses_a_hostile_checkpoint(case: str, command: str, wor
     assert_one_line(*run(capsys, *ON_CHECKPOINT[command](world, src, out)), 2, *words)
     assert_nothing_written(out)
     assert tree_digest(src) == before and world.digests() == inputs
+
+
+@pytest.fixture(scope="module")
+def seq2seq_pairs(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """family → (its tiny checkpoint, its kv-2 conversion): what the encoder-decoder cases break."""
+    folder = tmp_path_factory.mktemp("seq2seq")
+    return {family: (tiny_checkpoint(family), convert(tiny_checkpoint(family), folder / family, 2, method="mean", progress=False)) for family in ("t5", "bart", "whisper")}
+
+
+LOADERS = ("export", "verify", "run")  # what builds the model config.json describes and matches it to the weights
+# case → (family, config.json changes, the commands that refuse it, words of the refusal)
+SEQ2SEQ_CONFIGS: dict[str, tuple[str, dict, tuple[str, ...], tuple[str, ...]]] = {
+    "negative max_source_positions": ("whisper", {"max_source_positions": -5}, (*ON_CHECKPOINT,), ("'max_source_positions'", "positive integer")),
+    "absurd max_source_positions": ("whisper", {"max_source_positions": 10**12}, (*ON_CHECKPOINT,), ("'max_source_positions'", "more than")),
+    "0 mel bins": ("whisper", {"num_mel_bins": 0}, (*ON_CHECKPOINT,), ("'num_mel_bins'", "positive integer")),
+    "absurd mel bins": ("whisper", {"num_mel_bins": 10**9}, (*ON_CHECKPOINT,), ("'num_mel_bins'", "more than")),
+    "mel bins not the weights'": ("whisper", {"num_mel_bins": 80}, LOADERS, ("num_mel_bins=80", "weights disagree")),
+    "absurd max_target_positions": ("whisper", {"max_target_positions": 10**12}, (*ON_CHECKPOINT,), ("'max_target_positions'", "more than")),
+    "negative d_kv": ("t5", {"d_kv": -8}, (*ON_CHECKPOINT,), ("'d_kv'", "positive integer")),
+    "absurd d_kv": ("t5", {"d_kv": 10**9}, (*ON_CHECKPOINT,), ("'d_kv'", "more than")),
+    "d_kv not the weights'": ("t5", {"d_kv": 16}, ("convert", "inspect", *LOADERS), ("d_kv 16", "disagree")),
+    "negative decoder layer count": ("t5", {"num_decoder_layers": -1}, (*ON_CHECKPOINT,), ("'num_decoder_layers'", "positive integer")),
+    "absurd decoder layer count": ("bart", {"decoder_layers": 10**9}, (*ON_CHECKPOINT,), ("'decoder_layers'", "more than 10000")),
+    "absurd encoder layer count": ("whisper", {"encoder_layers": 10**6}, (*ON_CHECKPOINT,), ("'encoder_layers'", "more than 10000")),
+    "a string MLP width": ("bart", {"encoder_ffn_dim": "96"}, (*ON_CHECKPOINT,), ("'encoder_ffn_dim'", "positive integer")),
+    "absurd decoder heads": ("bart", {"decoder_attention_heads": 10**8}, (*ON_CHECKPOINT,), ("'decoder_attention_heads'", "more than")),
+    "heads not dividing the width": ("bart", {"decoder_attention_heads": 7}, (*ON_CHECKPOINT,), ("d_model 64", "decoder_attention_heads 7")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case, command", [(case, command) for case, (_, _, commands, _) in SEQ2SEQ_CONFIGS.items() for command in commands])
+def test_encoder_decoder_config_values_are_checked(case: str, command: str, seq2seq_pairs, world: World, tmp_path: Path, capsys) -> None:
+    """Negative, absurd or weight-contradicting sizes of T5, BART and Whisper: one line naming the key,
+    before anything is sized by it; convert copies none of them into an output. distill gets the value in
+    its student (converted from a good teacher), the others in their source."""
+    family, changes, _, words = SEQ2SEQ_CONFIGS[case]
+    teacher, student = seq2seq_pairs[family]
+    broken = Path(shutil.copytree(student if command == "distill" else teacher, tmp_path / "src"))
+    edit_config(broken, **changes)
+    out = tmp_path / ("out.json" if command in ("verify", "inspect") else "out")
+    if command == "distill":
+        args = ["distill", teacher, broken, out, "--data", world.text, "--seq-len", "32", "--steps", "1", "-q"]
+    else:
+        args = ON_CHECKPOINT[command](world, broken, out)
+    refused(capsys, broken, out, args, *words)
 
 
 def _graph_names(*names: str) -> Callable[[Path], None]:
