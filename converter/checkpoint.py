@@ -283,8 +283,11 @@ def _head_shape(config: dict[str, Any], keys: ConfigKeys) -> HeadShape:
 def head_terms(config: dict[str, Any], keys: ConfigKeys, shape: HeadShape) -> str:
     """A head shape with the values named as config.json names them (T5's d_kv, Whisper's d_model), for
     a message about a tensor that does not fit it."""
-    head_dim = keys.head_dim if keys.head_dim and config.get(keys.head_dim) is not None else "head_dim"
-    return f"{shape.heads} heads, {shape.kv_heads} kv heads, {head_dim} {shape.head_dim}, {keys.hidden} {config[keys.hidden]}"
+    def named(key: str | None, value: int, otherwise: str) -> str:
+        return f"{key} {value}" if key and config.get(key) is not None else otherwise
+
+    heads, kv_heads = named(keys.heads, shape.heads, f"{shape.heads} heads"), named(keys.kv_heads, shape.kv_heads, f"{shape.kv_heads} kv heads")
+    return f"{heads}, {kv_heads}, {named(keys.head_dim, shape.head_dim, f'head_dim {shape.head_dim}')}, {keys.hidden} {config[keys.hidden]}"
 
 
 @dataclass(frozen=True)
