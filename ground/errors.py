@@ -19,6 +19,19 @@ class BadInput(HeadfoldError):
     exit_code = 2
 
 
+class BadOption(BadInput):
+    """A value outside its option's domain, naming the option as the command line spells it; a command
+    that takes another's options under a prefix (`run --distill-seq-len`) respells it."""
+
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"{option} {problem}")
+        self.option, self.problem = option, problem
+
+    def respelled(self, prefix: str) -> BadOption:
+        """The same error for the option spelled --PREFIX-NAME."""
+        return BadOption(f"--{prefix}-{self.option.removeprefix('--')}", self.problem)
+
+
 class CheckFailed(HeadfoldError):
     """A verification or fusion check failed: exit 1."""
 

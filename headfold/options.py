@@ -27,7 +27,7 @@ from click.core import ParameterSource
 from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.converter.seq2seq import DEFAULT_POOL, POOL_CHOICES
 from headfold.ground.artifacts import CREATED_BY, created_by
-from headfold.ground.errors import BadInput, HeadfoldError
+from headfold.ground.errors import BadInput, BadOption, HeadfoldError
 from headfold.ground.inputs import printable
 from headfold.ground.units import PRECISIONS, parse_fraction
 
@@ -190,7 +190,10 @@ class OptionGroup:
         def command(*args: Any, **values: Any) -> Any:
             if self.build is not None:  # an option an inner group declared too stays for that group
                 given = {field: values[name] if name in declared else values.pop(name) for name, field in names.items()}
-                values[self.into] = self.build(**given)
+                try:
+                    values[self.into] = self.build(**given)
+                except BadOption as err:  # named as this command spells it: --distill-seq-len
+                    raise err.respelled(self.prefix) if self.prefix else err from None
                 log.debug(f"{self.into}: {values[self.into]!r}")  # -v shows what the options became
             return f(*args, **values)
 
@@ -297,6 +300,11 @@ class Calibration:
     text: str | None = None  # a text file, 'weights', or None for the built-in text
     tokens: int = 4096
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        from headfold.converter.conversion import check_options
+
+        check_options(None, self.tokens)  # convert's own domain, checked as the options are parsed
 
     def kwargs(self) -> dict[str, Any]:
         """As headfold.converter.convert / inspect_checkpoint take them."""

@@ -836,6 +836,95 @@ def test_non_finite_options_are_refused(args: list[str], words: tuple[str, ...],
     assert_nothing_written(out)
 
 
+DISTILL_DOMAINS = [
+    ("--seq-len", "1"), ("--seq-len", "4096"), ("--batch-size", "0"), ("--steps", "0"), ("--eval-every", "0"), ("--eval-windows", "0"),
+    ("--tokens", "0"), ("--tokens", "5%"), ("--lr", "0"), ("--temperature", "-1"), ("--hidden-weight", "-1"),
+]  # fmt: skip
+# command → options outside their domain, each alone: what the command, its stages and the Python API refuse
+OPTION_DOMAINS: dict[str, list[tuple[str, str]]] = {
+    "distill": [*DISTILL_DOMAINS, ("--save-every", "0")],
+    "run": [
+        ("--window", "0"), ("--window", "1"), ("--batch-size", "0"), ("--max-rows", "-1"), ("--decode-steps", "-1"),
+        *((f"--distill-{option[2:]}", value) for option, value in DISTILL_DOMAINS),
+        ("--calibration-tokens", "0"), ("--shard-size", "0"), ("--opset", "22"), ("--trt-version", "9.0"), ("--batch", "0:1:2"), ("--workspace", "lots"),
+    ],
+    "verify": [("--window", "0"), ("--batch-size", "0"), ("--max-rows", "-1"), ("--decode-steps", "-1")],
+    "convert": [("--calibration-tokens", "0"), ("--calibration-tokens", "-5"), ("--shard-size", "0")],
+    "inspect": [("--calibration-tokens", "0")],
+}  # fmt: skip
+DOMAIN_ARGS: dict[str, Callable[[World, Path], list]] = {
+    "distill": lambda w, out: ["distill", w.src, w.student, out, "--data", w.text, "--seq-len", "32", "--steps", "1", "-q"],
+    "run": lambda w, out: ["run", w.src, out, "--kv-heads", "2", "--method", "mean"],
+    "verify": lambda w, out: ["verify", w.src, w.src, "--report", out],
+    "convert": lambda w, out: ["convert", w.src, out, "--kv-heads", "2", "--method", "aligned", "-q"],
+    "inspect": lambda w, out: ["inspect", w.src, "--json", out, "-q"],
+}
+
+
+@pytest.mark.parametrize("command, option, value", [(command, *case) for command, cases in OPTION_DOMAINS.items() for case in cases])
+def test_every_option_is_checked_before_the_first_write(command: str, option: str, value: str, world: World, tmp_path: Path, capsys) -> None:
+    """An option outside its domain, in any stage `run` runs: exit 2 and one line naming the option as the
+    command spells it, before anything is written (distill --seq-len 1 once divided by zero, run
+    --window 0 once ran convert and export first)."""
+    out = tmp_path / "out"
+    code, err = run(capsys, *DOMAIN_ARGS[command](world, out), option, value)
+    assert_one_line(code, err, 2, "TensorRT rule set for 9.0" if option == "--trt-version" else option)
+    assert entries(tmp_path) == []
+
+
+def test_the_python_api_checks_the_same_domains(world: World, tmp_path: Path) -> None:
+    """The settings objects check themselves: the API refuses what the command line refuses."""
+    import headfold
+    from headfold.distillation.stage import DistillStage
+    from headfold.verification.inputs import InputSpec
+
+    with pytest.raises(BadInput, match="--seq-len must be a whole number of at least 2"):
+        headfold.distill(world.src, world.student, tmp_path / "out", data=world.text, seq_len=1)
+    with pytest.raises(BadInput, match="--eval-every must be a whole number of at least 1, got 0"):
+        DistillStage(world.text, {"eval_every": 0})
+    with pytest.raises(BadInput, match=r"--window must be a whole number of at least 2 \(a token and the one it predicts\), got 0"):
+        InputSpec(window=0)
+    with pytest.raises(BadInput, match="--calibration-tokens must be a whole number of at least 1, got 0"):
+        headfold.run(world.src, tmp_path / "run", 2, method="mean", calibration_tokens=0)
+    assert entries(tmp_path) == []
+
+
+def _mixed_rows(kind: str) -> Callable[[Path], Path]:
+    """Forty text rows, then one (source, target) pair: as a .jsonl, a .parquet or a datasets folder."""
+    rows = [{"text": corpus.train_text()[i * 400 : (i + 1) * 400]} for i in range(40)] + [{"source": "a question", "target": "an answer"}]
+
+    def make(folder: Path) -> Path:
+        import datasets
+
+        if kind == "jsonl":
+            (folder / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+            return folder / "d.jsonl"
+        table = datasets.Dataset.from_list([{"text": None, "source": None, "target": None} | row for row in rows])
+        if kind == "parquet":
+            table.to_parquet(str(folder / "d.parquet"))
+            return folder / "d.parquet"
+        table.save_to_disk(str(folder / "d"))
+        return folder / "d"
+
+    return make
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "dataset folder"])
+@pytest.mark.parametrize("command", ["distill", "run"])
+def test_every_data_row_is_checked(command: str, kind: str, world: World, tmp_path: Path, capsys) -> None:
+    """A decoder's --data whose first rows are text and whose last is a (source, target) pair: refused
+    like a file of pairs, naming the row, before anything is written (run: before its first stage)."""
+    data = _mixed_rows(kind)(tmp_path)
+    capsys.readouterr()  # datasets' own progress bar
+    before, out = tree_digest(tmp_path), tmp_path / "out"
+    if command == "distill":
+        args = ["distill", world.src, world.student, out, "--data", data, "--seq-len", "32", "--steps", "1", "-q"]
+    else:
+        args = ["run", world.src, out, "--kv-heads", "2", "--method", "mean", "--distill-data", data, "--distill-seq-len", "32"]
+    assert_one_line(*run(capsys, *args), 2, "row 41", "(source, target) pair", "encoder-decoder")
+    assert tree_digest(tmp_path) == before and not out.exists()
+
+
 def test_a_diverging_distillation_writes_nothing_and_says_lower_lr(world: World, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     args = ["distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "2", "--eval-every", "1", "--eval-windows", "1"]
