@@ -266,15 +266,22 @@ def staging_folder(out: Path, *, overwrite: bool = False, ours: bool = False, is
 Outputs = Mapping[Path, bool] | Iterable[tuple[Path, bool]]  # each output path → whether it is a folder
 
 
-def check_outputs(outputs: Outputs, *, overwrite: bool, sources: Iterable[Path] = (), ours: bool = False) -> dict[Path, bool]:
-    """What atomic_outputs refuses, checked before the work: {output_path: is_dir}."""
+def check_outputs(outputs: Outputs, *, overwrite: bool, sources: Iterable[Path] = (), ours: bool = False, beside: Iterable[Path] = ()) -> dict[Path, bool]:
+    """What atomic_outputs refuses, checked before the work: {output_path: is_dir}. `beside`: the
+    command's other outputs, written on their own (a --json FILE's command writes OUT): none of
+    `outputs` may be one of them, hold one or lie inside one."""
     sources, pairs = list(sources), list(outputs.items() if isinstance(outputs, Mapping) else outputs)
     paths = {check_disjoint(out, sources): is_dir for out, is_dir in pairs}
     if len(paths) < len(pairs):
         raise BadInput(f"two outputs name the same path ({', '.join(sorted(map(str, (p for p, _ in pairs))))}); give each its own")
+    others = [output_path(other) for other in beside]
     for out, is_dir in paths.items():
-        if others := [o for o in paths if out in o.parents]:
-            raise BadInput(f"output {others[0]} lies inside output {out}; give them separate paths")
+        if out in others:
+            raise BadInput(f"two outputs name the same path ({out}); give each its own")
+        if inner := [o for o in [*paths, *others] if out in o.parents]:
+            raise BadInput(f"output {inner[0]} lies inside output {out}; give them separate paths")
+        if outer := [o for o in others if o in out.parents]:
+            raise BadInput(f"output {out} lies inside output {outer[0]}; give them separate paths")
         _refuse_existing(out, overwrite, "already exists", ours, is_dir)
     return paths
 

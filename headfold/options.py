@@ -247,12 +247,13 @@ class Output:
     def json_to_stdout(self) -> bool:
         return self.json_path is not None and str(self.json_path) == "-"
 
-    def check(self, sources: Iterable[Path] = ()) -> None:
-        """Refuse a --json FILE the policy would refuse (a link, an input, one of yours), before the work."""
+    def check(self, sources: Iterable[Path] = (), writes: Iterable[Path] = ()) -> None:
+        """Refuse a --json FILE the policy would refuse (a link, an input, one of yours, the command's
+        own outputs `writes` or a path inside one), before the work."""
         if self.json_path is not None and not self.json_to_stdout:
             from headfold.ground.atomic import check_outputs
 
-            check_outputs([(self.json_path, False)], overwrite=self.overwrite, sources=sources)
+            check_outputs([(self.json_path, False)], overwrite=self.overwrite, sources=sources, beside=writes)
 
     def emit(self, table: str, result: dict[str, Any] | str, sources: Iterable[Path] = (), *, written: bool = False) -> None:
         """The result: the table, or with --json - the JSON alone, or with --json FILE both (the file

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -475,6 +476,36 @@ def test_every_output_keeps_the_contract(command: str, kind: str, world: World, 
     assert entries(out.parent) == before and world.digests() == inputs
     assert scene is None or digest(out) == scene
     assert not (world.root / "elsewhere").exists()
+
+
+SMALL_RUN = ["--max-rows", "2", "--window", "8", "--decode-steps", "0"]
+# command → (its arguments writing OUT under the test's folder, the paths a --json FILE must not take: OUT, a path inside it, its other files)
+JSON_CLASHES: dict[str, tuple[Callable[[World, Path], list], Callable[[Path], list[Path]]]] = {
+    "convert": (lambda w, d: ["convert", w.src, d / "out", "--kv-heads", "2", "--method", "mean", "-q"], lambda d: [d / "out", d / "out" / "r.json"]),
+    "convert-onnx": (lambda w, d: ["convert", w.graph, d / "out.onnx", "--kv-heads", "2"], lambda d: [d / "out.onnx", d / "out.onnx.data"]),
+    "export": (lambda w, d: ["export", w.src, d / "out", "-q"], lambda d: [d / "out", d / "out" / "r.json"]),
+    "build a folder": (lambda w, d: ["build", w.export, d / "out", "--dry-run", "--trt-version", "10.15"], lambda d: [d / "out", d / "out" / "prefill.engine.json"]),
+    "build one engine": (lambda w, d: ["build", w.graph, d / "out.engine", "--dry-run", "--trt-version", "10.15"], lambda d: [d / "out.engine", d / "out.engine.json"]),
+    "distill": (
+        lambda w, d: ["distill", w.src, w.student, d / "out", "--data", w.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1", "-q"],
+        lambda d: [d / "out", d / "out" / "r.json", d / ".out.distill-state" / "r.json"],
+    ),
+    "run": (lambda w, d: ["run", w.src, d / "out", "--kv-heads", "2", "--method", "mean", *SMALL_RUN], lambda d: [d / "out", d / "out" / "r.json", d / "out" / "verify" / "r.json"]),
+    "demo --keep": (lambda w, d: ["demo", "--no-distill", "--keep", d / "out"], lambda d: [d / "out", d / "out" / "r.json"]),
+    "inspect --heatmap": (lambda w, d: ["inspect", w.src, "--calibration", "weights", "--heatmap", d / "out.png", "-q"], lambda d: [d / "out.png"]),
+    "verify --markdown": (lambda w, d: ["verify", w.src, w.src, *SMALL_RUN, "--markdown", d / "out.md"], lambda d: [d / "out.md"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command, clash", [(command, i) for command, (_, clashes) in JSON_CLASHES.items() for i in range(len(clashes(Path())))])
+def test_json_file_never_names_the_commands_own_output(command: str, clash: int, world: World, tmp_path: Path, capsys) -> None:
+    """--json FILE that is OUT, lies inside it or is another file of the command's: refused before any
+    work, in one line, nothing written (neither OUT nor the JSON), no input changed."""
+    make_args, clashes = JSON_CLASHES[command]
+    inputs = world.digests()
+    code, err = cli(capsys, *make_args(world, tmp_path), "--json", clashes(tmp_path)[clash])
+    assert_one_line(code, err, 2, "same path" if clash == 0 or command in ("convert-onnx", "build one engine") else "lies inside")
+    assert entries(tmp_path) == [] and world.digests() == inputs
 
 
 def test_convert_onnx_never_replaces_the_sources_external_data(world: World, tmp_path: Path, capsys) -> None:
