@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from headfold.converter.checkpoint import TOKENIZER_FILES, CheckpointFacts, check_links, tokenizer_location
-from headfold.ground.errors import BadInput, first_line, is_panic
+from headfold.ground.errors import BadInput, first_line, is_panic, quiet_panics
 
 BYTE_VOCAB = 256  # a byte-level model: token = UTF-8 byte
 MAX_TEXT_BYTES = 64 << 20  # far more text than any check or calibration uses; /dev/zero is not text
@@ -60,7 +60,8 @@ def tokenizer_errors(folder: Path, doing: str = "load") -> Iterator[None]:
     """What the tokenizer library raises for a bad tokenizer file (a bare Exception, or a Rust
     panic, which is a BaseException) as one BadInput naming the folder."""
     try:
-        yield
+        with quiet_panics():  # the Rust panic hook's lines on stderr would precede the one line
+            yield
     except BadInput:
         raise
     except BaseException as err:

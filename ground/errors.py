@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +47,34 @@ class CheckFailed(HeadfoldError):
 def is_panic(err: BaseException) -> bool:
     """A Rust library's panic (tokenizers, safetensors) as pyo3 raises it: a BaseException, not an Exception."""
     return type(err).__name__ == "PanicException"
+
+
+@contextmanager
+def quiet_panics() -> Iterator[None]:
+    """While inside, what native code writes to file descriptor 2 waits in a temporary file. A Rust
+    panic's hook writes its message there (and, under RUST_BACKTRACE, a backtrace of a hundred lines)
+    before the panic reaches Python: after one it is dropped (logged at debug level), so the panic is
+    only the one line its handler makes of it. Anything else written meanwhile is passed on to stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    panicked = False
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException as err:
+            panicked = is_panic(err)
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            written = held.read()
+            if panicked:
+                logging.getLogger("headfold").debug(written.decode(errors="replace"))
+            elif written:
+                os.write(2, written)
 
 
 def first_line(err: BaseException) -> str:

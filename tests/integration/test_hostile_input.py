@@ -933,21 +933,39 @@ def test_a_diverging_distillation_writes_nothing_and_says_lower_lr(world: World,
     assert entries(tmp_path) == []  # the checkpoints of --save-every went with it
 
 
-def test_a_native_panic_is_one_line(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
-    """The tokenizers library panics on some hostile tokenizer.json files (pyo3's PanicException is a
-    BaseException): named as the tokenizer's failure, exit 2, one line."""
-    import transformers
+def _panicking_tokenizer(folder: Path) -> None:
+    """A tokenizer.json the tokenizers library loads, whose pre-tokenizer pattern backtracks without end on
+    a run of words before punctuation: Oniguruma gives up ("retry-limit-in-match over") and its Rust
+    binding panics, its hook printing the panic (and under RUST_BACKTRACE a backtrace) on stderr."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-    panic = type("PanicException", (BaseException,), {"__module__": "pyo3_runtime"})
-    src = Path(shutil.copytree(world.src, tmp_path / "src"))
-    add_gpt2_tokenizer(src, {"tokenizer_class": "GPT2Tokenizer"})
+    tokenizer = Tokenizer(models.BPE(vocab={chr(c): c - 32 for c in range(32, 127)} | {"\n": 95}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"(\w+\s?)*$"), "isolated")
+    tokenizer.save(str(folder / "tokenizer.json"))
 
-    def explode(*args, **kwargs):
-        raise panic("called `Option::unwrap()` on a `None` value")
 
-    monkeypatch.setattr(transformers.GPT2Tokenizer, "encode", explode)
-    text, out = ascii_text(tmp_path / "text.txt"), tmp_path / "r.json"
-    assert_one_line(*run(capsys, "verify", src, src, *SMALL, "--text", text, "--report", out), 2, "tokenizer", "PanicException", str(src))
+# command → arguments that tokenize TEXT with the checkpoint's tokenizer (distill: the student's), writing OUT
+TOKENIZING: dict[str, Callable[[World, Path, Path, Path, Path], list]] = {
+    "verify": lambda w, src, student, text, out: ["verify", src, src, *SMALL, "--text", text, "--report", out],
+    "convert": lambda w, src, student, text, out: ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "--calibration", text, "--calibration-tokens", "256", "-q"],
+    "inspect": lambda w, src, student, text, out: ["inspect", src, "--calibration", text, "--calibration-tokens", "256", "--json", out, "-q"],
+    "distill": lambda w, src, student, text, out: ["distill", w.src, student, out, "--data", text, "--seq-len", "32", "--steps", "1", "-q"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", TOKENIZING)
+def test_a_native_panic_is_one_line(command: str, world: World, tmp_path: Path, capfd, monkeypatch) -> None:
+    """A real Rust panic in the tokenizer (pyo3's PanicException is a BaseException): named as the
+    tokenizer's failure, exit 2, and one line on stderr, the file descriptor included, where the panic
+    hook writes its message and backtrace before Python sees the panic."""
+    monkeypatch.setenv("RUST_BACKTRACE", "1")
+    src, student = (Path(shutil.copytree(folder, tmp_path / folder.name)) for folder in (world.src, world.student))
+    _panicking_tokenizer(src)
+    _panicking_tokenizer(student)
+    text, out = tmp_path / "text.txt", tmp_path / "out"
+    text.write_text(corpus.train_text()[:20_000])
+    code = main([str(a) for a in TOKENIZING[command](world, src, student, text, out)])
+    assert_one_line(code, capfd.readouterr().err, 2, "cannot run the tokenizer", "PanicException", "retry-limit-in-match over")
     assert_nothing_written(out)
 
 
