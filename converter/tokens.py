@@ -89,11 +89,16 @@ def _transformers_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer:
     def encode(text: str) -> list[int]:
         with tokenizer_errors(folder, "run"):
             ids = tok.encode(text, add_special_tokens=False, verbose=False)
-        if vocab_size and ids and max(ids) >= vocab_size:  # would index past the embedding table
-            raise BadInput(f"the tokenizer in {folder} gives token id {max(ids)}, outside the model's vocabulary of {vocab_size}; its tokenizer files belong to another model")
-        return ids
+        return in_vocabulary(ids, vocab_size, folder)
 
     return Tokenizer(encode, f"AutoTokenizer({type(tok).__name__})")
+
+
+def in_vocabulary(ids: list[int], vocab_size: int | None, folder: Path) -> list[int]:
+    """`ids`, or BadInput when one would index past the model's embedding table."""
+    if vocab_size and ids and max(ids) >= vocab_size:
+        raise BadInput(f"the tokenizer in {folder} gives token id {max(ids)}, outside the model's vocabulary of {vocab_size}; its tokenizer files belong to another model")
+    return ids
 
 
 def read_text(path: Path, option: str) -> str:

@@ -25,7 +25,7 @@ import torch
 
 from headfold import corpus
 from headfold.converter.checkpoint import tokenizer_location
-from headfold.converter.tokens import TOKENIZER_FILES, auto_tokenizer, tokenizer_errors
+from headfold.converter.tokens import TOKENIZER_FILES, auto_tokenizer, in_vocabulary, tokenizer_errors
 from headfold.ground.errors import BadInput, BadOption, HeadfoldError, first_line
 from headfold.ground.inputs import check_links, contained, read_json_object
 
@@ -185,10 +185,12 @@ def encoder_for(folder: Path, vocab_size: int, encoder_model: bool) -> Encoder:
         separator = [tok.eos_token_id] if tok.eos_token_id is not None and not encoder_model else tok.encode("\n\n", add_special_tokens=False)
         # encoders see every window framed as in training ([CLS] … [SEP]); decoders a plain slice of the stream
         prefix, suffix = _special_frame(tok) if encoder_model else ([], [])
+    in_vocabulary([*separator, *prefix, *suffix], vocab_size, folder)
 
     def encode(text: str) -> list[int]:
         with tokenizer_errors(folder, "run"):
-            return tok.encode(text, add_special_tokens=False, verbose=False)
+            ids = tok.encode(text, add_special_tokens=False, verbose=False)
+        return in_vocabulary(ids, vocab_size, folder)  # an id past the embedding table would fail inside the model
 
     return Encoder(encode, separator, lambda ids: prefix + ids + suffix, len(prefix) + len(suffix), type(tok).__name__)
 

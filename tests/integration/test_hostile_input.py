@@ -998,3 +998,21 @@ def test_windows_longer_than_a_position_table_are_refused(command: str, tiny_che
     out = tmp_path / "out"
     args = ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "-q"] if command == "convert" else ["inspect", src, "--json", out, "-q"]
     refused(capsys, src, out, args, "n_positions 64", "256")
+
+
+def _wide_tokenizer(folder: Path) -> None:
+    """A tokenizer.json whose ids run to 350: past the 256-token vocabulary of the world's models."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE(vocab={chr(c): 250 + c - 32 for c in range(32, 127)} | {"\n": 349}, merges=[])).save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("command", TOKENIZING)
+def test_token_ids_beyond_the_vocabulary_are_bad_input(command: str, world: World, tmp_path: Path, capsys) -> None:
+    """Tokenizer files of another model give ids the embedding table has no row for: one line naming the
+    tokenizer, exit 2 (distill once failed inside the model, exit 3)."""
+    src, student = (Path(shutil.copytree(folder, tmp_path / folder.name)) for folder in (world.src, world.student))
+    _wide_tokenizer(src)
+    _wide_tokenizer(student)
+    out = tmp_path / "out"
+    refused(capsys, src, out, TOKENIZING[command](world, src, student, world.text, out), "gives token id", "outside the model's vocabulary of 256")
