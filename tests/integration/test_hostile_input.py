@@ -1016,3 +1016,25 @@ def test_token_ids_beyond_the_vocabulary_are_bad_input(command: str, world: Worl
     _wide_tokenizer(student)
     out = tmp_path / "out"
     refused(capsys, src, out, TOKENIZING[command](world, src, student, world.text, out), "gives token id", "outside the model's vocabulary of 256")
+
+
+@pytest.mark.parametrize("logits", [["b", "s"], ["b", "s", 2, 256], ["b", "s", 7]])
+@pytest.mark.parametrize("side", ["candidate", "reference"])
+def test_a_graph_whose_logits_have_another_shape_is_bad_input(side: str, logits: list, world: World, tmp_path: Path, capsys) -> None:
+    """A .onnx whose logits lack the vocabulary axis, have one too many or are too narrow: one line naming
+    both shapes, exit 2 (once exit 3 from the meter)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    table = numpy_helper.from_array(np.ones((256, *[d for d in logits[2:]]), np.float32), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["logits"])], "g",
+        [helper.make_tensor_value_info(name, TensorProto.INT64, ["b", "s"]) for name in ("input_ids", "attention_mask")],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, logits)], [table],
+    )  # fmt: skip
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), tmp_path / "odd.onnx")
+    sides = [world.src, tmp_path / "odd.onnx"] if side == "candidate" else [tmp_path / "odd.onnx", world.src]
+    out = tmp_path / "r.json"
+    shape = [2, 8, *logits[2:]]
+    assert_one_line(*run(capsys, "verify", *sides, *SMALL, "--report", out), 2, f"logits of shape {shape if side == 'candidate' else [2, 8, 256]}")
+    assert_nothing_written(out)
