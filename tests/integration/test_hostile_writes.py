@@ -478,6 +478,26 @@ def test_every_output_keeps_the_contract(command: str, kind: str, world: World, 
     assert not (world.root / "elsewhere").exists()
 
 
+DANGLING: dict[str, Callable[[World, Path], list]] = {  # the other output options, beside WRITERS' OUTs: each writes `link`
+    "convert --json": lambda w, link: ["convert", w.src, link.with_name("out"), "--kv-heads", "2", "--method", "mean", "-q", "--json", link],
+    "inspect --json": lambda w, link: ["inspect", w.src, "--calibration", "weights", "--json", link, "-q"],
+    "verify --junit": lambda w, link: ["verify", w.src, w.src, *SMALL_VERIFY, "--junit", link],
+    "demo --keep": lambda w, link: ["demo", "--no-distill", "--keep", link],
+    "distill's state": lambda w, link: ["distill", w.src, w.student, link.with_name("out"), "--data", w.text, "--seq-len", "32", "--steps", "1", "-q"],
+}
+
+
+@pytest.mark.parametrize("command", DANGLING)
+def test_a_dangling_link_is_refused_and_left_as_it_was(command: str, world: World, tmp_path: Path, capsys) -> None:
+    """An output path that is a dangling link: the user's, so refused and kept (headfold deletes nothing it
+    did not write), and nothing of headfold's beside it (lock, partial folder, the command's OUT)."""
+    link = tmp_path / (".out.distill-state" if command == "distill's state" else "link")
+    link.symlink_to(tmp_path / "nowhere" / "x")
+    code, err = cli(capsys, *DANGLING[command](world, link))
+    assert_one_line(code, err, 2, "symbolic link")
+    assert entries(tmp_path) == [link.name] and os.readlink(link) == str(tmp_path / "nowhere" / "x")
+
+
 SMALL_RUN = ["--max-rows", "2", "--window", "8", "--decode-steps", "0"]
 # command → (its arguments writing OUT under the test's folder, the paths a --json FILE must not take: OUT, a path inside it, its other files)
 JSON_CLASHES: dict[str, tuple[Callable[[World, Path], list], Callable[[Path], list[Path]]]] = {
