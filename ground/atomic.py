@@ -8,8 +8,8 @@ for all of a command's outputs at once and puts back the ones already placed whe
 cannot be. Before any work an output is refused when it is a link, is or overlaps anything the
 command reads (resolved real paths: files, links and index entries of the source folders), exists
 without --overwrite, is of the other kind (a folder where a file goes, or a file where a folder
-goes), or was not written by headfold (artifacts.written_by_headfold: a folder's records, a file's
-mark). Under the lock any other `.OUT.partial-*` / `.OUT.old-*` was left by a writer that died
+goes), or was not written by headfold (artifacts.written_by_headfold: the mark of a folder's records,
+or of a file). Under the lock any other `.OUT.partial-*` / `.OUT.old-*` was left by a writer that died
 (kill -9, power loss), so it is removed. SIGTERM, like SIGINT, unwinds and cleans up (exit 143).
 """
 
@@ -134,7 +134,7 @@ def _refuse_existing(out: Path, overwrite: bool, how: str, ours: bool, is_dir: b
         wanted, found = ("a folder", "a file") if is_dir else ("a file", "a folder")
         raise BadInput(f"output {out} is {found}, and this command writes {wanted} there, which --overwrite never does; choose another path")
     if not ours and not written_by_headfold(out):
-        what = f"none of {', '.join(OWN_RECORDS)} or an engine sidecar in it" if out.is_dir() else f"no '{MARK}' mark in it"
+        what = f"none of {', '.join(OWN_RECORDS)} or an engine sidecar with headfold's mark in it" if out.is_dir() else f"no '{MARK}' mark in it"
         raise BadInput(f"output {out} is a {'folder' if out.is_dir() else 'file'} headfold did not write ({what}), which --overwrite never replaces; choose another path, or remove it yourself")
 
 

@@ -402,7 +402,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(wide, tmpfs, capsys) -> None:
 
 def test_failing_final_rename_is_one_line_and_leaves_nothing(src: Path, tmp_path: Path, tmpfs, capsys) -> None:
     out = tmpfs("size=1m", tmp_path / "out")  # a mount point cannot be renamed away: EBUSY
-    (out / "headfold.json").write_text("{}")  # an earlier output of headfold's, which --overwrite may replace
+    (out / "headfold.json").write_text('{"created_by": "headfold 0.1.0"}')  # an earlier output of headfold's, which --overwrite may replace
     before = digest(src)
     code, err = run_cli(["convert", src, out, "--kv-heads", "2", "--method", "mean", "--overwrite", "-q"], capsys)
     assert code == 2 and "cannot move the finished output into place" in err and "mount point" in err
@@ -476,6 +476,24 @@ def test_every_output_keeps_the_contract(command: str, kind: str, world: World, 
     assert entries(out.parent) == before and world.digests() == inputs
     assert scene is None or digest(out) == scene
     assert not (world.root / "elsewhere").exists()
+
+
+@pytest.mark.parametrize("record", ["headfold.json", "export.json", "stages.json", "report.json", "model.engine.json"])
+@pytest.mark.parametrize("marked", [False, True])
+def test_a_folder_is_headfolds_by_its_records_mark_not_their_names(record: str, marked: bool, world: World, tmp_path: Path, capsys) -> None:
+    """A folder holding a file named like one of headfold's records is the user's unless the record carries
+    headfold's mark: --overwrite refuses it, untouched; with the mark it is replaced."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / record).write_text(json.dumps({"created_by": "headfold 0.1.0"} if marked else {"checks": [], "format": 1}))
+    (out / "notes.txt").write_text("mine")
+    before = digest(out)
+    code, err = cli(capsys, "convert", world.src, out, "--kv-heads", "2", "--method", "mean", "--overwrite", "-q")
+    if marked:
+        assert code == 0 and (out / "headfold.json").is_file() and not (out / "notes.txt").exists(), err
+    else:
+        assert_one_line(code, err, 2, "headfold did not write", "mark")
+        assert digest(out) == before and entries(tmp_path) == ["out"]
 
 
 DANGLING: dict[str, Callable[[World, Path], list]] = {  # the other output options, beside WRITERS' OUTs: each writes `link`
