@@ -331,6 +331,7 @@ def distill_cmd(teacher: Path, student: Path, out: Path, revision: str | None, o
     `accelerate launch` or `torchrun` (only the main process writes).
     """
     from headfold.distillation import distill
+    from headfold.distillation.sharding import main_process
     from headfold.distillation.state import state_folder
     from headfold.ground import manifest
 
@@ -338,7 +339,7 @@ def distill_cmd(teacher: Path, student: Path, out: Path, revision: str | None, o
     reads = [teacher, student, *(Path(options[k]) for k in ("data", "eval_data") if options.get(k) is not None)]
     output.check(reads, [out, state_folder(out)])
     result = distill(teacher, student, out, overwrite=output.overwrite, progress=output.progress, **options)
-    if os.environ.get("RANK", "0") != "0":
+    if not main_process():
         return  # under torchrun / accelerate launch only the main process reports (and writes)
     record = manifest.load(result).distillation
     lines = [f"wrote {result} ({record['steps']} steps, {record['tokens']} tokens)", *_distill_summary(record)]

@@ -1038,3 +1038,13 @@ def test_a_graph_whose_logits_have_another_shape_is_bad_input(side: str, logits:
     shape = [2, 8, *logits[2:]]
     assert_one_line(*run(capsys, "verify", *sides, *SMALL, "--report", out), 2, f"logits of shape {shape if side == 'candidate' else [2, 8, 256]}")
     assert_nothing_written(out)
+
+
+def test_a_stray_rank_does_not_silence_a_single_process_distillation(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
+    """RANK=1 left in the environment of one process: Accelerate makes it the main process, which writes OUT;
+    it reports it too (it once printed nothing, exit 0)."""
+    monkeypatch.setenv("RANK", "1")
+    out = tmp_path / "out"
+    code = main([str(a) for a in ("distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1", "-q")])
+    captured = capsys.readouterr()
+    assert code == 0 and f"wrote {out} (1 steps" in captured.out and (out / "headfold.json").is_file(), captured.err
