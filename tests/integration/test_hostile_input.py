@@ -714,13 +714,19 @@ def _weights_outside(export: Path) -> None:
     shutil.copy(export / "prefill.onnx.data", export.parent / "prefill.onnx.data")
 
 
+def _weights_linked_out(export: Path) -> None:
+    shutil.move(export / "prefill.onnx.data", export.parent / "elsewhere.data")
+    (export / "prefill.onnx.data").symlink_to(export.parent / "elsewhere.data")
+
+
 HOSTILE_EXPORTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "a graph named ../x.onnx": (_graph_names("../x.onnx"), ("'../x.onnx'",)),
     "a graph named /etc/passwd": (_graph_names("/etc/passwd"), ("'/etc/passwd'",)),
     "a graph linked out of the folder": (lambda e: (shutil.move(e / "prefill.onnx", e.parent / "elsewhere.onnx"), (e / "prefill.onnx").symlink_to(e.parent / "elsewhere.onnx")), ("links to",)),
     "an empty graph": (lambda e: (e / "prefill.onnx").write_bytes(b""), ("prefill.onnx", "empty")),
     "a graph of garbage": (lambda e: (e / "prefill.onnx").write_bytes(b"\x08\x07garbage" * 100), ("prefill.onnx", "not")),
-    "weights outside the folder": (_weights_outside, ("../prefill.onnx.data",)),
+    "weights outside the folder": (_weights_outside, ("../prefill.onnx.data", "escapes the folder")),
+    "weights linked out of the folder": (_weights_linked_out, ("prefill.onnx.data", "symbolic link")),
     "export.json nested 100000 deep": (_deep_json("export.json"), ("export.json", "nested deeper")),
 }
 ON_EXPORT: dict[str, Callable[[Path, Path], list]] = {
@@ -740,6 +746,35 @@ def test_every_command_refuses_a_hostile_export(case: str, command: str, world: 
     assert_one_line(*run(capsys, *ON_EXPORT[command](export, out)), 2, *words)
     assert_nothing_written(out) or assert_nothing_written(out.with_suffix(".json"))
     assert tree_digest(export) == before and not (tmp_path / "x.onnx").exists()
+
+
+# command → arguments reading the graph file GRAPH alone (no export folder around it), writing OUT
+ON_GRAPH: dict[str, Callable[[World, Path, Path], list]] = {
+    "verify": lambda w, graph, out: ["verify", w.export, graph, *SMALL, "--report", out],
+    "build": lambda w, graph, out: ["build", graph, out.with_suffix(".engine"), "--dry-run", "--trt-version", "10.15", "--json", out],
+    "convert": lambda w, graph, out: ["convert", graph, out.with_suffix(".onnx"), "--kv-heads", "2", "--json", out],
+}
+
+
+@pytest.mark.parametrize("how", ["escapes the folder", "symbolic link"])
+@pytest.mark.parametrize("command", ON_GRAPH)
+def test_external_data_out_of_a_graphs_folder_says_how(command: str, how: str, world: World, tmp_path: Path, capsys) -> None:
+    """A graph given as a file whose external data lies outside its folder, named '../x' or behind a link:
+    one line saying which ("escapes the folder", "symbolic link"), nothing read there, nothing written."""
+    folder = tmp_path / "graph"
+    folder.mkdir()
+    graph = Path(shutil.copy(world.graph, folder / "prefill.onnx"))
+    if how == "escapes the folder":
+        shutil.copy(world.graph.with_name("prefill.onnx.data"), folder)
+        _weights_outside(folder)
+        (folder / "prefill.onnx.data").unlink()
+    else:
+        shutil.copy(world.graph.with_name("prefill.onnx.data"), tmp_path / "elsewhere.data")
+        (folder / "prefill.onnx.data").symlink_to(tmp_path / "elsewhere.data")
+    out = tmp_path / "out.json"
+    before = tree_digest(tmp_path)
+    assert_one_line(*run(capsys, *ON_GRAPH[command](world, graph, out)), 2, "prefill.onnx external data", how)
+    assert tree_digest(tmp_path) == before
 
 
 def _dataset(tmp_path: Path, state_entry: str | None = None, link_out: bool = False) -> Path:
