@@ -29,9 +29,9 @@ from headfold.ground.artifacts import LEDGER, REPORT
 from headfold.ground.atomic import atomic_output, check_disjoint, output_lock, output_path, refuse_link
 from headfold.ground.errors import BadInput, BadOption
 from headfold.ground.hashing import sha256_file
-from headfold.ground.units import PRECISIONS
 from headfold.ground.ledger import RunLedger, StageEntry
 from headfold.ground.ledger import load as load_ledger
+from headfold.ground.units import PRECISIONS
 from headfold.verification.artifacts import resolve
 from headfold.verification.budget import Thresholds
 from headfold.verification.inputs import InputSpec, make_inputs, read_text
