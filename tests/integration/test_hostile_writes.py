@@ -744,3 +744,49 @@ def test_build_places_engines_sidecars_and_timing_cache_by_the_policy(world: Wor
     folder = make_plan(world.export, tmp_path / "engines", Target.assumed("10.15"))
     builder.build(folder)
     assert entries(tmp_path / "engines") == ["decode.engine", "decode.engine.json", "prefill.engine", "prefill.engine.json"]
+
+
+class _SwallowsASignal:
+    """A library object whose __del__ a signal lands in: Python prints and drops an exception raised there
+    ("Exception ignored in …"), so the handler's KeyboardInterrupt or Terminated never unwinds anything."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), self.signum)  # the handler runs before kill returns to this frame
+
+
+@pytest.mark.parametrize(
+    "signal_name, lands, save_every",
+    [("SIGINT", "in a library's __del__", ["--save-every", "1"]), ("SIGTERM", "in a library's __del__", []),
+     ("SIGINT", "where it unwinds", []), ("SIGTERM", "where it unwinds", ["--save-every", "1"])],
+)  # fmt: skip
+def test_a_signal_while_the_models_load(signal_name: str, lands: str, save_every: list, world: World, tmp_path: Path, monkeypatch, capsys) -> None:
+    """Ctrl-C or SIGTERM before the first training step: exit 130 / 143 and nothing left (no OUT, no state
+    without a checkpoint, no lock), also when the signal's exception lands where Python drops it (it once
+    ran on to exit 0 with OUT written, the state left); then a fresh run, without --resume, succeeds."""
+    from headfold.distillation import trainer
+
+    signum = getattr(signal, signal_name)
+    original = trainer.Trainer.__init__
+
+    def loading(self, *args, **kwargs):
+        if lands == "where it unwinds":
+            os.kill(os.getpid(), signum)
+        else:
+            _SwallowsASignal(signum)  # collected at once: the signal lands in its __del__
+        original(self, *args, **kwargs)
+
+    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "2", *save_every, "-q"]
+    monkeypatch.setattr(trainer.Trainer, "__init__", loading)
+    if signal_name == "SIGINT":
+        assert cli(capsys, *args)[0] == 130
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            cli(capsys, *args)
+        assert stopped.value.code == 143
+    assert entries(tmp_path) == [] and "Exception ignored" not in capsys.readouterr().err
+    monkeypatch.setattr(trainer.Trainer, "__init__", original)
+    code, err = cli(capsys, *args)
+    assert code == 0 and entries(tmp_path) == ["out"], err
