@@ -56,7 +56,11 @@ def quiet_panics() -> Iterator[None]:
     before the panic reaches Python: after one it is dropped (logged at debug level), so the panic is
     only the one line its handler makes of it. Anything else written meanwhile is passed on to stderr."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all: nothing to hold back
+        yield
+        return
     panicked = False
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
