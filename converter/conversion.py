@@ -32,7 +32,7 @@ from headfold.ground.errors import BadInput
 from headfold.ground.hashing import copy_hashed, sha256_file, versions
 from headfold.ground.manifest import Conversion, Manifest, ManifestSource, load_raw
 from headfold.ground.manifest import load as load_manifest
-from headfold.ground.units import parse_size
+from headfold.ground.units import parse_size, whole
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +73,7 @@ def convert(
     methods calibrate on text split into source → target, or an audio model on synthesized features.
     Raises BadInput (nothing written) for anything wrong with the request or the source.
     """
+    check_options(max_shard_size, calibration_tokens)
     source = checkpoint_folder(source, revision=revision, allow_pickle=allow_pickle)
     if get_method(method).data_aware:
         from headfold.converter.calibration import check_settings  # torch: data-aware methods only
@@ -84,7 +85,7 @@ def convert(
         retarget = retarget_for(ckpt, targets)
         text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
         out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
-        shard_bytes = parse_size(max_shard_size, "shard size") if max_shard_size is not None else default_shard_bytes(ckpt)
+        shard_bytes = parse_size(max_shard_size, "--shard-size") if max_shard_size is not None else default_shard_bytes(ckpt)
         pools = targets != list(ckpt.layer_shapes)  # kv heads = heads everywhere: byte-identical, nothing to calibrate
         if ckpt.spec.audio_encoder and recipe.data_aware and pools:
             text = audio_calibration(calibration)
@@ -102,6 +103,13 @@ def convert(
                 manifest.conversion.calibration = {"text": used, "tokens": calibration_tokens, "seed": seed}
             manifest.save_in(tmp)
     return out
+
+
+def check_options(max_shard_size: str | int | None, calibration_tokens: int | None) -> None:
+    """What convert refuses in its options alone, before the source is read (run: before its first stage)."""
+    if max_shard_size is not None:
+        parse_size(max_shard_size, "--shard-size")
+    whole("--calibration-tokens", calibration_tokens, 1)
 
 
 def target_shape(source: HeadShape, kv_heads: int, layer: int | str | None = None) -> HeadShape:

@@ -61,6 +61,7 @@ __all__ = [
     "position_ids",
     "POSITION_IDS",
     "check_opset",
+    "check_options",
     "OPSETS",
     "DTYPES",
     "checkpoint_dtype",
@@ -474,6 +475,28 @@ def _traceable_model(facts: CheckpointFacts, dtype: str) -> tuple[transformers.P
     return model, {f"{WRAPPED}.{name}": index[tensor] for name, tensor in plan.items()}
 
 
+def check_options(
+    *, opset: int = 23, dtype: str | None = None, attention: str = "onnx", trt_version: str | None = None, graphs: str = "merged",
+    optimize: str | None = None, explicit_positions: bool = False,
+) -> None:
+    """What export refuses in its options alone, before the checkpoint is read (run: before its first stage)."""
+    check_opset(opset)
+    if graphs not in GRAPH_LAYOUTS:
+        raise BadInput(f"unknown graph layout {graphs!r}; use --graphs merged or --graphs split")
+    if optimize not in (None, "ort"):
+        raise BadInput(f"unknown optimization {optimize!r}; use --optimize ort")
+    if optimize and trt_version:
+        raise BadInput("--optimize ort writes ONNX Runtime's own ops, which TensorRT cannot parse; drop --optimize or --trt-version")
+    if explicit_positions and graphs != "merged":
+        raise BadInput("position_ids is an input of the merged graph only; drop it or use --graphs merged")
+    if trt_version is not None:
+        rule_set(trt_version)  # an unknown version is bad input before the slow part
+    if attention not in ATTENTION_OPS:
+        raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
+    if dtype is not None:
+        _torch_dtype(dtype)  # an unknown dtype is bad input before the checkpoint is read
+
+
 def export(
     src: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -511,21 +534,7 @@ def export(
     CheckFailed when a graph does not end up with exactly one fused attention node per layer
     with K/V at kv-heads.
     """
-    check_opset(opset)
-    if graphs not in GRAPH_LAYOUTS:
-        raise BadInput(f"unknown graph layout {graphs!r}; use --graphs merged or --graphs split")
-    if optimize not in (None, "ort"):
-        raise BadInput(f"unknown optimization {optimize!r}; use --optimize ort")
-    if optimize and trt_version:
-        raise BadInput("--optimize ort writes ONNX Runtime's own ops, which TensorRT cannot parse; drop --optimize or --trt-version")
-    if explicit_positions and graphs != "merged":
-        raise BadInput("position_ids is an input of the merged graph only; drop it or use --graphs merged")
-    if trt_version is not None:
-        rule_set(trt_version)  # an unknown version is bad input before the slow part
-    if attention not in ATTENTION_OPS:
-        raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
-    if dtype is not None:
-        _torch_dtype(dtype)  # an unknown dtype is bad input before the checkpoint is read
+    check_options(opset=opset, dtype=dtype, attention=attention, trt_version=trt_version, graphs=graphs, optimize=optimize, explicit_positions=explicit_positions)
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)

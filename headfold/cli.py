@@ -125,7 +125,7 @@ def convert(
         from headfold.graphs.onnx_convert import convert_onnx
 
         method = method if given(click.get_current_context(), ("method",)) else "mean"
-        output.check([src])
+        output.check([src], [out, out.with_name(f"{out.name}.data")])  # the graph and its weights
         summary = convert_onnx(src, out, kv_heads, method, overwrite=output.overwrite)
         line = f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})"
         output.emit(line, {"output": str(out), "method": method, **summary}, [src])
@@ -134,7 +134,7 @@ def convert(
 
     (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
     reads = [src, *([] if calibration.text in (None, "weights") else [Path(calibration.text)])]
-    output.check(reads)
+    output.check(reads, [out])
     if not get_method(method).data_aware:
         refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only grouped, aligned and refit calibrate)")
     from headfold import corpus
@@ -172,7 +172,7 @@ def export_cmd(src: str, out_dir: Path, export: ExportOptions, revision: str | N
     the ops that release's parser lacks are decomposed and the graphs linted against it.
     """
     (src,) = _local(src, revision=revision)
-    output.check([src])
+    output.check([src], [out_dir])
     from headfold.graphs.export import export as run_export
 
     layout = export.graphs or ("split" if export.trt_version else "merged")  # a TensorRT target gets the graphs TensorRT builds
@@ -213,7 +213,7 @@ def build_cmd(src: Path, out: Path, dry_run: bool, require_fused_attention: bool
 
     target = target_for(trt_version, dry_run=dry_run)
     plan = make_plan(src, out, target, **profile.kwargs())
-    output.check(plan.reads)
+    output.check(plan.reads, [path for path, _ in plan.outputs])
     if dry_run:
         output.emit(plan.describe(), plan.to_json(), plan.reads)
         plan.check()
@@ -291,7 +291,7 @@ def run_cmd(
     from headfold.pipeline import run
 
     (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
-    output.check([src, out_dir])
+    output.check([src], [out_dir])
     report = run(
         src, out_dir, kv_heads, method=method, max_shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration.kwargs(),
         distill=distill, export=export.kwargs(), build=profile.kwargs(), inputs=inputs, thresholds=thresholds,
@@ -333,13 +333,15 @@ def distill_cmd(teacher: str, student: str, out: Path, revision: str | None, out
     `accelerate launch` or `torchrun` (only the main process writes).
     """
     from headfold.distillation import distill
+    from headfold.distillation.sharding import main_process
+    from headfold.distillation.state import state_folder
     from headfold.ground import manifest
 
     teacher, student = _local(teacher, student, revision=revision)
     reads = [teacher, student, *(Path(options[k]) for k in ("data", "eval_data") if options.get(k) is not None)]
-    output.check(reads)
+    output.check(reads, [out, state_folder(out)])
     result = distill(teacher, student, out, overwrite=output.overwrite, progress=output.progress, **options)
-    if os.environ.get("RANK", "0") != "0":
+    if not main_process():
         return  # under torchrun / accelerate launch only the main process reports (and writes)
     record = manifest.load(result).distillation
     lines = [f"wrote {result} ({record['steps']} steps, {record['tokens']} tokens)", *_distill_summary(record)]
@@ -437,6 +439,7 @@ def demo(
         refuse([name for name in click.get_current_context().params if name.startswith("distill_")], "with --no-distill")
     if keep is None:
         refuse(("overwrite",), "without --keep DIR (the demo writes nowhere else)")
+    output.check(writes=[keep] if keep else [])
     asked = distill or DistillStage(None, {})  # the --distill-… options given, over the demo's own distillation
     own = {**DEMO_DISTILL.options, **({} if "steps" in asked.options else {"tokens": distill_tokens})}  # --distill-steps replaces its tokens
     distill = None if no_distill else DistillStage(asked.data, {**own, **asked.options}, asked.eval_data)

@@ -27,7 +27,7 @@ from click.core import ParameterSource
 from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.converter.seq2seq import DEFAULT_POOL, POOL_CHOICES
 from headfold.ground.artifacts import CREATED_BY, created_by
-from headfold.ground.errors import BadInput, HeadfoldError
+from headfold.ground.errors import BadInput, BadOption, HeadfoldError
 from headfold.ground.inputs import printable
 from headfold.ground.units import PRECISIONS, parse_fraction
 
@@ -191,7 +191,10 @@ class OptionGroup:
         def command(*args: Any, **values: Any) -> Any:
             if self.build is not None:  # an option an inner group declared too stays for that group
                 given = {field: values[name] if name in declared else values.pop(name) for name, field in names.items()}
-                values[self.into] = self.build(**given)
+                try:
+                    values[self.into] = self.build(**given)
+                except BadOption as err:  # named as this command spells it: --distill-seq-len
+                    raise err.respelled(self.prefix) if self.prefix else err from None
                 log.debug(f"{self.into}: {values[self.into]!r}")  # -v shows what the options became
             return f(*args, **values)
 
@@ -245,12 +248,13 @@ class Output:
     def json_to_stdout(self) -> bool:
         return self.json_path is not None and str(self.json_path) == "-"
 
-    def check(self, sources: Iterable[Path] = ()) -> None:
-        """Refuse a --json FILE the policy would refuse (a link, an input, one of yours), before the work."""
+    def check(self, sources: Iterable[Path] = (), writes: Iterable[Path] = ()) -> None:
+        """Refuse a --json FILE the policy would refuse (a link, an input, one of yours, the command's
+        own outputs `writes` or a path inside one), before the work."""
         if self.json_path is not None and not self.json_to_stdout:
             from headfold.ground.atomic import check_outputs
 
-            check_outputs([(self.json_path, False)], overwrite=self.overwrite, sources=sources)
+            check_outputs([(self.json_path, False)], overwrite=self.overwrite, sources=sources, beside=writes)
 
     def emit(self, table: str, result: dict[str, Any] | str, sources: Iterable[Path] = (), *, written: bool = False) -> None:
         """The result: the table, or with --json - the JSON alone, or with --json FILE both (the file
@@ -298,6 +302,11 @@ class Calibration:
     text: str | None = None  # a text file, 'weights', or None for the built-in text
     tokens: int = 4096
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        from headfold.converter.conversion import check_options
+
+        check_options(None, self.tokens)  # convert's own domain, checked as the options are parsed
 
     def kwargs(self) -> dict[str, Any]:
         """As headfold.converter.convert / inspect_checkpoint take them."""

@@ -160,6 +160,11 @@ def run_checks(specs: list[CheckSpec], inputs: Inputs, *, progress: bool = False
                 names[i] = names[i] or _output_name(ref)
                 if names[i] not in cand:
                     raise BadInput(f"{spec.candidate.name} has no output {names[i]!r} (it returned {', '.join(sorted(cand))})")
+                if (theirs := np.shape(cand[names[i]])) != (ours := np.shape(ref[names[i]])):  # a rank or a width of another model
+                    raise BadInput(
+                        f"{spec.candidate.name} gives {names[i]} of shape {list(theirs)} where {spec.reference.name} gives {list(ours)} on the "
+                        "same feed; the two are not the same kind of model: verify a graph headfold export wrote of the reference"
+                    )
                 meters[i] = meters[i] or _meter(spec.kind, names[i], spec.budget)
                 meters[i].add(ref[names[i]], cand[names[i]], spec.compared(feed))
         described = {id(r): _describe(r) for r in runners}
