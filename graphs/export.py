@@ -47,6 +47,7 @@ from headfold.graphs.template import TRACED_LAYERS, LayerTemplate, NotAlike
 from headfold.graphs.weights import attach, fake_parameters, optimize_like_torch
 from headfold.ground.artifacts import DECODE_GRAPH, MODEL_GRAPH, PREFILL_GRAPH
 from headfold.ground.atomic import atomic_output, check_output
+from headfold.ground.cache_names import PAST, PRESENT, cache_names
 from headfold.ground.errors import BadInput, HeadfoldError, first_line
 from headfold.ground.export_summary import ExportSummary
 
@@ -207,10 +208,6 @@ class GraphSpec:
     blocks: seq2seq_graphs.GraphBlocks | None = None
 
 
-def _kv_names(prefix: str, layers: int) -> list[str]:
-    return [f"{prefix}.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-
-
 def _example_tokens(config: transformers.PretrainedConfig, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     return ids, torch.ones(batch, seq, dtype=torch.long)
@@ -242,8 +239,8 @@ def decoder_graphs(
                 MODEL_GRAPH,
                 Decoder(model, explicit_positions),
                 (ids, mask, *positions, *past_kv),
-                ["input_ids", "attention_mask", *[POSITION_IDS] * len(positions), *_kv_names("past_key_values", layers)],
-                ["logits", *_kv_names("present", layers)],
+                ["input_ids", "attention_mask", *[POSITION_IDS] * len(positions), *cache_names(PAST, layers)],
+                ["logits", *cache_names(PRESENT, layers)],
                 # P + S as its own symbol: torch.export's derived dims take one symbol only; *rest is one tuple
                 ({0: batch, 1: sequence}, {0: batch, 1: Dim("total_sequence")}, (*position_axes, *(kv_axes,) * len(past_kv))),
             )
@@ -254,15 +251,15 @@ def decoder_graphs(
             prefill,
             (ids, mask),
             ["input_ids", "attention_mask"],
-            ["logits", *_kv_names("present", layers)],
+            ["logits", *cache_names(PRESENT, layers)],
             ({0: batch, 1: sequence}, {0: batch, 1: sequence}),
         ),
         GraphSpec(
             DECODE_GRAPH,
             Decode(model),
             (ids[:, :1], torch.ones(_BATCH, _PAST + 1, dtype=torch.long), *past_kv),
-            ["input_ids", "attention_mask", *_kv_names("past_key_values", layers)],
-            ["logits", *_kv_names("present", layers)],
+            ["input_ids", "attention_mask", *cache_names(PAST, layers)],
+            ["logits", *cache_names(PRESENT, layers)],
             ({0: batch}, {0: batch, 1: past + 1}, (kv_axes,) * len(past_kv)),  # *past is one tuple
         ),
     ]
@@ -451,17 +448,21 @@ def _answered_for_unconverted(facts: CheckpointFacts) -> Iterator[None]:
 
 def _export_all(
     specs: Callable[[int], list[GraphSpec]], export_one: Callable[[GraphSpec, LayerTemplate | None], dict],
-    template: LayerTemplate | None, layers: int, *, progress: bool,
+    template: Callable[[], LayerTemplate | None], layers: int, *, progress: bool,
 ) -> dict[str, dict]:
     """Each graph's summary: traced from the template's layers when the model's layers are alike and
-    the traced layer 1 copies (graphs.template), else from all `layers`."""
-    if template is not None:
-        try:
-            with template.traced() as traced:
-                return {spec.file: export_one(spec, template) for spec in tqdm(specs(traced), desc="export", unit="graph", disable=not progress)}
-        except NotAlike as why:
-            log.info("tracing every layer: the traced layer 1 cannot be copied (%s)", why)
-    return {spec.file: export_one(spec, None) for spec in tqdm(specs(layers), desc="export", unit="graph", disable=not progress)}
+    its traced layers prove the copies (graphs.template), else from all `layers`, with why in
+    "traced_whole"."""
+    try:
+        if (alike := template()) is not None:
+            with alike.traced() as traced:
+                return {spec.file: export_one(spec, alike) for spec in tqdm(specs(traced), desc="export", unit="graph", disable=not progress)}
+        why = None
+    except NotAlike as err:
+        why = str(err)
+        log.info("tracing every layer: %s", why)
+    summaries = {spec.file: export_one(spec, None) for spec in tqdm(specs(layers), desc="export", unit="graph", disable=not progress)}
+    return {file: summary | ({"traced_whole": why} if why else {}) for file, summary in summaries.items()}
 
 
 def _traceable_model(facts: CheckpointFacts, dtype: str) -> tuple[transformers.PreTrainedModel, dict[str, TensorInfo]]:
@@ -548,7 +549,7 @@ def export(
         )  # fmt: skip
 
     # An encoder-decoder's two stacks of layers are traced whole: the template copies one stack of one graph.
-    template = LayerTemplate.of(model, layers, WRAPPED) if layout != "seq2seq" else None
+    template = partial(LayerTemplate.of, model, layers, WRAPPED) if layout != "seq2seq" else lambda: None
     summary = ExportSummary(
         source=str(src), model_type=model.config.model_type, opset=opset, dtype=dtype, attention=attention, layers=layers,
         heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=layout, graphs={},
