@@ -18,19 +18,20 @@ traces every layer, saying why):
   shapes and dtypes; the config's per-layer lists (layer_types, per-layer kv heads: any list with
   one entry per layer) hold one value; and every later layer's non-parameter state equals the
   template's: each submodule's attributes (scalings, sliding windows, rotary settings, flags, what a
-  constructor derived from the config and the layer index) and its buffers' values, all but the
-  layer index itself (an integer attribute equal to the layer's index in every layer);
+  constructor derived from the config and the layer index, such as GPT-2's `scaling` under
+  scale_attn_by_inverse_layer_idx) and its buffers' values, all but the layer index itself (an
+  integer attribute equal to the layer's index in every layer);
 - after tracing (`replicate`): the WITNESS, layer 2, traced like any layer, must be the template
   renamed: node for node the same ops, attributes and constant values, wired alike (layer 1's input
   from layer 0 ↔ layer 2's from layer 1, each layer's own cache inputs and outputs by name, its own
   weights by checkpoint name, everything else the very same shared value), taking one value and
-  giving one. So whatever the model's code computes from the layer index (GPT-2's scaling by the
-  inverse layer index) or from anything else not in the state above gives the same graph for
-  layers 1 and 2, and the witness, the last traced layer, also runs where code special-cases the
-  last layer.
-What this does not prove: code that reads the layer index itself and treats layers 1 and 2 alike but
-a later one differently (`layer_idx % 4 == 3`, `layer_idx >= n` with n > 2, or the last layer by
-another measure than the config's layer count), with no config list or module attribute saying so.
+  giving one. So whatever the model's forward computes from the layer index, or from anything else
+  the checks above do not read, gives the same graph for layers 1 and 2; and the witness, the last
+  traced layer, runs where code treats the last layer apart.
+What this does not prove: code that reads the layer index itself (in a layer, or in the model's loop
+over its layers, handing each a value of its own) and treats layers 1 and 2 alike but a later one
+differently (`layer_idx % 4 == 3`, `layer_idx >= n` with n > 2, the last layer by another measure
+than the config's layer count), with no config list or module attribute saying so.
 transformers' families state such patterns in config lists (layer_types) and module attributes set
 at construction, which the checks above read. The witness costs one more traced layer, a fixed
 time whatever the model's size.
