@@ -14,6 +14,10 @@ the `attention_bias` input that could mask them). With right padding ORT writes 
 K/V at the row's own length, so the cache stays compact per row while the buffer grows by one per
 step; the caller keeps appending ones to `attention_mask` exactly as for the standard graphs.
 
+A layer's sliding window, which the standard node has in its mask, becomes the GQA node's
+local_window_size (the rule asks the caller for it by node): ORT then attends to the row's last
+local_window_size tokens, the new one included, the count transformers' `sliding_window` gives.
+
 In the merged graph every layer's node takes past K/V and writes present K/V in every phase (an
 empty past at the prompt), so onnxruntime-genai can hand it one max-length buffer as both
 (`past_present_share_buffer`). ORT itself refuses, at run time, several new tokens after a

@@ -1,8 +1,8 @@
 """Sliding-window attention in the merged graph: each layer's window is in its Attention's mask
 (GroupQueryAttention: its local_window_size) and the cache keeps every token.
 
-Mistral (one window in every layer: the template applies) and Qwen2 (full layers, then sliding
-ones: traced whole, one mask per layer type), converted to 2 kv heads, on rows three times longer
+Mistral and Phi-3 (one window in every layer: the template applies) and Qwen2 (full layers, then
+sliding ones: traced whole, one mask per layer type), converted to 2 kv heads, on rows three times longer
 than the window: ONNX Runtime equals torch with the cache fed back (the prompt whole, in chunks and
 token by token; unpadded, left-padded and gapped rows), the GroupQueryAttention graph too;
 onnxruntime-genai generates transformers' greedy tokens; `headfold verify` passes; the options
@@ -33,8 +33,10 @@ CHUNKS = (5, 6, 1, 3)  # a prompt, a multi-token append, one generated token, an
 MODELS = {
     "mistral": {"sliding_window": WINDOW},
     "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},  # layer types full, full, sliding, sliding
+    "phi3": {"sliding_window": WINDOW},
 }
 SLIDING = {"mistral": [True] * LAYERS, "qwen2": [False, False, True, True]}
+FAMILIES = ["mistral", "qwen2", pytest.param("phi3", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +86,11 @@ def without_window(checkpoint: Path, family: str, folder: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_window_matches_torch_with_the_cache_fed_back(sliding, family: str, tmp_path: Path) -> None:
     checkpoint, folder = sliding(family)
     summary = json.loads((folder / "export.json").read_text())["graphs"]["model.onnx"]
-    if family == "mistral":  # one window for all: the layers are alike, the template copies them
+    if family != "qwen2":  # one window for all: the layers are alike, the template copies them
         assert summary["traced_layers"] == TRACED_LAYERS
     else:
         assert "traced_layers" not in summary and "layer_types" in summary["traced_whole"]
@@ -101,7 +103,7 @@ def test_window_matches_torch_with_the_cache_fed_back(sliding, family: str, tmp_
         assert error <= ATOL, f"{family} chunks {chunks}: max abs error {error:.2e}"
 
 
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family", SLIDING)
 def test_group_query_attention_takes_the_window_as_local_window_size(sliding, family: str) -> None:
     checkpoint, folder = sliding(family, attention="ort-gqa")
     nodes = [n for n in onnx.load(folder / "model.onnx", load_external_data=False).graph.node if n.op_type == "GroupQueryAttention"]
