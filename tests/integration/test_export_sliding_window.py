@@ -132,8 +132,9 @@ def test_onnxruntime_genai_generates_transformers_tokens(sliding, attention: str
     model, prompts, new = load_model(checkpoint), [list(range(3, 12)), list(range(40, 53)), list(range(100, 106))], 12
     with torch.no_grad():
         expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=new, do_sample=False)[0, len(p) :].tolist() for p in prompts]
-    og_model, pad, width = og.Model(str(folder)), 0, max(map(len, prompts))
+    og_model, pad = og.Model(str(folder)), 0
     for batch in ([0], [0, 1, 2]):
+        width = max(len(prompts[i]) for i in batch)
         params = og.GeneratorParams(og_model)
         params.set_search_options(max_length=width + new, do_sample=False, batch_size=len(batch))
         generator = og.Generator(og_model, params)
