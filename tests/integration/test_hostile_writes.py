@@ -570,7 +570,7 @@ def test_all_reports_appear_together_or_none(world: World, tmp_path: Path, capsy
     from headfold.verification.report import Report
 
     reports = {"--report": tmp_path / "r.json", "--markdown": tmp_path / "r.md", "--junit": tmp_path / "j.xml"}
-    args = ["verify", world.src, world.src, *SMALL_VERIFY, *(a for option, path in reports.items() for a in (option, path))]
+    args = ["verify", world.src, world.src, *SMALL_VERIFY, "-q", *(a for option, path in reports.items() for a in (option, path))]  # -q: no progress bar before the line
     monkeypatch.setattr(Report, "junit", lambda self: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     code, err = cli(capsys, *args)
     assert_one_line(code, err, 2, "no space left")
