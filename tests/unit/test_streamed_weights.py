@@ -20,11 +20,15 @@ from headfold.graphs.weights import StreamedWeight, joined, reused_buffers
 from headfold.ground.errors import BadInput
 
 IR_DTYPES = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
-# (source dtype, shape, export dtype, permutation): a copy in the kernel, a transpose, casts down and up
-# with and without one, and a permutation of three axes.
+# (source dtype, shape, export dtype, permutation): a copy in the kernel, transposes (written in bands of
+# rows, filled in tiles: one band, several, partial tiles), casts down and up with and without one, and a
+# permutation of three axes.
 CASES = [
     (torch.float16, (24, 40), torch.float16, None),
     (torch.float16, (24, 40), torch.float16, (1, 0)),
+    (torch.float16, (300, 1000), torch.float16, (1, 0)),
+    (torch.float32, (5000, 100), torch.float32, (1, 0)),
+    (torch.bfloat16, (70, 130), torch.bfloat16, (1, 0)),
     (torch.float32, (40, 24), torch.float16, (1, 0)),
     (torch.bfloat16, (16, 8), torch.float32, (1, 0)),
     (torch.float32, (64,), torch.bfloat16, None),
