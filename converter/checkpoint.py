@@ -479,14 +479,16 @@ class CheckpointFacts:
         return self._indexes[allow_pickle]
 
 
-def read_tensor(info: TensorInfo) -> torch.Tensor:
-    """One safetensors tensor, read with a plain positioned read: no mmap, so memory holds only what is in use."""
+def read_tensor(info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One safetensors tensor, read with a plain positioned read: no mmap, so memory holds only what is in use.
+    Into `out` (uint8, info.nbytes long) when given: a buffer the caller reuses."""
     import torch
 
-    buffer = torch.empty(info.nbytes, dtype=torch.uint8)
+    buffer = torch.empty(info.nbytes, dtype=torch.uint8) if out is None else out
     with open(info.file, "rb") as f:
         f.seek(info.offset)
-        f.readinto(buffer.numpy())
+        if f.readinto(buffer.numpy()) != info.nbytes:  # else the rest would be whatever the buffer held
+            raise BadInput(f"{info.file} ends inside tensor {info.name}: it changed after headfold checked it; restore the file and rerun")
     return buffer.view(info.dtype).reshape(info.shape)
 
 

@@ -44,7 +44,7 @@ from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
 from headfold.graphs.template import TRACED_LAYERS, LayerTemplate, NotAlike
-from headfold.graphs.weights import attach, fake_parameters, optimize_like_torch
+from headfold.graphs.weights import attach, fake_parameters, optimize_like_torch, reused_buffers
 from headfold.ground.artifacts import DECODE_GRAPH, MODEL_GRAPH, PREFILL_GRAPH
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.cache_names import PAST, PRESENT, cache_names
@@ -379,7 +379,8 @@ def save(model: ir.Model, path: Path, *, progress: bool = False) -> None:
             bar.set_postfix_str(tensor.name or "", refresh=False)
             bar.update()
 
-        ir.save(model, path, external_data=f"{path.name}.data", callback=written)
+        with reused_buffers():
+            ir.save(model, path, external_data=f"{path.name}.data", callback=written)
     onnx.checker.check_model(str(path))
 
 
