@@ -49,9 +49,13 @@ def attention_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, 
     """Per layer [tokens, hidden]: what the attention projections of the source model read."""
     if ckpt.spec.encoder_decoder:
         return seq2seq_inputs(ckpt, text, tokens, seed, progress)
+    return calibrate(ckpt, text_windows(ckpt, text, tokens, seed), progress)
+
+
+def text_windows(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int) -> torch.Tensor:
+    """The calibration windows [count, WINDOW] of token ids that a decoder or encoder runs on."""
     ckpt.facts.require_positions(WINDOW, f"calibration (windows of {WINDOW} tokens)", "pass --calibration weights, which reads no text", table_only=True)
-    batch = sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed)
-    return calibrate(ckpt, batch, progress)
+    return sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed)
 
 
 def check_settings() -> None:
