@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,11 +33,12 @@ import torch
 from headfold import corpus
 from headfold.converter import conversion, convert, local
 from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.recipes import DEFAULT_METHOD, get_method
 from headfold.converter.modeling import load_model
 from headfold.demo import default_model_path
 from headfold.verification.metrics import compare, log_probs, windows
 
-METHODS = ("mean", "aligned+grouped+refit", "local", "aligned+grouped+refit+local")
+METHODS = ("mean", "default", "local", "default+local")  # default: DEFAULT_METHOD as the family allows it
 TRAINED_HERE = ("gptj", "bloom", "stablelm")  # benchmarks/added_families.py's families
 CACHE = Path.home() / ".cache" / "headfold-method-parts"
 EXCERPT = 512 * 1024  # bytes of a zoo model's training split to calibrate on
@@ -85,9 +87,14 @@ def model(name: str) -> Model:
     return embedded() if name == "embedded" else trained_here(name) if name in TRAINED_HERE else zoo(name)
 
 
-def allowed(source: Path, method: str) -> bool:
+def resolved(source: Path, method: str) -> str | None:
+    """`method` with `default` spelled out as the family allows it (as convert does for its default), or None
+    when the family refuses one of its parts."""
     with SourceCheckpoint(source) as ckpt:
-        return not set(method.split("+")) & set(conversion.refused_modifiers(ckpt))
+        refused = set(conversion.refused_modifiers(ckpt))
+    default = "+".join(p for p in DEFAULT_METHOD.split("+") if p not in refused)
+    parts = [q for p in method.split("+") for q in (default.split("+") if p == "default" else [p])]
+    return None if set(parts) & refused else get_method("+".join(parts)).name
 
 
 def kv_counts(spec: str, heads: int) -> list[int]:
@@ -102,7 +109,9 @@ def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path) 
     reference = log_probs(load_model(m.folder), m.heldout)
     rows = []
     for kv in kv_counts(kv_spec, heads):
-        for method in (x for x in methods if allowed(m.folder, x)):
+        for label, method in ((x, resolved(m.folder, x)) for x in methods):
+            if method is None:
+                continue
             fit = "local" in method.split("+")
             start, cpu = time.perf_counter(), time.process_time()
             out = convert(m.folder, tmp / f"{m.name}-{kv}-{method}", kv, method, progress=False, builtin_text=m.calibration, local_steps=steps if fit else None, overwrite=True)
@@ -110,7 +119,7 @@ def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path) 
             report = compare(reference, log_probs(load_model(out), m.heldout), m.heldout)
             row = {
                 "model": m.name, "family": family, "heads": heads, "head_dim": head_dim, "layers": config.get("num_hidden_layers", config.get("n_layer")),
-                "kv_heads": kv, "method": method, "kl": report.kl, "ppl": report.candidate_ppl, "reference_ppl": report.reference_ppl, "top1": report.top1,
+                "kv_heads": kv, "method": method, "label": label, "kl": report.kl, "ppl": report.candidate_ppl, "reference_ppl": report.reference_ppl, "top1": report.top1,
                 "convert_s": round(seconds, 1), "convert_cpu_s": round(cpu_seconds, 1), "load_average_1min": round(os.getloadavg()[0], 2),
                 **({"local_steps": steps, "local_rate": local.RATE, "local_sequential": local.SEQUENTIAL} if fit else {}),
             }  # fmt: skip
@@ -126,11 +135,83 @@ def _line(row: dict) -> str:
             f"top-1 {row['top1']:.1%}  {row['convert_s']:.0f}s ({row['convert_cpu_s']:.0f} CPU s){extra}")  # fmt: skip
 
 
+# One conversion in a fresh process: its wall and CPU seconds (imports included) and peak RSS (VmHWM).
+CHILD = """
+import json, re, sys, time
+from pathlib import Path
+from headfold import convert
+start, cpu = time.perf_counter(), time.process_time()
+steps = int(sys.argv[4]) or None
+convert(sys.argv[1], sys.argv[2], 4, sys.argv[3], local_steps=steps, progress=False)
+hwm_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
+print(json.dumps({"convert_s": time.perf_counter() - start, "convert_cpu_s": time.process_time() - cpu, "peak_rss_mb": hwm_kb * 1024 / 1e6}))
+"""
+
+
+def layout_rows(methods: list[str], steps: list[int], threads: int, keep: Path | None) -> list[dict]:
+    """The generated 1.29 GB fp16 Llama layout (convert_throughput.py: 10 layers of hidden 2048, 16 heads of 128)
+    converted to 4 kv heads on 4096 calibration tokens of the built-in text, one fresh process per method (and
+    per --local-steps of a method with local): what each part costs where a model runs layer by layer."""
+    from convert_throughput import checkpoint
+
+    rows = []
+    with tempfile.TemporaryDirectory(dir=keep) as tmp:
+        src, sizes = checkpoint(keep or Path(tmp), 10, "float16", 1000)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        for method in methods:
+            for count in steps if "local" in method.split("+") else [0]:
+                done = subprocess.run([sys.executable, "-c", CHILD, src, Path(tmp) / "out", method, str(count)], capture_output=True, text=True, env=env)
+                if done.returncode:
+                    sys.exit(done.stderr[-3000:])
+                shutil.rmtree(Path(tmp) / "out")
+                result = {k: round(v, 1) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+                rows.append({"layout": f"Llama {sizes['total_bytes'] / 1e9:.2f} GB fp16, 10 layers, 16 heads of 128", "kv_heads": 4, "method": method,
+                             **({"local_steps": count} if count else {}), **result, "threads": threads, "load_average_1min": round(os.getloadavg()[0], 2)})  # fmt: skip
+                print("  ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+    return rows
+
+
+def scored_rows(threads: int, heads: int = 32, head_dim: int = 128, hidden: int = 4096, tokens: int = 4096) -> list[dict]:
+    """scored's own work on one 7B-shaped layer (Llama-2-7B: 32 heads of 128, hidden 4096, RoPE on every dim) at h/2
+    and h/4: the predicted loss's cross-products and the swap search from the contiguous and similarity groups, on
+    seeded random weights and inputs (a trained model's heads differ: the search may take more or fewer swaps)."""
+    from headfold.converter.layout import AttentionWeights
+    from headfold.converter.methods import LayerContext, head_activations, predicted_loss, similar_groups
+    from headfold.converter.recipes import contiguous_groups
+    from headfold.converter.scoring import scored_groups
+
+    gen = torch.Generator().manual_seed(0)
+    weight = lambda: torch.randn(heads, head_dim, hidden, generator=gen) / hidden**0.5  # noqa: E731
+    attn = AttentionWeights(weight(), weight(), weight(), weight())
+    ctx = LayerContext(torch.randn(tokens, hidden, generator=gen), rotary=head_dim)
+    keys, values = head_activations(attn.k, None, ctx), head_activations(attn.v, None, ctx)
+    rows = []
+    for kv in (heads // 2, heads // 4):
+        start, cpu = time.perf_counter(), time.process_time()
+        similar = similar_groups(keys, values, kv, head_dim)
+        similar_s = time.process_time() - cpu
+        loss = predicted_loss(attn, keys, values, ctx, head_dim)
+        groups = scored_groups(loss, [contiguous_groups(heads, kv), similar])
+        rows.append({"layout": f"one layer: {heads} heads of {head_dim}, hidden {hidden}, {tokens} tokens (random)", "kv_heads": kv, "method": "scored (grouping alone)",
+                     "convert_s": round(time.perf_counter() - start, 1), "convert_cpu_s": round(time.process_time() - cpu, 1), "similarity_cpu_s": round(similar_s, 1),
+                     "predicted_drop": round(1 - loss.total(groups) / loss.total(similar), 3), "threads": threads, "load_average_1min": round(os.getloadavg()[0], 2)})  # fmt: skip
+        print("  ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+    return rows
+
+
 WHAT = (
     "Training-free conversion of several trained models (the embedded decoder, the quality zoo's, small ones of the added families "
     "trained by benchmarks/added_families.py's recipe): KL(original ‖ converted) per token, perplexity and top-1 on each model's held-out "
     "windows, at kv = h/2, h/4 and MQA, for mean pooling, the default and the parts `local` adds; convert seconds on a shared 2-core machine "
     "(CPU seconds are the robust figure)"
+)
+
+
+DEFAULT_JSON = Path(__file__).parent / "results" / "method_parts.json"
+COST = (
+    "What each method costs on the generated 1.29 GB fp16 Llama layout (benchmarks/convert_throughput.py: 10 layers, hidden 2048, 16 heads "
+    "of 128, random weights) converted to 4 kv heads on 4096 calibration tokens, one fresh process per row on a shared 2-core machine: "
+    "wall and CPU seconds (imports included), peak RSS; local at two step budgets, so that one step's cost is their difference"
 )
 
 
@@ -144,10 +225,19 @@ def main() -> None:
     parser.add_argument("--sequential", action="store_true", help="ablation: local's layers read the converted earlier layers")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fresh", action="store_true", help="drop the rows of earlier runs")
-    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "method_parts.json")
+    parser.add_argument("--layout", action="store_true", help="cost on the generated 1.29 GB Llama layout instead (default JSON method_parts_cost.json)")
+    parser.add_argument("--layout-steps", default="1,3", help="--local-steps the layout's methods with local run at (the cost per step is their difference)")
+    parser.add_argument("--keep", type=Path, help="make the layout once in this folder and reuse it")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     local.RATE, local.SEQUENTIAL = args.rate, args.sequential
+    if args.layout:
+        path = args.json if args.json != DEFAULT_JSON else DEFAULT_JSON.with_name("method_parts_cost.json")
+        rows = scored_rows(args.threads) + layout_rows(args.methods.split(","), [int(x) for x in args.layout_steps.split(",")], args.threads, args.keep)
+        kept = [] if args.fresh or not path.is_file() else json.loads(path.read_text())["rows"]
+        path.write_text(json.dumps({"what": COST, "rows": kept + rows}, indent=1) + "\n")
+        return
     kept = [] if args.fresh or not args.json.is_file() else json.loads(args.json.read_text())["rows"]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):

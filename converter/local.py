@@ -9,9 +9,11 @@ parts pool the layer first (the start); then the block itself runs with candidat
 re-implementation), a GQA layer run as the MHA block it equals (each pooled kv head repeated for the
 source heads of its group). Adam minimises the squared error of the block's output over every attention
 tensor the GQA layer has: the pooled K/V projections, the per-query-head Q and O, their biases and
-per-head norms. Each tensor's step is relative to its own scale, the rate decays on a cosine to 0, and the
-best iterate (the start included) is kept, so a layer never ends worse on its calibration data than the
-start; a start that already reproduces the block (kv = heads, identical heads) is returned untouched.
+per-head norms, on every calibration token at each step. Each tensor's step is a fixed fraction of its own
+RMS; an error that runs away (RUNAWAY × the best so far) sends the weights back to the best iterate at
+half the rate. The best iterate (the start included) is kept, so a layer never ends worse on its
+calibration data than it started; a start that already reproduces the block (kv = heads, identical heads)
+is returned untouched.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from headfold.converter.layout import AttentionCodec, AttentionWeights, HeadShap
 from headfold.converter.methods import compute_device, convert_attention, expand_kv, moved
 from headfold.converter.recipes import LayerContext, Recipe
 
-RATE = 0.03  # Adam's first step, as a fraction of each tensor's RMS
+RATE = 0.05  # Adam's step, as a fraction of each tensor's RMS
+RUNAWAY = 2.0  # an error this many times the best so far: back to the best weights, at half the rate
 SEQUENTIAL = False  # each layer reads the source model's hidden states (teacher-forced); see docs/methods.md
 EXACT = 1e-12  # a start whose squared error is below this fraction of the target's already reproduces the block
 
@@ -59,43 +62,46 @@ def fit(run: layerwise.LayerRun, start: AttentionWeights, block_tensors: Callabl
     for t in trainable.values():
         t.requires_grad_(True)
     optimizer = torch.optim.Adam([{"params": [t], "lr": RATE * scale[name]} for name, t in trainable.items()])
-    backoff = [1.0]  # halved whenever a step made the error grow: a rate too large for this layer corrects itself
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: backoff[0] * 0.5 * (1 + math.cos(math.pi * step / max(steps, 1))))
-    best, first, best_error, last = start, math.inf, math.inf, math.inf
+    best, first, best_error = start, math.inf, math.inf
     for step in range(steps + 1):  # the error of step s is that of the weights after s updates
         optimizer.zero_grad()
-        now = error(run, block_tensors(replace(start, **trainable)), backward=step < steps) / target
+        now = error(run, lambda: block_tensors(replace(start, **trainable)), backward=step < steps) / target
         if step == 0:
             first = now
             if now <= EXACT:  # nothing to fit: the start, untouched
                 break
-        if now > last:
-            backoff[0] /= 2
-        last = now
         if now < best_error:
             best, best_error = replace(start, **{name: t.detach().clone() for name, t in trainable.items()}), now
+        runaway = now > RUNAWAY * best_error
+        if runaway:  # back to the best weights at half the rate (that gradient was taken elsewhere: no step with it)
+            with torch.no_grad():
+                for name, t in trainable.items():
+                    t.copy_(getattr(best, name))
+            optimizer.state.clear()
+            for group in optimizer.param_groups:
+                group["lr"] /= 2
         if step < steps:
-            optimizer.step()
-            schedule.step()
-        if bar is not None and step < steps:
-            bar.update()
-            bar.set_postfix(layer=run.index, error=f"{first:.3g}→{best_error:.3g}")
+            if not runaway:
+                optimizer.step()
+            if bar is not None:
+                bar.update()
+                bar.set_postfix(layer=run.index, error=f"{first:.3g}→{best_error:.3g}")
     if bar is not None:
         bar.update(steps - min(step, steps))
     return Fit(start if step == 0 else best, first, min(first, best_error))
 
 
-def error(run: layerwise.LayerRun, tensors: dict[str, torch.Tensor], backward: bool = False) -> float:
-    """Squared error of the block's output with `tensors` (by parameter name) against the original output,
+def error(run: layerwise.LayerRun, tensors: Callable[[], dict[str, torch.Tensor]], backward: bool = False) -> float:
+    """Squared error of the block's output with `tensors()` (by parameter name) against the original output,
     summed over the chunks; with `backward`, its gradient accumulates chunk by chunk (one chunk's graph at a time)."""
     total = 0.0
-    for (args, kwargs), target in zip(run.calls, run.outputs):
-        with torch.set_grad_enabled(backward):
-            out = functional_call(run.block, tensors, args, kwargs)
+    with torch.set_grad_enabled(backward):
+        for (args, kwargs), target in zip(run.calls, run.outputs):
+            out = functional_call(run.block, tensors(), args, kwargs)
             loss = ((out[0] if isinstance(out, tuple) else out) - target).square().sum()
-        if backward:
-            loss.backward(retain_graph=False)
-        total += float(loss.detach())
+            if backward:
+                loss.backward()
+            total += float(loss.detach())
     return total
 
 

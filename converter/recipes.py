@@ -22,7 +22,7 @@ METHODS = (
 # (benchmarks/results/conversion_quality.json, distill_recovery.json; docs/methods.md). It calibrates
 # on the built-in text, or on the weights alone when a checkpoint has no tokenizer to read text with.
 DEFAULT_METHOD = "aligned+grouped+refit"
-DEFAULT_LOCAL_STEPS = 30  # Adam steps per layer of `local` (--local-steps; converter/local.py, docs/methods.md)
+DEFAULT_LOCAL_STEPS = 100  # Adam steps per layer of `local` (--local-steps; converter/local.py, docs/methods.md)
 
 
 @dataclass(frozen=True)
