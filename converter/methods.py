@@ -10,8 +10,12 @@ ONNX Attention op, TensorRT and torch's repeat_interleave expect. Methods are re
               (query heads and W_O rows with them) so the chosen groups are contiguous
 - ``aligned`` rotate heads inside a group towards a common basis first (function-preserving:
               the rotation is folded into W_Q / W_O), pool, restore the norm lost to averaging
+- ``scored``  choose the groups by the loss pooling each one predicts (scoring.py), then permute
+              heads as ``grouped`` does
 - ``refit``   after pooling, fit per head the linear map from the pooled K/V back to the head's
               own K/V (least squares on calibration activations) and fold it into W_Q / W_O
+- ``local``   then fit the layer's attention output by gradient descent (local.py: it needs the
+              layer's own attention block, so it runs while calibration holds the layer, not here)
 
 Modifiers combine with ``+`` (``aligned+grouped+refit``); they pool with ``mean`` unless
 ``first`` is named. With RoPE, every K-side transform is restricted to what commutes with the
