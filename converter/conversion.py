@@ -191,8 +191,6 @@ def refused_modifiers(ckpt: SourceCheckpoint) -> dict[str, str]:
         why["grouped"] = why["scored"] = f"{ckpt.spec.family}'s relative attention bias belongs to each query head, so grouped and scored (which move query heads) would change the model"
     if ckpt.config.get("clip_qkv") is not None:
         why["aligned"] = why["refit"] = "config.json sets clip_qkv: the q/k/v clamp does not commute with the rotations and refits of aligned and refit"
-    if ckpt.spec.encoder_decoder:
-        why["local"] = f"{ckpt.spec.family} calibrates as a whole model, and local fits each layer while calibration runs the model layer by layer (decoders and encoders)"
     return why
 
 

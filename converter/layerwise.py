@@ -279,10 +279,7 @@ def layer_runs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device
         layer, block = runner.layers[i], runner.block(i)
         calls_in, outputs = [], []
         runner.load(layer)
-        hooks = [
-            block.register_forward_pre_hook(lambda module, args, kwargs: calls_in.append(_copied((args, kwargs))), with_kwargs=True),
-            block.register_forward_hook(_keep_output(outputs, stop)),
-        ]
+        hooks = record_block(block, calls_in, outputs, stop)
         try:
             try:
                 _run_layer(runner, i, hidden, calls, inputs, last=False)
@@ -297,6 +294,21 @@ def layer_runs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device
             layer.to("meta")
 
 
+def record_block(block: nn.Module, calls: list, outputs: list, stop: bool) -> list:
+    """Hooks keeping what `block` is called with (copies) and what it returns; with `stop`, the forward ends
+    there. Their handles, to remove."""
+
+    def keep_output(module: nn.Module, args: tuple, out: Any) -> None:
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+        if stop:
+            raise _Stop
+
+    return [
+        block.register_forward_pre_hook(lambda module, args, kwargs: calls.append(_copied((args, kwargs))), with_kwargs=True),
+        block.register_forward_hook(keep_output),
+    ]
+
+
 def _copied(obj: Any) -> Any:
     """Tensors inside nested tuples / lists / dicts, copied: a block's input may be a view of the hidden
     states that the layer's output then overwrites (BERT, BLOOM's residual)."""
@@ -307,12 +319,3 @@ def _copied(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _copied(v) for k, v in obj.items()}
     return obj
-
-
-def _keep_output(outputs: list, stop: bool) -> Callable:
-    def keep(module: nn.Module, args: tuple, out: Any) -> None:
-        outputs.append(out[0] if isinstance(out, tuple) else out)
-        if stop:
-            raise _Stop
-
-    return keep

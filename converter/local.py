@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from headfold.converter import calibration, layerwise
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.layout import AttentionCodec, AttentionWeights, HeadShape
-from headfold.converter.methods import compute_device, convert_attention, expand_kv, moved
+from headfold.converter.methods import convert_attention, expand_kv, moved
 from headfold.converter.recipes import LayerContext, Recipe
 
 RATE = 0.05  # Adam's step, as a fraction of each tensor's RMS
@@ -151,13 +151,12 @@ def fitted_layers(
     """Every pooled layer converted with `recipe`, its `local` part fitted on `tokens` tokens of `text` (windows
     as calibration samples them), one layer loaded at a time; the converted tensors are kept like
     activations (in RAM up to $HEADFOLD_CALIBRATION_RAM, then memory-mapped)."""
-    batch = calibration.text_windows(ckpt, text, tokens, seed)
     fitter = LayerFitter(ckpt, targets, recipe, contexts, steps)
     store = layerwise.ActivationStore(layerwise.ram_limit())
     done: dict[int, FittedLayer] = {}
     total = steps * sum(fitter.pooled(i) for i in range(ckpt.layers))
     with tqdm(total=total, desc="local", unit="step", disable=not progress) as bar:
-        for run in layerwise.layer_runs(ckpt, batch, compute_device(), SEQUENTIAL, progress):
+        for run in calibration.local_runs(ckpt, text, tokens, seed, SEQUENTIAL, progress):
             if fitter.pooled(run.index):
                 layer = fitter.convert(run, bar)
                 done[run.index] = replace(layer, tensors={name: store.keep(t) for name, t in layer.tensors.items()})

@@ -1,6 +1,6 @@
 """Layer-wise reconstruction (`local`): the fit never ends above its start, leaves an exact start untouched
-(kv = heads, identical heads), is deterministic, runs for every family whose maths allows it, refuses the
-others in one line, and keeps calibration's memory bound (one layer loaded)."""
+(kv = heads, identical heads), is deterministic, runs for every family (encoder-decoders included), refuses
+what it cannot do in one line, and keeps calibration's memory bound (one layer loaded)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from test_convert import outputs, read_tensors
 
 from headfold.converter import local
 from headfold import convert, corpus
-from headfold.converter.calibration import sample_windows, text_windows
+from headfold.converter.calibration import sample_windows, text_feeds, text_windows
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import layer_contexts
 from headfold.converter.layerwise import layer_runs
 from headfold.converter.layout import AttentionCodec
 from headfold.converter.methods import expand_kv
-from headfold.converter.modeling import load_model
+from headfold.converter.modeling import load_model, parameter_names
 from headfold.ground.errors import BadInput
 
 BYTES = 256  # a byte-level vocabulary: the tiny models calibrate on the built-in text as bytes
@@ -77,6 +77,43 @@ def test_every_family_fits_below_its_start(family: str, tiny_checkpoint, tmp_pat
     source, converted = block_outputs(src, batch, 0), block_outputs(out, batch, 0)
     written = float((converted - source).double().square().sum() / source.double().square().sum())
     assert written == pytest.approx(errors["0"][1], rel=1e-3)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart", "whisper"])
+def test_encoder_decoders_fit_their_decoder_attentions(family: str, tiny_checkpoint, tmp_path: Path) -> None:
+    """The whole model runs once (teacher-forced; Whisper on synthesized audio), then each pooled block (the
+    decoder's self- and cross-attention, by default) is fitted; the encoder's blocks are kept as they are."""
+    src = tiny_checkpoint(family, vocab_size=BYTES) if family != "whisper" else tiny_checkpoint(family)
+    out = local_convert(src, tmp_path / "local")
+    errors = fit_errors(out)
+    with SourceCheckpoint(src) as ckpt:
+        pooled = [str(i) for i, block in enumerate(ckpt.facts.blocks) if block.kind != "encoder_self"]
+    assert sorted(errors) == sorted(pooled)
+    assert all(0 < end < start for start, end in errors.values()), errors
+    source, converted = read_tensors(src), read_tensors(out)
+    assert all(torch.equal(source[n], converted[n]) for n in source if ".encoder." in f".{n}" and n in converted)
+    if family != "whisper":  # the first decoder self-attention's error is the written model's own, as for decoders
+        first = pooled[0]
+        written = seq2seq_block_error(src, out, int(first))
+        assert written == pytest.approx(errors[first][1], rel=1e-3)
+
+
+def seq2seq_block_error(src: Path, out: Path, index: int) -> float:
+    """Relative squared error of attention block `index` of the model in `out` against `src`'s, on the calibration feeds."""
+    kept = {}
+    for folder in (src, out):
+        model = load_model(folder, dtype=torch.float32)
+        with SourceCheckpoint(folder) as ckpt:
+            key = ckpt.spec.projections["k"].weight
+            path = parameter_names(model, ckpt.facts)[ckpt.attention.layers[index][key]][: -len(key) - 1]
+            feeds = text_feeds(ckpt, model, corpus.calibration_text(), TOKENS, seed=0)
+        outputs_ = []
+        model.get_submodule(path).register_forward_hook(lambda module, args, o: outputs_.append(o[0]))
+        with torch.no_grad():
+            for feed in feeds:
+                model(**feed, use_cache=False)
+        kept[folder] = torch.cat(outputs_).double()
+    return float((kept[out] - kept[src]).square().sum() / kept[src].square().sum())
 
 
 def test_a_diverging_fit_keeps_its_start(tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,13 +177,12 @@ def test_sequential_reads_the_converted_layers(tiny_checkpoint, tmp_path: Path, 
 @pytest.mark.parametrize(
     "family, kwargs, message",
     [
-        ("t5", {}, "local fits each layer while calibration runs the model layer by layer"),
         ("llama", {"calibration": "weights"}, "local fits each layer's attention output on calibration text"),
         ("llama", {"local_steps": 0}, "--local-steps 0 is not a positive number of steps"),
     ],
 )
 def test_refused_in_one_line(family: str, kwargs: dict, message: str, tiny_checkpoint, tmp_path: Path) -> None:
-    src = calibrated(family, tiny_checkpoint) if family != "t5" else tiny_checkpoint(family)
+    src = calibrated(family, tiny_checkpoint)
     with pytest.raises(BadInput, match=re.escape(message)) as err:
         convert(src, tmp_path / "out", kv_heads=2, method="local", progress=False, **{"local_steps": 2, **kwargs})
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
