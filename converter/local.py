@@ -154,7 +154,7 @@ def fitted_layers(
     fitter = LayerFitter(ckpt, targets, recipe, contexts, steps)
     store = layerwise.ActivationStore(layerwise.ram_limit())
     done: dict[int, FittedLayer] = {}
-    total = steps * sum(fitter.pooled(i) for i in range(ckpt.layers))
+    total = steps * sum(fitter.pooled(i) for i in range(len(targets)))  # layers, or an encoder-decoder's attention blocks
     with tqdm(total=total, desc="local", unit="step", disable=not progress) as bar:
         for run in calibration.local_runs(ckpt, text, tokens, seed, SEQUENTIAL, progress):
             if fitter.pooled(run.index):
