@@ -39,7 +39,7 @@ from headfold.demo import default_model_path
 from headfold.verification.metrics import compare, log_probs, windows
 
 METHODS = ("mean", "default", "local", "default+local")  # default: DEFAULT_METHOD as the family allows it
-TRAINED_HERE = ("gptj", "bloom", "stablelm")  # benchmarks/added_families.py's families
+TRAINED_HERE = ("gptj", "bloom", "stablelm", "t5")  # benchmarks/added_families.py's families and seq2seq_recovery.py's T5
 CACHE = Path.home() / ".cache" / "headfold-method-parts"
 EXCERPT = 512 * 1024  # bytes of a zoo model's training split to calibrate on
 
@@ -57,19 +57,36 @@ def embedded() -> Model:
 
 
 def trained_here(family: str) -> Model:
-    """A small model of `family` by added_families.py's recipe (seeded), trained once into CACHE."""
+    """A small model of `family` by added_families.py's recipe (T5: seq2seq_recovery.py's), seeded, trained once into CACHE."""
     import added_families
+    import seq2seq_recovery
 
     folder = CACHE / family
     if not (folder / "config.json").is_file():
         partial = CACHE / f".{family}-partial"
         shutil.rmtree(partial, ignore_errors=True)
-        record = added_families.train(family, partial, steps=400)
+        if family == "t5":
+            record, recipe = seq2seq_recovery.train(partial, steps=800), "benchmarks/seq2seq_recovery.py train(steps=800, seed=0)"
+        else:
+            record, recipe = added_families.train(family, partial, steps=400), "benchmarks/added_families.py train(steps=400, seed=0)"
         for name in ("tokenizer.json", "tokenizer_config.json"):  # byte-level, as the embedded model's
             shutil.copy(default_model_path() / name, partial / name)
-        (partial / "training.json").write_text(json.dumps({**record, "recipe": "benchmarks/added_families.py train(steps=400, seed=0)"}, indent=2) + "\n")
+        (partial / "training.json").write_text(json.dumps({**record, "recipe": recipe}, indent=2) + "\n")
         partial.rename(folder)
-    return Model(family, folder, windows(corpus.encode(corpus.heldout_text()), added_families.WINDOW), corpus.calibration_text())
+    window = seq2seq_recovery.WINDOW if family == "t5" else added_families.WINDOW
+    return Model(family, folder, windows(corpus.encode(corpus.heldout_text()), window), corpus.calibration_text())
+
+
+def scored_log_probs(model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probabilities and the ids they predict (as metrics.compare takes them): a decoder's over
+    each window; an encoder-decoder's over each window's second half, read after its first half (teacher-forced)."""
+    if not model.config.is_encoder_decoder:
+        return log_probs(model, batch), batch
+    half, start = batch.shape[1] // 2, model.config.decoder_start_token_id
+    target = torch.cat([torch.full_like(batch[:, :1], start), batch[:, half:]], 1)  # [start, t_0, …]: position i predicts t_i
+    with torch.no_grad():
+        logits = [model(input_ids=s, decoder_input_ids=t[:, :-1], use_cache=False).logits.float().log_softmax(-1) for s, t in zip(batch[:, :half].split(16), target.split(16))]
+    return torch.cat(logits), target
 
 
 def zoo(name: str) -> Model:
@@ -106,7 +123,7 @@ def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path) 
     config = json.loads((m.folder / "config.json").read_text())
     with SourceCheckpoint(m.folder) as ckpt:
         heads, head_dim, family = ckpt.shape.heads, ckpt.shape.head_dim, ckpt.spec.family
-    reference = log_probs(load_model(m.folder), m.heldout)
+    reference, ids = scored_log_probs(load_model(m.folder), m.heldout)
     rows = []
     for kv in kv_counts(kv_spec, heads):
         for label, method in ((x, resolved(m.folder, x)) for x in methods):
@@ -116,9 +133,9 @@ def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path) 
             start, cpu = time.perf_counter(), time.process_time()
             out = convert(m.folder, tmp / f"{m.name}-{kv}-{method}", kv, method, progress=False, builtin_text=m.calibration, local_steps=steps if fit else None, overwrite=True)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
-            report = compare(reference, log_probs(load_model(out), m.heldout), m.heldout)
+            report = compare(reference, scored_log_probs(load_model(out), m.heldout)[0], ids)
             row = {
-                "model": m.name, "family": family, "heads": heads, "head_dim": head_dim, "layers": config.get("num_hidden_layers", config.get("n_layer")),
+                "model": m.name, "family": family, "heads": heads, "head_dim": head_dim, "layers": config.get("num_hidden_layers", config.get("n_layer", config.get("num_layers"))),
                 "kv_heads": kv, "method": method, "label": label, "kl": report.kl, "ppl": report.candidate_ppl, "reference_ppl": report.reference_ppl, "top1": report.top1,
                 "convert_s": round(seconds, 1), "convert_cpu_s": round(cpu_seconds, 1), "load_average_1min": round(os.getloadavg()[0], 2),
                 **({"local_steps": steps, "local_rate": local.RATE, "local_sequential": local.SEQUENTIAL} if fit else {}),
