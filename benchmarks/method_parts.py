@@ -152,7 +152,7 @@ def _line(row: dict) -> str:
             f"top-1 {row['top1']:.1%}  {row['convert_s']:.0f}s ({row['convert_cpu_s']:.0f} CPU s){extra}")  # fmt: skip
 
 
-# One conversion in a fresh process: its wall and CPU seconds (imports included) and peak RSS (VmHWM).
+# One conversion in a fresh process: the wall and CPU seconds of the convert call and the peak RSS (VmHWM).
 CHILD = """
 import json, re, sys, time
 from pathlib import Path
@@ -228,7 +228,8 @@ DEFAULT_JSON = Path(__file__).parent / "results" / "method_parts.json"
 COST = (
     "What each method costs on the generated 1.29 GB fp16 Llama layout (benchmarks/convert_throughput.py: 10 layers, hidden 2048, 16 heads "
     "of 128, random weights) converted to 4 kv heads on 4096 calibration tokens, one fresh process per row on a shared 2-core machine: "
-    "wall and CPU seconds (imports included), peak RSS; local at two step budgets, so that one step's cost is their difference"
+    "wall and CPU seconds of the convert call (headfold imported, torch not yet), peak RSS; local at two step budgets, so that one step's cost is "
+    "their difference; and scored's grouping alone on one 7B-shaped layer"
 )
 
 
