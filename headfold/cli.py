@@ -104,8 +104,8 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @SOURCE
 @output_options()
 def convert(
-    src: str, out: Path, kv_heads: int | tuple[int, ...], method: str, pool: str | None, shard_size: str | None, allow_pickle: bool, calibration: Calibration,
-    revision: str | None, output: Output,
+    src: str, out: Path, kv_heads: int | tuple[int, ...], method: str, pool: str | None, local_steps: int | None, shard_size: str | None, allow_pickle: bool,
+    calibration: Calibration, revision: str | None, output: Output,
 ) -> None:
     """Convert the checkpoint SRC (a Hugging Face folder or hub id ORG/NAME) to a GQA/MQA checkpoint in OUT.
 
@@ -121,7 +121,7 @@ def convert(
     """
     if Path(src).suffix == ".onnx":
         src = Path(src)
-        refuse(("pool", "shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"), f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)")
+        refuse(("pool", "local_steps", "shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"), f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)")
         from headfold.graphs.onnx_convert import convert_onnx
 
         method = method if given(click.get_current_context(), ("method",)) else "mean"
@@ -136,14 +136,14 @@ def convert(
     reads = [src, *([] if calibration.text in (None, "weights") else [Path(calibration.text)])]
     output.check(reads, [out])
     if not get_method(method).data_aware:
-        refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only grouped, aligned and refit calibrate)")
+        refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only aligned, grouped, scored, refit and local calibrate)")
     from headfold import corpus
     from headfold.converter import convert as run_convert
     from headfold.ground import manifest
 
     result = run_convert(
         src, out, kv_heads, method, overwrite=output.overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle,
-        progress=output.progress, builtin_text=corpus.calibration_text(), pool=pool, **calibration.kwargs(),
+        progress=output.progress, builtin_text=corpus.calibration_text(), pool=pool, local_steps=local_steps, **calibration.kwargs(),
     )  # fmt: skip
     from headfold.converter.conversion import load_hint
 

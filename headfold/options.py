@@ -24,7 +24,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from headfold.converter.recipes import DEFAULT_METHOD
+from headfold.converter.recipes import DEFAULT_LOCAL_STEPS, DEFAULT_METHOD
 from headfold.converter.seq2seq import DEFAULT_POOL, POOL_CHOICES
 from headfold.ground.artifacts import CREATED_BY, created_by
 from headfold.ground.errors import BadInput, BadOption, HeadfoldError
@@ -134,7 +134,8 @@ KV_HEADS_HELP = "one value for every layer, or one per layer comma-separated (8,
 METHOD_HELP = (
     "How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
     "or combine with '+': aligned (rotate heads to a common basis first, function-preserving), grouped (pick groups "
-    "by activation similarity), refit (least-squares fit of W_Q/W_O to the pooled K/V). The default is the best "
+    "by activation similarity), scored (pick groups by the loss they predict), refit (least-squares fit of W_Q/W_O to the pooled K/V), "
+    "local (fit each layer's attention output by gradient descent). The default is the best "
     "training-free method measured; an ONNX source pools with mean."
 )
 
@@ -388,14 +389,20 @@ POOL = spec(
 )  # fmt: skip
 
 
+LOCAL_STEPS = spec(
+    "--local-steps", type=int, default=None, metavar="N",
+    help=f"Adam steps per layer of a method with local; each runs the layer's attention over the calibration tokens. [default: {DEFAULT_LOCAL_STEPS}]",
+)  # fmt: skip
+
+
 def conversion_options(*, kv_default: str | None = None, written: bool = True, pool: bool = False) -> OptionGroup:
     """--kv-heads and --method, and where a checkpoint is written (convert, run) --shard-size and --allow-pickle;
-    `pool`: --pool (convert)."""
+    `pool`: --pool and --local-steps (convert)."""
     checkpoint = (
         spec("--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file)."),
         spec("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin pickles (loaded with weights_only=True; from the hub only when the repo has no safetensors). Off by default: pickles can run code."),
     )  # fmt: skip
-    return options(kv_heads_spec(kv_default), method_spec(), *((POOL,) if pool else ()), *(checkpoint if written else ()), title=CONVERSION)
+    return options(kv_heads_spec(kv_default), method_spec(), *((POOL, LOCAL_STEPS) if pool else ()), *(checkpoint if written else ()), title=CONVERSION)
 
 
 # Export (export, run)
