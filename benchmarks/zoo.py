@@ -81,7 +81,7 @@ def trained(name: str, cache: Path, log: Callable = print, member: zoo_models.Me
     text = zoo_models.stdlib_corpus()
     keys = ("heads", "head_dim", "layers", "parameters", "pretraining_tokens", "heldout_perplexity", "train_wall_seconds", "weights_sha256")
     facts = {k: record[k] for k in keys} | {"corpus_sha256": record["corpus"]["sha256"]}
-    return Subject(name, member.family, folder, "seq2seq" if member.seq2seq else "decoder", zoo_models.spread_windows(text.ids("heldout")), text.train, facts)
+    return Subject(name, member.family, folder, "seq2seq" if member.seq2seq else "decoder", zoo_models.spread_windows(text.ids("heldout"), count=record["heldout_windows"]), text.train, facts)
 
 
 def embedded() -> Subject:
@@ -171,11 +171,22 @@ def kv_counts(spec: str, heads: int) -> dict[str, int]:
     return out
 
 
-def allowed(folder: Path, method: str) -> str | None:
-    """Why the model's maths refuses a part of `method` (BLOOM, T5: no grouped), or None."""
+def ran_as(folder: Path, method: str) -> str | None:
+    """The method the model's maths allows `method` to run as: the default leaves out what the family
+    refuses (BLOOM, T5: grouped), as `headfold convert` does; None: another method that needs a refused part."""
     with SourceCheckpoint(folder) as ckpt:
-        why = refused_modifiers(ckpt)
-    return next((why[m] for m in method.split("+") if m in why), None)
+        refused = refused_modifiers(ckpt)
+    parts = method.split("+")
+    if not set(parts) & set(refused):
+        return method
+    return "+".join(p for p in parts if p not in refused) if method == DEFAULT_METHOD else None
+
+
+def own_excerpt(text: str, pieces: int = 64, size: int = 8192) -> str:
+    """`pieces` slices of `size` characters evenly spaced over a training split (512 KB, about the
+    built-in text's size: tokenizing all of a 9 MB split would dominate the conversion's time)."""
+    step = max(size, (len(text) - size) // max(1, pieces - 1))
+    return "".join(text[i * step : i * step + size] for i in range(pieces))
 
 
 def quality_rows(s: Subject, methods: list[str], kv_spec: str, tmp: Path, log: Callable = print) -> list[dict]:
@@ -184,15 +195,15 @@ def quality_rows(s: Subject, methods: list[str], kv_spec: str, tmp: Path, log: C
     own = None
     if s.own_text is not None:
         own = tmp / f"{s.name}-train.txt"
-        own.write_text(s.own_text)
+        own.write_text(own_excerpt(s.own_text))
     rows = []
     for label, kv in kv_counts(kv_spec, s.facts["heads"]).items():
         for method in methods:
-            if why := allowed(s.folder, method):
-                log(f"{s.name}: {method} left out: {why}")
+            if not (runs := ran_as(s.folder, method)):
+                log(f"{s.name}: {method} left out: the family refuses a part of it")
                 continue
             for calibration in (BUILTIN, OWN) if own and method == DEFAULT_METHOD and label == "h/4" else (BUILTIN,):
-                rows.append(measure(s, score, label, kv, method, calibration, own, tmp))
+                rows.append(measure(s, score, label, kv, method, calibration, own, tmp) | ({"ran_as": runs} if runs != method else {}))
                 log(line(rows[-1]))
     return rows
 
@@ -226,7 +237,7 @@ def merge(path: Path, entries: list[dict], rows: list[dict], machine: str) -> No
     order = {name: i for i, name in enumerate(MODELS)}
     models = sorted([e for e in old["models"] if e["model"] not in new_models] + entries, key=lambda e: order.get(e["model"], len(order)))
     kept = [r for r in old["rows"] if key(r) not in new_keys]
-    data = {"what": WHAT, "machine": machine, "models": models, "rows": sorted(kept + rows, key=lambda r: (order.get(r["model"], len(order)), -r["kv_heads"]))}
+    data = {"what": WHAT, "machine": machine, "default_method": DEFAULT_METHOD, "models": models, "rows": sorted(kept + rows, key=lambda r: (order.get(r["model"], len(order)), -r["kv_heads"]))}
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}")
     scratch.write_text(json.dumps(data, indent=2) + "\n")

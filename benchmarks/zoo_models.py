@@ -118,6 +118,7 @@ class Member:
     threads: int = 2
     seq2seq: bool = False
     log_every: int = 25
+    eval_windows: int = EVAL_WINDOWS  # held-out windows scored (training.json's perplexity and zoo.py quality)
     extra: dict = field(default_factory=dict)  # anything else the recipe records
 
     @property
@@ -196,7 +197,7 @@ def train(m: Member, folder: Path, text: Corpus, log=print) -> dict:
     gen = torch.Generator().manual_seed(m.seed)
     span = m.seq_len if m.seq2seq else m.seq_len + 1  # a decoder's window predicts seq_len tokens
     recent: list[float] = []
-    start = time.perf_counter()
+    start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     model.train()
     for step in range(m.steps):
         starts = torch.randint(0, len(data) - span, (m.batch_size,), generator=gen).tolist()
@@ -210,8 +211,9 @@ def train(m: Member, folder: Path, text: Corpus, log=print) -> dict:
         if (step + 1) % m.log_every == 0 or step + 1 == m.steps:
             elapsed = time.perf_counter() - start
             log(f"{m.name}: step {step + 1}/{m.steps}  loss {sum(recent) / len(recent):.4f}  {elapsed:.0f}s, eta {elapsed / (step + 1) * (m.steps - step - 1):.0f}s")
-    seconds = time.perf_counter() - start
-    heldout = heldout_loss(model, spread_windows(text.ids("heldout")), m.seq2seq)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    load = (load, os.getloadavg()[0])
+    heldout = heldout_loss(model, spread_windows(text.ids("heldout"), count=m.eval_windows), m.seq2seq)
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
         shutil.copyfile(default_model_path() / name, folder / name)
@@ -231,11 +233,14 @@ def train(m: Member, folder: Path, text: Corpus, log=print) -> dict:
         "corpus": text.facts,
         "train_epochs": round(m.pretraining_tokens / len(data), 3),
         "train_wall_seconds": round(seconds, 1),
+        "train_cpu_seconds": round(cpu, 1),  # on a shared machine the robust figure: an idle machine's wall time is about this / threads
+        "load_average": f"{load[0]:.1f} before, {load[1]:.1f} after, {os.cpu_count()} CPUs",
         "torch_threads": m.threads,
         "final_train_loss_nats_per_byte": round(sum(recent) / len(recent), 4),
         "heldout_cross_entropy_nats_per_byte": round(heldout, 4),
         "heldout_perplexity": round(math.exp(heldout), 4),
-        "heldout_eval": f"{EVAL_WINDOWS} windows of {EVAL_WINDOW} bytes spread evenly over the held-out split"
+        "heldout_windows": m.eval_windows,
+        "heldout_eval": f"{m.eval_windows} windows of {EVAL_WINDOW} bytes spread evenly over the held-out split"
         + (", each: first half the source, second half the target" if m.seq2seq else ""),
         "weights_sha256": sha256(folder / "model.safetensors"),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
@@ -287,4 +292,4 @@ def toy(m: Member, steps: int = 3) -> Member:
     heads = next(m.config[k] for k in ("num_attention_heads", "n_head", "num_heads") if k in m.config)
     narrow = {"hidden_size": 8 * heads, "n_embd": 8 * heads, "d_model": 8 * heads, "d_kv": 8, "intermediate_size": 16 * heads, "n_inner": 16 * heads,
               "d_ff": 16 * heads, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "num_decoder_layers": 2}  # fmt: skip
-    return replace(m, config={k: narrow.get(k, v) for k, v in m.config.items()}, steps=steps, batch_size=2, warmup_steps=1, threads=1)
+    return replace(m, config={k: narrow.get(k, v) for k, v in m.config.items()}, steps=steps, batch_size=2, warmup_steps=1, threads=1, eval_windows=8)
