@@ -225,8 +225,8 @@ def line(row: dict) -> str:
     return head + f" cosine {row['cosine']:.4f} (min {row['cosine_min']:.4f})  {row['convert_s']:.1f}s"
 
 
-def model_entry(s: Subject) -> dict:
-    return {"model": s.name, "family": s.family, "kind": s.kind, **s.facts}
+def model_entry(s: Subject, load: tuple[float, float]) -> dict:
+    return {"model": s.name, "family": s.family, "kind": s.kind, **s.facts, "load_average": f"{load[0]:.1f} before, {load[1]:.1f} after"}
 
 
 def merge(path: Path, entries: list[dict], rows: list[dict], machine: str) -> None:
@@ -244,8 +244,8 @@ def merge(path: Path, entries: list[dict], rows: list[dict], machine: str) -> No
     os.replace(scratch, path)
 
 
-def machine_line(threads: int, load_before: float) -> str:
-    return (f"{os.cpu_count()} CPU cores, torch {threads} thread(s), load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
+def machine_line(threads: int) -> str:
+    return (f"{os.cpu_count()} CPU cores, torch {threads} thread(s) (each model's load average is in its entry); "
             f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")  # fmt: skip
 
 
@@ -256,11 +256,11 @@ def quality(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     for name in args.models.split(","):
-        load = os.getloadavg()[0]
         s = subject(name, args.cache)
+        load = os.getloadavg()[0]
         with tempfile.TemporaryDirectory(prefix="zoo-quality-") as tmp:
             rows = quality_rows(s, methods, args.kv, Path(tmp))
-        merge(args.json, [model_entry(s)], rows, machine_line(args.threads, load))
+        merge(args.json, [model_entry(s, (load, os.getloadavg()[0]))], rows, machine_line(args.threads))
         print(f"{name}: {len(rows)} rows into {args.json}", flush=True)
 
 

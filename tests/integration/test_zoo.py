@@ -53,7 +53,7 @@ def test_quality_rows_score_each_conversion_on_held_out_text(zoo, cache: Path, t
     results, entries, rows = tmp_path / "zoo_quality.json", [], []
     for name in ("llama-16h", "t5"):
         model = harness.subject(name, cache, log=lambda _: None)
-        entries.append(harness.model_entry(model))
+        entries.append(harness.model_entry(model, (0.0, 0.0)))
         rows += harness.quality_rows(model, ["mean"], "h/4", tmp_path, log=lambda _: None)
     assert [(r["model"], r["kv"], r["kv_heads"], r["method"], r["calibration"]) for r in rows] == [("llama-16h", "h/4", 4, "mean", "built-in"), ("t5", "h/4", 2, "mean", "built-in")]
     for row, entry in zip(rows, entries, strict=True):
