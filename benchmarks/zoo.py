@@ -44,6 +44,7 @@ from headfold.converter.conversion import refused_modifiers
 from headfold.converter.modeling import load_model
 from headfold.converter.recipes import DEFAULT_METHOD, METHODS, get_method
 from headfold.demo import default_model_path
+from headfold.distillation.budget import pretraining_tokens
 from headfold.ground.errors import BadInput
 from headfold.verification.metrics import LossMeter
 
@@ -73,22 +74,23 @@ class Subject:
     facts: dict  # for the models table: heads, head_dim, layers, pre-training tokens, held-out perplexity, sha256
 
 
-def trained(name: str, cache: Path, log: Callable = print, member: zoo_models.Member | None = None) -> Subject:
+def trained(name: str, cache: Path, log: Callable = print) -> Subject:
     """A trained zoo member (trained first when the cache lacks it)."""
-    member = member or zoo_models.MEMBERS[name]
+    member = zoo_models.MEMBERS[name]
     folder = zoo_models.ensure(member, cache, log)
     record = json.loads((folder / "training.json").read_text())
     text = zoo_models.stdlib_corpus()
-    keys = ("heads", "head_dim", "layers", "parameters", "pretraining_tokens", "heldout_perplexity", "train_wall_seconds", "weights_sha256")
+    keys = ("heads", "head_dim", "layers", "parameters", "pretraining_tokens", "heldout_perplexity", "train_wall_seconds", "train_cpu_seconds", "weights_sha256")
     facts = {k: record[k] for k in keys} | {"corpus_sha256": record["corpus"]["sha256"]}
-    return Subject(name, member.family, folder, "seq2seq" if member.seq2seq else "decoder", zoo_models.spread_windows(text.ids("heldout"), count=record["heldout_windows"]), text.train, facts)
+    heldout = zoo_models.spread_windows(text.ids("heldout"), count=record["heldout_windows"])
+    return Subject(name, member.family, folder, "seq2seq" if member.seq2seq else "decoder", heldout, text.train, facts)
 
 
 def embedded() -> Subject:
     folder = default_model_path()
     record = json.loads((folder / "training.json").read_text())
-    facts = _shape(folder) | {"parameters": record["parameters"], "pretraining_tokens": record["recipe"]["steps"] * record["recipe"]["batch_size"] * record["recipe"]["seq_len"],
-                              "heldout_perplexity": record["heldout_perplexity"], "weights_sha256": zoo_models.sha256(folder / "model.safetensors")}  # fmt: skip
+    facts = _shape(folder) | {"parameters": record["parameters"], "pretraining_tokens": pretraining_tokens(folder), "heldout_perplexity": record["heldout_perplexity"],
+                              "weights_sha256": zoo_models.sha256(folder / "model.safetensors")}  # fmt: skip
     heldout = zoo_models.spread_windows(torch.tensor(corpus.encode(corpus.heldout_text())))
     return Subject(EMBEDDED, "the embedded model: RoPE Llama on pydoc topics", folder, "decoder", heldout, None, facts)
 

@@ -131,26 +131,28 @@ class Member:
 
 
 def _llama(name: str, family: str, heads: int, hidden: int, **more) -> Member:
-    config = dict(BYTES, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4, num_attention_heads=heads,
-                  num_key_value_heads=heads, max_position_embeddings=512, tie_word_embeddings=True, **more)  # fmt: skip
+    config = dict(BYTES, hidden_size=hidden, intermediate_size=512, num_hidden_layers=4, num_attention_heads=heads, num_key_value_heads=heads,
+                  max_position_embeddings=512, tie_word_embeddings=True, **more)  # fmt: skip
     return Member(name, family, "LlamaForCausalLM", "LlamaConfig", config, steps=512)
 
 
+# Widths: heads of a meaningful size at about a million tokens each, small enough that the zoo trains
+# on a shared 2-core machine (the cost goes with the parameters: the Llamas are the largest).
 MEMBERS: dict[str, Member] = {
     m.name: m
     for m in (
+        _llama("llama-16h", "RoPE Llama, 16 heads", heads=16, hidden=384),
         _llama("llama-hd64", "RoPE Llama, head_dim 64", heads=8, hidden=512),
-        _llama("llama-16h", "RoPE Llama, 16 heads", heads=16, hidden=512),
-        Member("neox", "GPT-NeoX, partial rotary (25 %), interleaved fused QKV", "GPTNeoXForCausalLM", "GPTNeoXConfig",
-               dict(BYTES, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, rotary_pct=0.25,
-                    max_position_embeddings=512, hidden_dropout=0.0, attention_dropout=0.0), steps=512, lr=1.5e-3),
         Member("gpt2", "GPT-2, learned positions, fused c_attn", "GPT2LMHeadModel", "GPT2Config",
-               dict(BYTES, n_embd=384, n_inner=768, n_layer=4, n_head=12, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+               dict(BYTES, n_embd=384, n_inner=512, n_layer=4, n_head=12, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
                steps=512, lr=1.5e-3),
+        Member("neox", "GPT-NeoX, partial rotary (25 %), interleaved fused QKV", "GPTNeoXForCausalLM", "GPTNeoXConfig",
+               dict(BYTES, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, rotary_pct=0.25,
+                    max_position_embeddings=512, hidden_dropout=0.0, attention_dropout=0.0), steps=512, lr=1.5e-3),
         Member("bloom", "BLOOM, ALiBi", "BloomForCausalLM", "BloomConfig",
                dict(BYTES, hidden_size=256, n_layer=4, n_head=8, hidden_dropout=0.0, attention_dropout=0.0), steps=512, lr=1.5e-3),
         Member("t5", "T5, decoder self- and cross-attention (relative position bias)", "T5ForConditionalGeneration", "T5Config",
-               dict(T5_BYTES, d_model=256, d_kv=32, d_ff=1024, num_layers=4, num_decoder_layers=4, num_heads=8, dropout_rate=0.0),
+               dict(T5_BYTES, d_model=256, d_kv=32, d_ff=512, num_layers=4, num_decoder_layers=4, num_heads=8, dropout_rate=0.0),
                steps=512, lr=1.5e-3, seq2seq=True, extra={"objective": "each window's first half is the source, its second half the target"}),
     )
 }  # fmt: skip
