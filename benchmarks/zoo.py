@@ -32,21 +32,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import transformers
-import zoo_models
-from conversion_quality import embeddings
+# Threads waiting at a barrier sleep instead of spinning (set before torch starts OpenMP): on a machine
+# shared with other jobs, spinning threads burnt four times the CPU of a training step. Numbers do not change.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import headfold
-from headfold import corpus
-from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
-from headfold.converter.conversion import refused_modifiers
-from headfold.converter.modeling import load_model
-from headfold.converter.recipes import DEFAULT_METHOD, METHODS, get_method
-from headfold.demo import default_model_path
-from headfold.distillation.budget import pretraining_tokens
-from headfold.ground.errors import BadInput
-from headfold.verification.metrics import LossMeter
+import torch  # noqa: E402
+import transformers  # noqa: E402
+import zoo_models  # noqa: E402
+from conversion_quality import embeddings  # noqa: E402
+
+import headfold  # noqa: E402
+from headfold import corpus  # noqa: E402
+from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint  # noqa: E402
+from headfold.converter.conversion import refused_modifiers  # noqa: E402
+from headfold.converter.modeling import load_model  # noqa: E402
+from headfold.converter.recipes import DEFAULT_METHOD, METHODS, get_method  # noqa: E402
+from headfold.demo import default_model_path  # noqa: E402
+from headfold.distillation.budget import pretraining_tokens  # noqa: E402
+from headfold.ground.errors import BadInput  # noqa: E402
+from headfold.verification.metrics import LossMeter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "zoo_quality.json"
 EMBEDDED, MINILM = "embedded", "minilm"
