@@ -137,11 +137,11 @@ def _llama(name: str, family: str, heads: int, hidden: int, **more) -> Member:
 
 
 # Widths: heads of a meaningful size at about a million tokens each, small enough that the zoo trains
-# on a shared 2-core machine (the cost goes with the parameters: the Llamas are the largest).
+# on a shared 2-core machine (the cost goes with the parameters: the two 512-wide Llamas are the largest).
 MEMBERS: dict[str, Member] = {
     m.name: m
     for m in (
-        _llama("llama-16h", "RoPE Llama, 16 heads", heads=16, hidden=384),
+        _llama("llama-16h", "RoPE Llama, 16 heads", heads=16, hidden=512),
         _llama("llama-hd64", "RoPE Llama, head_dim 64", heads=8, hidden=512),
         Member("gpt2", "GPT-2, learned positions, fused c_attn", "GPT2LMHeadModel", "GPT2Config",
                dict(BYTES, n_embd=384, n_inner=512, n_layer=4, n_head=12, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
