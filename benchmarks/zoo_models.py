@@ -272,6 +272,9 @@ def ensure(m: Member, cache: Path = CACHE, log=print) -> Path:
     shutil.rmtree(scratch, ignore_errors=True)
     record = train(m, scratch, stdlib_corpus(), log)
     (scratch / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    if found := ready(m.name, cache):  # another process finished it meanwhile (same seed, same weights): keep theirs
+        shutil.rmtree(scratch)
+        return found
     os.replace(scratch, cache / m.name)
     log(f"{m.name}: ready, held-out perplexity {record['heldout_perplexity']}, {record['train_wall_seconds']} s, sha256 {record['weights_sha256'][:16]}…")
     write_index(cache)
