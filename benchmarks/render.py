@@ -199,7 +199,10 @@ def _duration(seconds: float) -> str:
 
 def zoo_quality(data: dict) -> str:
     """benchmarks/zoo.py quality: every training-free method on every zoo model at h/2, h/4 and MQA."""
-    parts = [about(data, "what", "machine"), zoo_models_table(data), zoo_table(data), zoo_summary(data)]
+    c = data["corpus"]
+    corpus = (f"*corpus of the trained members*: {c['source']}; {c['files']} files, {c['heldout_files']} of them held out ({c['split']}); "
+              f"{c['train_bytes']} training and {c['heldout_bytes']} held-out bytes, sha256 `{c['sha256']}`")  # fmt: skip
+    parts = [about(data, "what", "machine"), corpus, zoo_models_table(data), zoo_table(data), zoo_summary(data)]
     for key, name in (("ppl_increase", "perplexity increase"), ("top1", "top-1 agreement"), ("convert_s", "conversion wall seconds")):
         show = (lambda r, k=key: pct(r[k])) if key == "ppl_increase" else (lambda r, k=key: f"{r[k]:.1%}") if key == "top1" else (lambda r, k=key: fmt(r[k]))
         parts.append(f"**{name.capitalize()}**\n\n" + zoo_grid(data, show, decoders_only=key != "convert_s"))

@@ -243,7 +243,7 @@ def merge(path: Path, entries: list[dict], rows: list[dict], machine: str) -> No
     order = {name: i for i, name in enumerate(MODELS)}
     models = sorted([e for e in old["models"] if e["model"] not in new_models] + entries, key=lambda e: order.get(e["model"], len(order)))
     kept = [r for r in old["rows"] if key(r) not in new_keys]
-    data = {"what": WHAT, "machine": machine, "default_method": DEFAULT_METHOD, "models": models, "rows": sorted(kept + rows, key=lambda r: (order.get(r["model"], len(order)), -r["kv_heads"]))}
+    data = {"what": WHAT, "machine": machine, "corpus": zoo_models.stdlib_corpus().facts, "default_method": DEFAULT_METHOD, "models": models, "rows": sorted(kept + rows, key=lambda r: (order.get(r["model"], len(order)), -r["kv_heads"]))}
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}")
     scratch.write_text(json.dumps(data, indent=2) + "\n")
