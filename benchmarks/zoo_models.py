@@ -283,10 +283,13 @@ def ensure(m: Member, cache: Path = CACHE, log=print) -> Path:
 
 def write_index(cache: Path = CACHE) -> None:
     """INDEX.md: one line per ready model."""
-    lines = ["# headfold quality zoo (benchmarks/zoo.py train)", "", "| name | family | heads | head_dim | layers | tokens | held-out ppl | train s | sha256 |", "|---|---|---|---|---|---|---|---|---|"]
+    header = ["name", "family", "heads", "head_dim", "layers", "tokens", "held-out ppl", "train wall s", "train CPU s", "sha256"]
+    lines = ["# headfold quality zoo (benchmarks/zoo.py train)", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for folder in sorted(p for p in cache.iterdir() if (p / "training.json").is_file()):
         r = json.loads((folder / "training.json").read_text())
-        lines.append(f"| {r['name']} | {r['family']} | {r['heads']} | {r['head_dim']} | {r['layers']} | {r['pretraining_tokens']} | {r['heldout_perplexity']} | {r['train_wall_seconds']} | {r['weights_sha256'][:16]}… |")
+        cells = [r["name"], r["family"], r["heads"], r["head_dim"], r["layers"], r["pretraining_tokens"], r["heldout_perplexity"], r["train_wall_seconds"],
+                 r["train_cpu_seconds"], r["weights_sha256"][:16] + "…"]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     scratch = cache / f".INDEX.md.{os.getpid()}"
     scratch.write_text("\n".join(lines) + "\n")
     os.replace(scratch, cache / "INDEX.md")

@@ -39,7 +39,7 @@ def test_a_member_is_written_whole_with_its_record(zoo, cache: Path) -> None:
     assert record["corpus"]["train_bytes"] > 5_000_000 and record["corpus"]["heldout_files"] > 0 and len(record["corpus"]["sha256"]) == 64
     assert not list(cache.glob(".*partial*"))
     index = (cache / "INDEX.md").read_text()
-    assert "| llama-16h | RoPE Llama, 16 heads | 16 | 8 | 2 | 1536 |" in index and "| t5 |" in index
+    assert "| llama-16h | RoPE Llama, 16 heads | 16 | 8 | 2 | 1536 |" in index and "| t5 | T5, " in index
 
 
 def test_training_is_deterministic(zoo, cache: Path, tmp_path: Path) -> None:
