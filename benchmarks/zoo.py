@@ -243,7 +243,8 @@ def merge(path: Path, entries: list[dict], rows: list[dict], machine: str) -> No
     order = {name: i for i, name in enumerate(MODELS)}
     models = sorted([e for e in old["models"] if e["model"] not in new_models] + entries, key=lambda e: order.get(e["model"], len(order)))
     kept = [r for r in old["rows"] if key(r) not in new_keys]
-    data = {"what": WHAT, "machine": machine, "corpus": zoo_models.stdlib_corpus().facts, "default_method": DEFAULT_METHOD, "models": models, "rows": sorted(kept + rows, key=lambda r: (order.get(r["model"], len(order)), -r["kv_heads"]))}
+    rows = sorted(kept + rows, key=lambda r: (order.get(r["model"], len(order)), -r["kv_heads"]))
+    data = {"what": WHAT, "machine": machine, "corpus": zoo_models.stdlib_corpus().facts, "default_method": DEFAULT_METHOD, "models": models, "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}")
     scratch.write_text(json.dumps(data, indent=2) + "\n")
@@ -261,7 +262,7 @@ def quality(args: argparse.Namespace) -> None:
         get_method(method)  # an unknown name fails before any work
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    for name in args.models.split(","):
+    for name in args.models:
         s = subject(name, args.cache)
         load = os.getloadavg()[0]
         with tempfile.TemporaryDirectory(prefix="zoo-quality-") as tmp:
@@ -271,8 +272,19 @@ def quality(args: argparse.Namespace) -> None:
 
 
 def train(args: argparse.Namespace) -> None:
-    for name in args.models.split(","):
+    for name in args.models:
         zoo_models.ensure(zoo_models.MEMBERS[name], args.cache, lambda text: print(text, flush=True))
+
+
+def names(known: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names, each one of `known`."""
+
+    def parse(text: str) -> list[str]:
+        if unknown := [n for n in text.split(",") if n not in known]:
+            raise argparse.ArgumentTypeError(f"unknown model {', '.join(unknown)}; choose from {', '.join(known)}")
+        return text.split(",")
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=zoo_models.CACHE, help="the zoo's checkpoint folders")
     commands = parser.add_subparsers(dest="command", required=True)
     t = commands.add_parser("train", help="train the zoo members that the cache lacks, one at a time")
-    t.add_argument("--models", default=",".join(zoo_models.MEMBERS))
+    t.add_argument("--models", type=names(tuple(zoo_models.MEMBERS)), default=list(zoo_models.MEMBERS))
     q = commands.add_parser("quality", help="every method × model × kv, training-free")
-    q.add_argument("--models", default=",".join(MODELS))
+    q.add_argument("--models", type=names(MODELS), default=list(MODELS))
     q.add_argument("--methods", default=",".join(METHODS), help="method names headfold.convert takes")
     q.add_argument("--kv", default="h/2,h/4,1", help="kv-head counts: h/N or a number")
     q.add_argument("--threads", type=int, default=2)
@@ -291,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         {"train": train, "quality": quality, "index": lambda a: zoo_models.write_index(a.cache)}[args.command](args)
-    except (BadInput, KeyError) as err:
+    except BadInput as err:
         print(f"zoo: {err}", file=sys.stderr)
         return 2
     return 0
