@@ -228,15 +228,18 @@ def zoo_grid(data: dict, show: Callable, decoders_only: bool = False) -> str:
     body = []
     for model, kv, heads in dict.fromkeys((r["model"], r["kv"], r["kv_heads"]) for r in rows):
         here = [cell.get((model, kv, m, "built-in")) for m in methods] + [cell.get((model, kv, *own))]
-        body.append([model, f"{kv} ({heads})", *(show(r) if r else "" for r in here)])
-    return table(["model", "kv", *(f"`{m}`" for m in methods), f"`{own[0]}`, own text"], body)
+        body.append([model, f"{kv} ({heads})", *(show(r) + ("†" if "ran_as" in r else "") if r else "" for r in here)])
+    ran_as = sorted({f"`{r['ran_as']}`" for r in rows if "ran_as" in r})
+    note = f"\n\n† ran as {' or '.join(ran_as)}: the family refuses a part of the default (as `headfold convert` does)." if ran_as else ""
+    return table(["model", "kv", *(f"`{m}`" for m in methods), f"`{own[0]}`, own text"], body) + note
 
 
 def zoo_table(data: dict) -> str:
     """The main grid: KL per token for the decoders, 1 − cosine for the encoder (lower is better)."""
     show = lambda r: f"{r['kl']:.3g}" if "kl" in r else f"{1 - r['cosine']:.3g} (1−cos)"  # noqa: E731
     intro = ("**KL(original ‖ converted) per token** on each model's held-out text (all-MiniLM-L6-v2: 1 − sentence-embedding cosine), "
-             "calibrated on the built-in text; *own text*: the default method calibrated on the model's training split. Lower is better.")  # fmt: skip
+             "calibrated on the built-in text; *own text*: the default method calibrated on the model's training split (the embedded model's is the "
+             "built-in text; MiniLM's is not ours). Lower is better.")  # fmt: skip
     return intro + "\n\n" + zoo_grid(data, show)
 
 
