@@ -241,6 +241,93 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
+def _part_name(row: dict) -> str:
+    """A method_parts row's method, with local's budget and, in an ablation, its other settings."""
+    if "local_steps" not in row:
+        return f"`{row['method']}`"
+    extra = ", sequential" if row.get("local_sequential") else ""
+    return f"`{row['method']}` ({row['local_steps']} steps{extra})"
+
+
+def method_parts(data: dict) -> str:
+    """benchmarks/method_parts.py: the training-free method parts on several trained models, and what they cost."""
+    rows = data["rows"]
+    if "layout" in rows[0]:
+        shown = [[r["layout"], r["kv_heads"], _part_name(r) if "local_steps" in r else r["method"], r["convert_cpu_s"], r["convert_s"], r.get("peak_rss_mb", ""), r["load_average_1min"]] for r in rows]
+        return about(data, "what") + "\n\n" + table(["layout", "kv heads", "method", "CPU s", "wall s", "peak RSS MB", "load"], shown)
+    parts = [about(data, "what"), "Each cell: KL(original ‖ converted) per token, how many times less than `mean`'s at that kv count, and the conversion's CPU seconds."]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        kvs = sorted({r["kv_heads"] for r in mine}, reverse=True)
+        mean = {r["kv_heads"]: r["kl"] for r in mine if r["method"] == "mean"}
+        cell = {(_part_name(r), r["kv_heads"]): r for r in mine}
+        names = list(dict.fromkeys(_part_name(r) for r in mine))
+        show = lambda r: "" if r is None else f"{r['kl']:.3g}" + ("" if r["method"] == "mean" else f" ({mean[r['kv_heads']] / r['kl']:.1f}×)") + f" · {r['convert_cpu_s']:.0f} s"  # noqa: E731
+        first = mine[0]
+        intro = f"**{model}** ({first['family']}, {first['layers']} layers, {first['heads']} heads of {first['head_dim']}; original perplexity {first['reference_ppl']:.4g}):"
+        parts += [intro, table(["method", *(f"kv {k}" for k in kvs)], [[name, *(show(cell.get((name, k))) for k in kvs)] for name in names])]
+    return "\n\n".join(parts)
+
+
+def zoo_quality(data: dict) -> str:
+    """benchmarks/zoo.py quality: every training-free method on every zoo model at h/2, h/4 and MQA."""
+    c = data["corpus"]
+    corpus = (f"*corpus of the trained members*: {c['source']}; {c['files']} files, {c['heldout_files']} of them held out ({c['split']}); "
+              f"{c['train_bytes']} training and {c['heldout_bytes']} held-out bytes, sha256 `{c['sha256']}`")  # fmt: skip
+    parts = [about(data, "what", "machine"), corpus, zoo_models_table(data), zoo_table(data), zoo_summary(data)]
+    for key, name in (("ppl_increase", "perplexity increase"), ("top1", "top-1 agreement"), ("convert_s", "conversion wall seconds")):
+        show = (lambda r, k=key: pct(r[k])) if key == "ppl_increase" else (lambda r, k=key: f"{r[k]:.1%}") if key == "top1" else (lambda r, k=key: fmt(r[k]))
+        parts.append(f"**{name.capitalize()}**\n\n" + zoo_grid(data, show, decoders_only=key != "convert_s"))
+    return "\n\n".join(parts)
+
+
+def zoo_models_table(data: dict) -> str:
+    body = [[m["model"], m["family"], m["heads"], m["head_dim"], m["layers"], m.get("parameters", ""), m.get("pretraining_tokens", ""), m.get("heldout_perplexity", ""),
+             f"`{m['weights_sha256'][:12]}`"] for m in data["models"]]  # fmt: skip
+    return table(["model", "what", "heads", "head_dim", "layers", "parameters", "pre-training tokens", "held-out ppl", "weights sha256"], body)
+
+
+def _zoo_loss(row: dict) -> float:
+    return row["kl"] if "kl" in row else 1 - row["cosine"]
+
+
+def zoo_grid(data: dict, show: Callable, decoders_only: bool = False) -> str:
+    """(model, kv) × method, calibrated on the built-in text; the last column: the default on the model's own training split."""
+    rows = [r for r in data["rows"] if not decoders_only or "kl" in r]
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["calibration"] == "built-in"))
+    cell = {(r["model"], r["kv"], r["method"], r["calibration"]): r for r in rows}
+    own = data["default_method"], "training split"
+    body = []
+    for model, kv, heads in dict.fromkeys((r["model"], r["kv"], r["kv_heads"]) for r in rows):
+        here = [cell.get((model, kv, m, "built-in")) for m in methods] + [cell.get((model, kv, *own))]
+        body.append([model, f"{kv} ({heads})", *(show(r) + ("†" if "ran_as" in r else "") if r else "" for r in here)])
+    ran_as = sorted({f"`{r['ran_as']}`" for r in rows if "ran_as" in r})
+    note = f"\n\n† ran as {' or '.join(ran_as)}: the family refuses a part of the default (as `headfold convert` does)." if ran_as else ""
+    return table(["model", "kv", *(f"`{m}`" for m in methods), f"`{own[0]}`, own text"], body) + note
+
+
+def zoo_table(data: dict) -> str:
+    """The main grid: KL per token for the decoders, 1 − cosine for the encoder (lower is better)."""
+    show = lambda r: f"{r['kl']:.3g}" if "kl" in r else f"{1 - r['cosine']:.3g} (1−cos)"  # noqa: E731
+    intro = ("**KL(original ‖ converted) per token** on each model's held-out text (all-MiniLM-L6-v2: 1 − sentence-embedding cosine), "
+             "calibrated on the built-in text; *own text*: the default method calibrated on the model's training split (the embedded model's is the "
+             "built-in text; MiniLM's is not ours). Lower is better.")  # fmt: skip
+    return intro + "\n\n" + zoo_grid(data, show)
+
+
+def zoo_summary(data: dict) -> str:
+    """Per model at h/4: how many times less loss the default method leaves than `mean` (the goal: 3 or more)."""
+    default, cell = data["default_method"], {(r["model"], r["kv"], r["method"], r["calibration"]): r for r in data["rows"]}
+    body = []
+    for m in data["models"]:
+        mean, best, own = (cell.get((m["model"], "h/4", method, calibration)) for method, calibration in (("mean", "built-in"), (default, "built-in"), (default, "training split")))
+        if mean and best:
+            ratio = lambda r: f"{_zoo_loss(mean) / _zoo_loss(r):.2f}×" if r else ""  # noqa: E731
+            body.append([m["model"], f"{_zoo_loss(mean):.3g}", f"{_zoo_loss(best):.3g}", ratio(best), f"{_zoo_loss(own):.3g}" if own else "", ratio(own)])
+    intro = f"**At h/4: `mean` against the default `{default}`** (KL, or 1 − cosine for the encoder; ratio: `mean`'s over the default's, the goal is 3× or more)"
+    return intro + "\n\n" + table(["model", "`mean`", "default", "ratio", "default, own text", "ratio"], body)
+
+
 def standard(data: dict) -> str:
     """{"what": text, "rows": [flat objects]} (optional "machine", "args"): one table."""
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not data["rows"] or not isinstance(data.get("what"), str):
@@ -259,6 +346,8 @@ RENDERERS: dict[str, Callable] = {
     "generate_throughput": generate_throughput,
     "side_by_side": side_by_side,
     "calibration": calibration_memory,  # calibration_memory.py --json …
+    "method_parts": method_parts,
+    "zoo_quality": zoo_quality,
 }
 
 
@@ -350,7 +439,36 @@ def demo_reference() -> str:
     return note + "\n\n" + table(["command", "perplexity", "KL", "top-1", "budget"], body)
 
 
-SNIPPETS: dict[str, Callable[[], str]] = {"headline": headline, "scaling-plan": scaling_plan, "demo-reference": demo_reference, "side-by-side": deployed_speed}
+def method_parts_h4() -> str:
+    """docs/methods.md: every model at kv = h/4 (the issue's goal: a third of mean's KL), each method at local's usual budget."""
+    rows = [r for r in _load("method_parts.json")["rows"] if not r.get("local_sequential")]
+    covered = {steps: len({r["model"] for r in rows if r.get("local_steps") == steps}) for steps in {r["local_steps"] for r in rows if "local_steps" in r}}
+    budget = max(covered, key=lambda steps: (covered[steps], steps), default=0)  # the budget run on the most models (the larger on a tie)
+    rows = [r for r in rows if r.get("local_steps", budget) == budget]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    body = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        first = next(r for r in rows if r["model"] == model)
+        at = {r["label"]: r for r in rows if r["model"] == model and r["kv_heads"] == first["heads"] // 4}
+        mean = at["mean"]["kl"]
+        cell = lambda r: f"{r['kl']:.3g} ({mean / r['kl']:.1f}×)" if r["label"] != "mean" else f"{r['kl']:.3g}"  # noqa: E731
+        body.append([f"{model} ({first['family']}, {first['heads']} heads of {first['head_dim']})", *(cell(at[label]) if label in at else "" for label in labels)])
+    note = (f"From [`method_parts.json`](../benchmarks/results/method_parts.json) (`benchmarks/method_parts.py`): KL at kv = h/4 and how many times less "
+            f"than `mean`'s; `default` is today's default method as the family allows it (benchmarks.md names it per model), local ran {budget} steps:")
+    return note + "\n\n" + table(["model", *(f"`{label}`" for label in labels)], body)
+
+
+def zoo_methods() -> str:
+    """docs/methods.md: the zoo's KL grid and the default against `mean` at h/4."""
+    data = _load("zoo_quality.json")
+    note = "From [`zoo_quality.json`](benchmarks.md#zoo_qualityjson) (`benchmarks/zoo.py quality`; the models, their perplexity, top-1 and conversion times are there):"
+    return "\n\n".join([note, zoo_table(data), zoo_summary(data)])
+
+
+SNIPPETS: dict[str, Callable[[], str]] = {
+    "headline": headline, "scaling-plan": scaling_plan, "demo-reference": demo_reference, "method-parts-h4": method_parts_h4,
+    "zoo-quality": zoo_methods, "side-by-side": deployed_speed,
+}  # fmt: skip
 MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 
 

@@ -37,6 +37,7 @@ from headfold import corpus
 from headfold.distillation import distill  # headfold.distill without eval_at: the scores on the way
 from headfold.distillation.run import default_batch_size
 from headfold.graphs.seq2seq import ENCODER_MASK, cross_names, self_names
+from headfold.ground.cache_names import PAST, PRESENT
 
 HEADS, WIDTH, HEAD_DIM, LAYERS, WINDOW, TRAIN_BATCH = 8, 128, 16, 4, 256, 16
 CONFIG = dict(vocab_size=corpus.VOCAB_SIZE, d_model=WIDTH, d_kv=HEAD_DIM, d_ff=4 * WIDTH, num_layers=LAYERS, num_decoder_layers=LAYERS,
@@ -89,12 +90,12 @@ def decoder_feeds(export: Path, kv: int, args) -> dict[str, np.ndarray]:
     ids = np.array(corpus.encode(corpus.heldout_text())[: args.batch * args.source], dtype=np.int64).reshape(args.batch, args.source)
     mask = np.ones_like(ids)
     encoder = session(export / "encoder.onnx", args.threads)
-    cross = dict(zip(cross_names("past_key_values", LAYERS), encoder.run(cross_names("present", LAYERS), {"input_ids": ids, "attention_mask": mask})))
+    cross = dict(zip(cross_names(PAST, LAYERS), encoder.run(cross_names(PRESENT, LAYERS), {"input_ids": ids, "attention_mask": mask})))
     decoder = session(export / "decoder.onnx", args.threads)
-    empty = {name: np.zeros((args.batch, kv, 0, HEAD_DIM), np.float32) for name in self_names("past_key_values", LAYERS)}
+    empty = {name: np.zeros((args.batch, kv, 0, HEAD_DIM), np.float32) for name in self_names(PAST, LAYERS)}
     prompt = np.concatenate([np.zeros((args.batch, 1), np.int64), ids[:, : args.prompt - 1]], 1)  # decoder_start_token_id, then text
-    past = decoder.run(self_names("present", LAYERS), {"input_ids": prompt, ENCODER_MASK: mask, **empty, **cross})
-    return {"input_ids": ids[:, args.prompt : args.prompt + 1], ENCODER_MASK: mask, **dict(zip(self_names("past_key_values", LAYERS), past)), **cross}
+    past = decoder.run(self_names(PRESENT, LAYERS), {"input_ids": prompt, ENCODER_MASK: mask, **empty, **cross})
+    return {"input_ids": ids[:, args.prompt : args.prompt + 1], ENCODER_MASK: mask, **dict(zip(self_names(PAST, LAYERS), past)), **cross}
 
 
 def latency_rows(models: dict[int, Path], tmp: Path, args) -> dict[int, dict]:

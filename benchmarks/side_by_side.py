@@ -43,6 +43,8 @@ from generate_throughput import _set_threads, random_llama
 
 from headfold import convert
 from headfold.graphs.export import export
+from headfold.ground.cache_names import PAST, is_cache
+from headfold.verification.decoding import past_from_present
 from headfold.verification.runners import SharedKvCache
 
 RESULTS = Path(__file__).parent / "results" / "side_by_side.json"
@@ -104,11 +106,11 @@ class ConcatCache:
 
     def __init__(self, session: ort.InferenceSession, batch: int) -> None:
         self.session, self.names = session, [o.name for o in session.get_outputs()]
-        self.past = {i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), np.float32) for i in session.get_inputs() if i.name.startswith("past")}
+        self.past = {i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), np.float32) for i in session.get_inputs() if is_cache(i.name, PAST)}
 
     def infer(self, feed: dict) -> dict:
         out = dict(zip(self.names, self.session.run(None, {**feed, **self.past})))
-        self.past = {"past_key_values." + k.removeprefix("present."): v for k, v in out.items() if k.startswith("present.")}
+        self.past = past_from_present(out)
         return out
 
 

@@ -13,6 +13,7 @@ and the rest the target, read teacher-forced; a hook on every attention's K proj
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -49,9 +50,13 @@ def attention_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, 
     """Per layer [tokens, hidden]: what the attention projections of the source model read."""
     if ckpt.spec.encoder_decoder:
         return seq2seq_inputs(ckpt, text, tokens, seed, progress)
+    return calibrate(ckpt, text_windows(ckpt, text, tokens, seed), progress)
+
+
+def text_windows(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int) -> torch.Tensor:
+    """The calibration windows [count, WINDOW] of token ids that a decoder or encoder runs on."""
     ckpt.facts.require_positions(WINDOW, f"calibration (windows of {WINDOW} tokens)", "pass --calibration weights, which reads no text", table_only=True)
-    batch = sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed)
-    return calibrate(ckpt, batch, progress)
+    return sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed)
 
 
 def check_settings() -> None:
@@ -70,27 +75,50 @@ def calibrate(ckpt: SourceCheckpoint, batch: torch.Tensor, progress: bool = True
 def seq2seq_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool = True) -> list[torch.Tensor]:
     """Per attention block [tokens, hidden]: the input of its K/V projections (module doc); the model runs on the
     compute device, the inputs are kept on the CPU as the decoders' are."""
+    return [run.inputs for run in _seq2seq_runs(ckpt, text, tokens, seed, progress, blocks=False)]
+
+
+def local_runs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, sequential: bool, progress: bool = True) -> Iterator[layerwise.LayerRun]:
+    """What `local` fits on: each attention block with what it read and returned on the calibration text (or
+    Whisper's synthesized audio). A decoder or encoder runs layer by layer (layerwise.layer_runs: `sequential`
+    or teacher-forced); an encoder-decoder whole, once, teacher-forced."""
+    if ckpt.spec.encoder_decoder:
+        return _seq2seq_runs(ckpt, text, tokens, seed, progress, blocks=True)
+    return layerwise.layer_runs(ckpt, text_windows(ckpt, text, tokens, seed), compute_device(), sequential, progress)
+
+
+@torch.no_grad()
+def _seq2seq_runs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool, blocks: bool) -> Iterator[layerwise.LayerRun]:
+    """Every attention block after one pass of the whole model: its K/V projections' input (on the CPU) and, with
+    `blocks`, the block's arguments and output (on the compute device, as the model)."""
     from headfold.converter.modeling import load_model, parameter_names
 
     device = compute_device()
     model = load_model(ckpt.facts, dtype=torch.float32).to(device)
     names = parameter_names(model, ckpt.facts)
     key = ckpt.spec.projections["k"].weight
-    captured: list[list[torch.Tensor]] = [[] for _ in ckpt.attention.layers]
-
-    def keep(block: int):
-        return lambda module, args: captured[block].append(args[0].detach().flatten(0, -2).float().cpu())
-
+    paths = [names[layer[key]][: -len(key) - 1] for layer in ckpt.attention.layers]  # each attention block's module
+    runs = [layerwise.LayerRun(i, [], model.get_submodule(path), {}, [], []) for i, path in enumerate(paths)]
     feeds = audio_feeds(model, tokens, seed) if ckpt.spec.audio_encoder else text_feeds(ckpt, model, text, tokens, seed)  # before the hooks: Whisper's generates
-    modules = [model.get_submodule(names[layer[key]].removesuffix(".weight")) for layer in ckpt.attention.layers]
-    hooks = [module.register_forward_pre_hook(keep(i)) for i, module in enumerate(modules)]
+    hooks = []
+    for run, path in zip(runs, paths):
+        run.names = {source: names[source][len(path) + 1 :] for source in ckpt.attention.layers[run.index].values()}
+        hooks.append(run.block.get_submodule(key.removesuffix(".weight")).register_forward_pre_hook(_keep_input(run.inputs)))
+        if blocks:
+            hooks += layerwise.record_block(run.block, run.calls, run.outputs, stop=False)
     try:
         for feed in tqdm(feeds, desc="calibrate", unit="batch", disable=not progress):
             model(**{name: t.to(device) for name, t in feed.items()}, use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
-    return [torch.cat(parts) for parts in captured]
+    for run in runs:
+        run.inputs = torch.cat(run.inputs)
+        yield run
+
+
+def _keep_input(kept: list):
+    return lambda module, args: kept.append(args[0].detach().flatten(0, -2).float().cpu())
 
 
 def text_feeds(ckpt: SourceCheckpoint, model: torch.nn.Module, text: str, tokens: int, seed: int) -> list[dict[str, torch.Tensor]]:

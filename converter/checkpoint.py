@@ -50,6 +50,18 @@ PICKLE_INDEX = "pytorch_model.bin.index.json"
 FLOAT_CODES = ("F16", "BF16", "F32", "F64")
 FP8_CODES = ("F8_E4M3", "F8_E5M2")
 MAX_LAYERS = 10_000  # far above any real model; guards allocations sized by config.json
+MAX_SIZE = 1 << 24  # 16 777 216: above any real width, head count, vocabulary, mel bins or context (the longest, ~10M tokens)
+# Config keys that size a model, under every name the families give them: layer stacks (at most
+# MAX_LAYERS) and heads, widths, vocabularies, position tables and audio features (at most MAX_SIZE).
+# Each must be a positive integer (null: unset), checked before anything is sized by it or copied.
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers", "max_window_layers")
+HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads", "num_key_value_heads", "head_dim", "d_kv")
+SIZE_KEYS = (
+    *HEAD_KEYS, "hidden_size", "n_embd", "d_model", "word_embed_proj_dim", "intermediate_size", "n_inner", "ffn_dim", "d_ff", "encoder_ffn_dim",
+    "decoder_ffn_dim", "rotary_dim", "vocab_size", "type_vocab_size", "max_position_embeddings", "n_positions", "n_ctx",
+    "original_max_position_embeddings", "max_source_positions", "max_target_positions", "num_mel_bins", "sliding_window",
+    "relative_attention_num_buckets", "relative_attention_max_distance",
+)  # fmt: skip
 # Tensor-name endings of quantized checkpoints: their weights are codes, pooling them is garbage.
 QUANTIZATION_TENSORS = {
     "FP8": ("weight_scale", "weight_scale_inv", "input_scale"),
@@ -140,14 +152,21 @@ def _check_config(config: dict[str, Any], spec: ArchitectureSpec | None) -> None
     if quantization := config.get("quantization_config"):
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         raise BadInput(f"config.json has a quantization_config (quant_method {inputs.shown(method)}): {DEQUANTIZE}")
-    keys = spec.config if spec else common_keys(config.get("model_type"))
-    for key in (keys.heads, keys.hidden, keys.layers, keys.kv_heads, keys.head_dim, "vocab_size", "intermediate_size", "max_position_embeddings", "n_positions"):
-        if key and config.get(key) is not None:
-            _positive_int(config, key)
-    if config.get(keys.layers, 0) > MAX_LAYERS:
-        raise BadInput(f"config.json: {keys.layers!r} is {config[keys.layers]}, more than {MAX_LAYERS}; fix config.json")
+    _check_sizes(config, spec)
     _check_values(config)
     _check_rope(config)
+
+
+def _check_sizes(config: dict[str, Any], spec: ArchitectureSpec | None) -> None:
+    """Every size key (SIZE_KEYS, LAYER_KEYS and the family's own) a positive integer within its limit."""
+    keys = spec.config if spec else common_keys(config.get("model_type"))
+    kinds = spec.attentions if spec else ()
+    layers = {keys.layers, *LAYER_KEYS, *(k for kind in kinds for k in kind.layers)}
+    sizes = {keys.heads, keys.hidden, keys.kv_heads, keys.head_dim, *SIZE_KEYS, *(kind.heads for kind in kinds)} - layers
+    for key in [k for k in config if k in layers | sizes and config[k] is not None]:  # the file's order: its first bad key
+        value, limit = _positive_int(config, key), MAX_LAYERS if key in layers else MAX_SIZE
+        if value > limit:
+            raise BadInput(f"config.json: {key!r} is {value}, more than {limit}, which no model has; fix config.json")
 
 
 def _integer(value: Any) -> bool:
@@ -166,10 +185,6 @@ def _token_ids(value: Any, vocab: int | None) -> bool:  # eos may list several
 # Config values the model builder and the exporter read, by the names families give them: what each
 # must be, checked here (null means "unset" for all of them), so a bad one is one line before any work.
 CONFIG_VALUES: dict[str, tuple[Callable[[Any, int | None], bool], tuple[str, ...]]] = {
-    "a positive integer": (lambda v, _: _integer(v) and v > 0, (
-        "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "n_ctx", "ffn_dim", "word_embed_proj_dim", "type_vocab_size",
-        "original_max_position_embeddings", "sliding_window", "max_window_layers",
-    )),
     "a positive number": (lambda v, _: _number(v) and v > 0, ("rope_theta", "rotary_emb_base", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")),
     "a number from 0 to 1": (lambda v, _: _number(v) and 0 <= v <= 1, (
         "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "dropout",
@@ -230,7 +245,7 @@ def _check_fraction(config: dict[str, Any], where: str, key: str) -> None:
 def _positive_int(config: dict[str, Any], key: str) -> int:
     value = config.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise BadInput(f"config.json: {key!r} must be a positive integer, found {inputs.shown(value)}")
+        raise BadInput(f"config.json: {key!r} must be a positive integer, found {inputs.shown(value)}; fix config.json")
     return value
 
 
@@ -257,12 +272,22 @@ def _head_shape(config: dict[str, Any], keys: ConfigKeys) -> HeadShape:
     if keys.head_dim and config.get(keys.head_dim) is not None:
         head_dim = _positive_int(config, keys.head_dim)
     elif hidden % heads:
-        raise BadInput(f"config.json: hidden size {hidden} is not divisible by {heads} heads")
+        raise BadInput(f"config.json: {keys.hidden} {hidden} is not divisible by {keys.heads} {heads}; fix config.json")
     else:
         head_dim = hidden // heads
     if heads % kv_heads:
         raise BadInput(f"config.json: {keys.kv_heads}={kv_heads} must divide {keys.heads}={heads}; fix config.json")
     return HeadShape(heads, kv_heads, head_dim)
+
+
+def head_terms(config: dict[str, Any], keys: ConfigKeys, shape: HeadShape) -> str:
+    """A head shape with the values named as config.json names them (T5's d_kv, Whisper's d_model), for
+    a message about a tensor that does not fit it."""
+    def named(key: str | None, value: int, otherwise: str) -> str:
+        return f"{key} {value}" if key and config.get(key) is not None else otherwise
+
+    heads, kv_heads = named(keys.heads, shape.heads, f"{shape.heads} heads"), named(keys.kv_heads, shape.kv_heads, f"{shape.kv_heads} kv heads")
+    return f"{heads}, {kv_heads}, {named(keys.head_dim, shape.head_dim, f'head_dim {shape.head_dim}')}, {keys.hidden} {config[keys.hidden]}"
 
 
 @dataclass(frozen=True)
@@ -275,11 +300,7 @@ class AttentionBlock:
 
 
 def _kind_layers(config: dict[str, Any], kind: AttentionKind) -> int:
-    key = next((k for k in kind.layers if config.get(k) is not None), kind.layers[-1])
-    layers = _positive_int(config, key)
-    if layers > MAX_LAYERS:
-        raise BadInput(f"config.json: {key!r} is {layers}, more than {MAX_LAYERS}; fix config.json")
-    return layers
+    return _positive_int(config, next((k for k in kind.layers if config.get(k) is not None), kind.layers[-1]))  # bounded by _check_sizes
 
 
 def _attention_blocks(config: dict[str, Any], spec: ArchitectureSpec) -> tuple[AttentionBlock, ...]:
@@ -292,7 +313,7 @@ def _attention_blocks(config: dict[str, Any], spec: ArchitectureSpec) -> tuple[A
     keys, blocks = spec.config, []
     for kind in spec.attentions:  # head_dim: the family's key (T5's d_kv), else the width over this kind's heads
         layers, heads = _kind_layers(config, kind), _positive_int(config, kind.heads)
-        shape = _head_shape({keys.heads: heads, keys.hidden: config[keys.hidden], keys.head_dim: config.get(keys.head_dim)}, keys)
+        shape = _head_shape({kind.heads: heads, keys.hidden: config[keys.hidden], keys.head_dim: config.get(keys.head_dim)}, replace(keys, heads=kind.heads))
         counts = kind_kv_heads(stated.get(kind.name), heads, layers, kind.name)
         blocks += [AttentionBlock(kind.name, layer, replace(shape, kv_heads=kv)) for layer, kv in enumerate(counts)]
     return tuple(blocks)
@@ -429,6 +450,10 @@ class CheckpointFacts:
         """The dtype config.json declares (None when it declares none)."""
         return torch_dtype(self.dtype_code) if self.dtype_code else None
 
+    def head_terms(self) -> str:
+        """The head shape as config.json names its values (for a message)."""
+        return head_terms(self.config, self.spec.config if self.spec else common_keys(self.config.get("model_type")), self.shape)
+
     @property
     def shape(self) -> HeadShape:
         """Heads, the largest layer's kv heads, head_dim."""
@@ -454,14 +479,16 @@ class CheckpointFacts:
         return self._indexes[allow_pickle]
 
 
-def read_tensor(info: TensorInfo) -> torch.Tensor:
-    """One safetensors tensor, read with a plain positioned read: no mmap, so memory holds only what is in use."""
+def read_tensor(info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One safetensors tensor, read with a plain positioned read: no mmap, so memory holds only what is in use.
+    Into `out` (uint8, info.nbytes long) when given: a buffer the caller reuses."""
     import torch
 
-    buffer = torch.empty(info.nbytes, dtype=torch.uint8)
+    buffer = torch.empty(info.nbytes, dtype=torch.uint8) if out is None else out
     with open(info.file, "rb") as f:
         f.seek(info.offset)
-        f.readinto(buffer.numpy())
+        if f.readinto(buffer.numpy()) != info.nbytes:  # else the rest would be whatever the buffer held
+            raise BadInput(f"{info.file} ends inside tensor {info.name}: it changed after headfold checked it; restore the file and rerun")
     return buffer.view(info.dtype).reshape(info.shape)
 
 
@@ -659,8 +686,8 @@ class SourceCheckpoint:
             raise BadInput(f"tensor {name} has dtype {dtype}; attention weights must be floating point (if the checkpoint is quantized: {DEQUANTIZE})")
         if info.shape != expected:
             raise BadInput(
-                f"tensor {name} has shape {list(info.shape)}, expected {list(expected)} for {s.heads} heads, "
-                f"{s.kv_heads} kv heads, head_dim {s.head_dim}, width {self.config[self.spec.config.hidden]}; weights and config.json disagree"
+                f"tensor {name} has shape {list(info.shape)}, expected {list(expected)} for {head_terms(self.config, self.spec.config, s)}; "
+                "weights and config.json disagree"
             )
 
     # -- reading ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from headfold.converter import rawpool, seq2seq
 from headfold.converter.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE, SourceCheckpoint, dtype_code
 from headfold.converter.layout import AttentionCodec, HeadShape, expected_shapes, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_ATTENTION, KV_HEADS_PER_LAYER, collapse, expand
-from headfold.converter.recipes import DEFAULT_METHOD, LayerContext, Recipe, contiguous_groups, get_method
+from headfold.converter.recipes import DEFAULT_LOCAL_STEPS, DEFAULT_METHOD, LayerContext, Recipe, contiguous_groups, get_method
 from headfold.converter.sources import checkpoint_folder, hub_origin
 from headfold.converter.spec import Retarget, layer_tensor_pattern, spec_for
 from headfold.converter.tokens import can_tokenize, read_text
@@ -32,7 +32,7 @@ from headfold.ground.errors import BadInput
 from headfold.ground.hashing import copy_hashed, sha256_file, versions
 from headfold.ground.manifest import Conversion, Manifest, ManifestSource, load_raw
 from headfold.ground.manifest import load as load_manifest
-from headfold.ground.units import parse_size
+from headfold.ground.units import parse_size, whole
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +58,7 @@ def convert(
     progress: bool = True,
     builtin_text: str | None = None,
     pool: str | None = None,
+    local_steps: int | None = None,
 ) -> Path:
     """Convert the checkpoint folder `source` to `kv_heads` K/V heads; return the output path.
 
@@ -71,9 +72,12 @@ def convert(
     An encoder-decoder (T5, BART, Whisper) pools the attention kinds `pool` names (converter/seq2seq.py:
     self, cross, decoder, encoder or all; None: decoder, its self- and cross-attention); its data-aware
     methods calibrate on text split into source → target, or an audio model on synthesized features.
+    `local_steps`: the Adam steps per layer of a method with `local` (None: DEFAULT_LOCAL_STEPS).
     Raises BadInput (nothing written) for anything wrong with the request or the source.
     """
+    check_options(max_shard_size, calibration_tokens)
     source = checkpoint_folder(source, revision=revision, allow_pickle=allow_pickle)
+    steps = local_step_budget(get_method(method), local_steps)
     if get_method(method).data_aware:
         from headfold.converter.calibration import check_settings  # torch: data-aware methods only
 
@@ -84,15 +88,20 @@ def convert(
         retarget = retarget_for(ckpt, targets)
         text_file = () if calibration is None or str(calibration) == "weights" else (Path(calibration),)
         out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
-        shard_bytes = parse_size(max_shard_size, "shard size") if max_shard_size is not None else default_shard_bytes(ckpt)
+        shard_bytes = parse_size(max_shard_size, "--shard-size") if max_shard_size is not None else default_shard_bytes(ckpt)
         pools = targets != list(ckpt.layer_shapes)  # kv heads = heads everywhere: byte-identical, nothing to calibrate
         if ckpt.spec.audio_encoder and recipe.data_aware and pools:
             text = audio_calibration(calibration)
         else:
             text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware and pools else None
-        contexts = layer_contexts(ckpt, text, calibration_tokens, seed, progress)
+        fit = recipe.local and pools
+        if fit and text is None:
+            raise BadInput("local fits each layer's attention output on calibration text: pass --calibration TEXT_FILE (a checkpoint with tokenizer files), not the weights alone")
+        contexts = layer_contexts(ckpt, None if fit else text, calibration_tokens, seed, progress)
+        fitted = fitted_layers(ckpt, targets, recipe, text, calibration_tokens, seed, contexts, steps, progress) if fit else {}
+        errors = {str(i): [layer.start, layer.end] for i, layer in sorted(fitted.items())}  # each layer's relative attention-output error, before and after the fit
         with atomic_output(out, overwrite=overwrite) as tmp:
-            files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress, retarget)
+            files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress, retarget, fitted)
             files |= write_config(ckpt, targets, tmp, retarget)
             copied, skipped = copy_other_files(ckpt, tmp)
             files |= copied
@@ -100,8 +109,35 @@ def convert(
             if recipe.data_aware and pools:
                 used = "weights" if text is None else seq2seq.SYNTHESIZED_AUDIO if text == seq2seq.SYNTHESIZED_AUDIO else str(calibration or "built-in")
                 manifest.conversion.calibration = {"text": used, "tokens": calibration_tokens, "seed": seed}
+                if fit:
+                    manifest.conversion.calibration["local"] = {"steps": steps, "error": errors}
             manifest.save_in(tmp)
     return out
+
+
+def check_options(max_shard_size: str | int | None, calibration_tokens: int | None) -> None:
+    """What convert refuses in its options alone, before the source is read (run: before its first stage)."""
+    if max_shard_size is not None:
+        parse_size(max_shard_size, "--shard-size")
+    whole("--calibration-tokens", calibration_tokens, 1)
+
+
+def local_step_budget(recipe: Recipe, steps: int | None) -> int:
+    """The Adam steps per layer of `local`; BadInput for a budget without local or below one step."""
+    if steps is None:
+        return DEFAULT_LOCAL_STEPS
+    if not recipe.local:
+        raise BadInput(f"--local-steps applies to methods with local, not to {recipe.name}; drop it or add +local")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise BadInput(f"--local-steps {steps!r} is not a positive number of steps; give e.g. {DEFAULT_LOCAL_STEPS}")
+    return steps
+
+
+def fitted_layers(ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, text: str, tokens: int, seed: int, contexts: list[LayerContext], steps: int, progress: bool) -> dict:
+    """local's layers, converted while calibration runs them (converter/local.py: torch, imported only here)."""
+    from headfold.converter import local
+
+    return local.fitted_layers(ckpt, targets, recipe, text, tokens, seed, contexts, steps, progress)
 
 
 def target_shape(source: HeadShape, kv_heads: int, layer: int | str | None = None) -> HeadShape:
@@ -158,9 +194,9 @@ def refused_modifiers(ckpt: SourceCheckpoint) -> dict[str, str]:
     """Modifier → why this model's maths does not allow it (its function would change)."""
     why: dict[str, str] = {}
     if ckpt.spec.alibi:
-        why["grouped"] = f"{ckpt.spec.family} uses ALiBi, whose slope belongs to each query head's position, so grouped (which moves query heads) would change the model"
+        why["grouped"] = why["scored"] = f"{ckpt.spec.family} uses ALiBi, whose slope belongs to each query head's position, so grouped and scored (which move query heads) would change the model"
     if ckpt.spec.head_position_bias:
-        why["grouped"] = f"{ckpt.spec.family}'s relative attention bias belongs to each query head, so grouped (which moves query heads) would change the model"
+        why["grouped"] = why["scored"] = f"{ckpt.spec.family}'s relative attention bias belongs to each query head, so grouped and scored (which move query heads) would change the model"
     if ckpt.config.get("clip_qkv") is not None:
         why["aligned"] = why["refit"] = "config.json sets clip_qkv: the q/k/v clamp does not commute with the rotations and refits of aligned and refit"
     return why
@@ -294,9 +330,11 @@ def untouched_suffixes(ckpt: SourceCheckpoint, recipe: Recipe) -> set[str]:
 
 def write_weights(
     ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, contexts: list[LayerContext], folder: Path, shard_bytes: int, progress: bool,
-    retarget: Retarget | None = None,
+    retarget: Retarget | None = None, fitted: dict | None = None,
 ) -> tuple[dict[str, str], list[list[list[int]]]]:
-    """Stream every tensor to the output; return file hashes and each layer's head groups."""
+    """Stream every tensor to the output; return file hashes and each layer's head groups. `fitted`: layers
+    local already converted (converter/local.py FittedLayer, tensors kept in fp32)."""
+    fitted = fitted or {}
     plan = plan_outputs(ckpt, targets, retarget)
     transposed = tensors_matching(ckpt, retarget.transpose) if retarget else set()
     turn = lambda name, t: t.T if name in transposed else t  # noqa: E731 - the retarget family's layout
@@ -310,6 +348,9 @@ def write_weights(
             if (layer := owner.get(t.name)) is not None and not groups[layer]:
                 if targets[layer] == ckpt.layer_shapes[layer]:  # nothing to pool: every method keeps the layer as it is
                     converted, groups[layer] = {}, contiguous_groups(targets[layer].kv_heads, targets[layer].kv_heads)
+                elif layer in fitted:
+                    done = fitted.pop(layer)
+                    converted, groups[layer] = {name: t.to(ckpt.tensors[name].dtype) for name, t in done.tensors.items()}, done.groups
                 elif raw:
                     converted = rawpool.convert_layer(ckpt, layer, targets[layer], recipe.pool)
                     groups[layer] = contiguous_groups(ckpt.layer_shapes[layer].kv_heads, targets[layer].kv_heads)

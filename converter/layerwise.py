@@ -19,6 +19,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -54,6 +55,12 @@ class ActivationStore:
         with tempfile.NamedTemporaryFile(prefix="headfold-calibration-") as f:
             f.truncate(nbytes)
             return torch.from_numpy(np.memmap(f.name, np.float32, "r+", shape=shape))
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of `t` (exact for every narrower float) in the store, on the CPU."""
+        kept = self.empty(*t.shape)
+        kept.copy_(t)
+        return kept
 
 
 def return_freed_memory() -> None:
@@ -130,9 +137,17 @@ class LayerwiseModel:
         """The module whose input is layer `layer`'s attention input: its Q or fused QKV projection."""
         spec = self.ckpt.spec
         suffix = (spec.fused_qkv or spec.projections["q"]).weight.removesuffix(".weight")
-        prefix = self.names[self.layers[layer]] + "."
-        inner = spec.layer_prefix.split("{layer}.")[1] + suffix
-        return self.model.get_submodule(prefix + inner)
+        return self.block(layer).get_submodule(suffix)
+
+    def block(self, layer: int) -> nn.Module:
+        """Layer `layer`'s attention block: the module the spec's layer prefix names (its tensors' owner)."""
+        inner = self.ckpt.spec.layer_prefix.split("{layer}.")[1].rstrip(".")
+        return self.model.get_submodule(self.names[self.layers[layer]] + "." + inner)
+
+    def block_names(self, layer: int) -> dict[str, str]:
+        """Checkpoint tensor name → parameter name inside layer `layer`'s attention block."""
+        prefix = self.names[self.block(layer)] + "."
+        return {source: name.removeprefix(prefix) for name, source in self.sources.items() if name.startswith(prefix)}
 
     def embed(self, batch: torch.Tensor, store: ActivationStore) -> tuple[torch.Tensor, list[tuple[tuple, dict[str, Any]]]]:
         """The hidden states entering the first layer [windows, T, hidden] and, per chunk of windows,
@@ -197,12 +212,17 @@ def attention_inputs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.
     inputs = []
     for i in tqdm(range(ckpt.layers), desc="calibrate", unit="layer", disable=not progress):
         inputs.append(store.empty(hidden.shape[0] * hidden.shape[1], hidden.shape[2]))
-        _run_layer(runner, i, hidden, calls, inputs[-1], last=i == ckpt.layers - 1)
+        runner.load(runner.layers[i])
+        try:
+            _run_layer(runner, i, hidden, calls, inputs[-1], last=i == ckpt.layers - 1)
+        finally:
+            runner.layers[i].to("meta")
     return inputs
 
 
-def _run_layer(runner: LayerwiseModel, i: int, hidden: torch.Tensor, calls: list, inputs: torch.Tensor, last: bool) -> None:
-    """Layer i over every chunk: its attention input into `inputs`, its output over `hidden` (not for the last)."""
+def _run_layer(runner: LayerwiseModel, i: int, hidden: torch.Tensor, calls: list, inputs: torch.Tensor | None, last: bool) -> None:
+    """Layer i (loaded) over every chunk: its attention input into `inputs` (when given), its output over
+    `hidden` (not for the `last`, which stops at its attention input, nor for a chunk a hook stopped)."""
     layer, rows = runner.layers[i], CHUNK * hidden.shape[1]
     offset = [0]
 
@@ -212,8 +232,7 @@ def _run_layer(runner: LayerwiseModel, i: int, hidden: torch.Tensor, calls: list
         if last:
             raise _Stop
 
-    runner.load(layer)
-    handle = runner.projection(i).register_forward_pre_hook(keep)
+    handle = None if inputs is None else runner.projection(i).register_forward_pre_hook(keep)
     try:
         for c, (args, kwargs) in enumerate(calls):
             offset[0] = c * rows
@@ -224,5 +243,79 @@ def _run_layer(runner: LayerwiseModel, i: int, hidden: torch.Tensor, calls: list
                 continue
             chunk.copy_(out[0] if isinstance(out, tuple) else out)
     finally:
-        handle.remove()
-        layer.to("meta")
+        if handle is not None:
+            handle.remove()
+
+
+@dataclass
+class LayerRun:
+    """One layer while it is loaded: what its attention block read and returned on every chunk of windows."""
+
+    index: int
+    inputs: torch.Tensor  # [tokens, hidden]: the attention input (what the Q or fused QKV projection reads)
+    block: nn.Module  # the attention block, holding the checkpoint's weights
+    names: dict[str, str]  # checkpoint tensor name → parameter name inside `block`
+    calls: list[tuple[tuple, dict[str, Any]]]  # the block's arguments, per chunk
+    outputs: list[torch.Tensor]  # the block's output per chunk [windows, T, hidden]: the original attention output
+
+
+@torch.no_grad()
+def layer_runs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device, sequential: bool, progress: bool = True) -> Iterator[LayerRun]:
+    """Each layer in turn, loaded, run over `batch` ([windows, T] token ids) up to its attention block's output.
+
+    The consumer may change the block's weights while it holds the run. Teacher-forced (`sequential`
+    False), every layer reads the source model's hidden states; `sequential`, the layer then runs again
+    with the weights the consumer left in its block, so each layer reads the output of the layers as
+    they were changed (GPTQ's order). Memory: one layer, plus its block's arguments and outputs.
+    """
+    return_freed_memory()
+    store = ActivationStore(ram_limit())
+    runner = LayerwiseModel(ckpt, device)
+    hidden, calls = runner.embed(batch, store)
+    calls = [_moved(call, device) for call in calls]
+    for i in tqdm(range(ckpt.layers), desc="calibrate", unit="layer", disable=not progress):
+        stop = sequential or i == ckpt.layers - 1  # the layer's output is not the next layer's input yet, or never
+        inputs = torch.empty(hidden.shape[0] * hidden.shape[1], hidden.shape[2])  # one layer's: freed with the run
+        layer, block = runner.layers[i], runner.block(i)
+        calls_in, outputs = [], []
+        runner.load(layer)
+        hooks = record_block(block, calls_in, outputs, stop)
+        try:
+            try:
+                _run_layer(runner, i, hidden, calls, inputs, last=False)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            yield LayerRun(i, inputs, block, runner.block_names(i), calls_in, outputs)
+            calls_in, outputs, inputs = [], [], None  # the consumer's copies may go
+            if sequential and i < ckpt.layers - 1:
+                _run_layer(runner, i, hidden, calls, None, last=False)  # with the weights the consumer left in the block
+        finally:
+            layer.to("meta")
+
+
+def record_block(block: nn.Module, calls: list, outputs: list, stop: bool) -> list:
+    """Hooks keeping what `block` is called with (copies) and what it returns; with `stop`, the forward ends
+    there. Their handles, to remove."""
+
+    def keep_output(module: nn.Module, args: tuple, out: Any) -> None:
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+        if stop:
+            raise _Stop
+
+    return [
+        block.register_forward_pre_hook(lambda module, args, kwargs: calls.append(_copied((args, kwargs))), with_kwargs=True),
+        block.register_forward_hook(keep_output),
+    ]
+
+
+def _copied(obj: Any) -> Any:
+    """Tensors inside nested tuples / lists / dicts, copied: a block's input may be a view of the hidden
+    states that the layer's output then overwrites (BERT, BLOOM's residual)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_copied(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _copied(v) for k, v in obj.items()}
+    return obj

@@ -10,8 +10,12 @@ ONNX Attention op, TensorRT and torch's repeat_interleave expect. Methods are re
               (query heads and W_O rows with them) so the chosen groups are contiguous
 - ``aligned`` rotate heads inside a group towards a common basis first (function-preserving:
               the rotation is folded into W_Q / W_O), pool, restore the norm lost to averaging
+- ``scored``  choose the groups by the loss pooling each one predicts (scoring.py), then permute
+              heads as ``grouped`` does
 - ``refit``   after pooling, fit per head the linear map from the pooled K/V back to the head's
               own K/V (least squares on calibration activations) and fold it into W_Q / W_O
+- ``local``   then fit the layer's attention output by gradient descent (local.py: it needs the
+              layer's own attention block, so it runs while calibration holds the layer, not here)
 
 Modifiers combine with ``+`` (``aligned+grouped+refit``); they pool with ``mean`` unless
 ``first`` is named. With RoPE, every K-side transform is restricted to what commutes with the
@@ -28,7 +32,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from headfold.converter import alignment
+from headfold.converter import alignment, scoring
 from headfold.converter.layout import AttentionWeights
 # re-exported: the names live in recipes.py, which imports no torch
 from headfold.converter.recipes import METHODS, LayerContext, Recipe, contiguous_groups, get_method  # noqa: F401
@@ -49,8 +53,8 @@ def convert_attention(recipe: Recipe, attn: AttentionWeights, kv_heads: int, ctx
     if device.type == "cpu":
         return _convert(recipe, attn, kv_heads, ctx)
     inputs = None if ctx.inputs is None else ctx.inputs.to(device)
-    result = _convert(recipe, _moved(attn, device), kv_heads, replace(ctx, inputs=inputs))
-    return replace(result, attn=_moved(result.attn, torch.device("cpu")))
+    result = _convert(recipe, moved(attn, device), kv_heads, replace(ctx, inputs=inputs))
+    return replace(result, attn=moved(result.attn, torch.device("cpu")))
 
 
 def _convert(recipe: Recipe, attn: AttentionWeights, kv_heads: int, ctx: LayerContext) -> LayerResult:
@@ -64,6 +68,9 @@ def _convert(recipe: Recipe, attn: AttentionWeights, kv_heads: int, ctx: LayerCo
     key_rotary = ctx.rotary if ctx.rotate_keys else None
     if recipe.grouped:
         groups = similar_groups(keys, values, kv_heads, key_rotary)
+    elif recipe.scored:
+        starts = [groups, similar_groups(keys, values, kv_heads, key_rotary)]
+        groups = scoring.scored_groups(predicted_loss(attn, keys, values, ctx, key_rotary), starts)
     if recipe.aligned:
         attn = align(attn, groups, keys, values, key_rotary)
         keys, values = head_activations(attn.k, attn.k_bias, ctx), head_activations(attn.v, attn.v_bias, ctx)
@@ -105,7 +112,8 @@ def pairs_as_halves(attn: AttentionWeights, rotary: int, inverse: bool = False) 
     )  # fmt: skip
 
 
-def _moved(attn: AttentionWeights, device: torch.device) -> AttentionWeights:
+def moved(attn: AttentionWeights, device: torch.device) -> AttentionWeights:
+    """Every tensor of `attn` on `device`."""
     return replace(attn, **{f.name: t.to(device) for f in fields(attn) if (t := getattr(attn, f.name)) is not None})
 
 
@@ -147,6 +155,15 @@ def similar_groups(keys: list[torch.Tensor], values: list[torch.Tensor], kv_head
     groups = _greedy_groups(sim, len(keys) // kv_heads)
     _improve_by_swaps(groups, sim)
     return sorted(sorted(g) for g in groups)
+
+
+def predicted_loss(attn: AttentionWeights, keys: list[torch.Tensor], values: list[torch.Tensor], ctx: LayerContext, key_rotary: int | None) -> scoring.PredictedLoss:
+    """The layer's predicted loss of pooling a group (scoring.py), weighted by each kv head's query heads and W_O rows."""
+    queries = head_activations(attn.q, attn.q_bias, ctx)
+    per_kv = len(queries) // len(keys)
+    grouped = [torch.stack(queries[j * per_kv : (j + 1) * per_kv], 1) for j in range(len(keys))]
+    readers = [attn.o[j * per_kv : (j + 1) * per_kv] for j in range(len(keys))]
+    return scoring.PredictedLoss(keys, values, grouped, readers, key_rotary)
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -252,6 +269,13 @@ def permute(attn: AttentionWeights, order: list[int]) -> AttentionWeights:
     return replace(
         attn, q=attn.q[queries], o=attn.o[queries], q_bias=_take(attn.q_bias, queries), q_norm=_take(attn.q_norm, queries),
     ).map_kv(lambda t: t[order])  # fmt: skip
+
+
+def expand_kv(attn: AttentionWeights, kv_heads: int) -> AttentionWeights:
+    """The same layer with `kv_heads` K/V heads: each pooled head repeated for the source heads of its
+    group. A GQA layer is the MHA layer whose K/V heads repeat within each group; the method already made
+    its groups contiguous (query heads and W_O rows moved with them), so query head h reads kv head h // G."""
+    return attn.map_kv(lambda t: t.repeat_interleave(kv_heads // attn.kv_heads, 0))
 
 
 def _group_queries(pooled: AttentionWeights, source: AttentionWeights, groups: list[list[int]]) -> AttentionWeights:

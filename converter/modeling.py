@@ -61,7 +61,7 @@ from transformers.models.whisper.modeling_whisper import eager_attention_forward
 from transformers.pytorch_utils import Conv1D
 from transformers.utils.deprecation import deprecate_kwarg
 
-from headfold.converter.checkpoint import CheckpointFacts
+from headfold.converter.checkpoint import HEAD_KEYS, SIZE_KEYS, CheckpointFacts
 from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER
 from headfold.converter.spec import HEAD, spec_for, supported_model_types
@@ -462,10 +462,15 @@ def _gqa_class(config: transformers.PretrainedConfig, heads: int, kv_heads: tupl
 
 def _native_gqa(config: transformers.PretrainedConfig) -> bool:
     """Whether transformers groups this family's K/V itself: the spec says so (gpt_bigcode: multi_query);
-    for a family without a spec, its config class declares num_key_value_heads."""
+    for a family without a spec, its config class declares num_key_value_heads or derives it (falcon
+    from multi_query, transformers 5.25 on): read off a config built from the class's defaults, so that
+    a stray key in config.json does not count."""
     if config.model_type in supported_model_types():
         return spec_for(config.model_type).native_gqa
-    return hasattr(type(config), "num_key_value_heads")
+    try:
+        return hasattr(type(config)(), "num_key_value_heads")
+    except (ValueError, TypeError, StrictDataclassError):  # a class with no defaults for everything: what it declares
+        return hasattr(type(config), "num_key_value_heads")
 
 
 def _open(file: Path) -> safe_open:
@@ -627,14 +632,20 @@ def _check_extra(model: transformers.PreTrainedModel, plan: dict[str, str], expe
 
 def _check_shapes(facts: CheckpointFacts, plan: dict[str, str], expected: dict, meta: _Meta) -> None:
     for name, ckpt_name in plan.items():
-        if name in expected and tuple(expected[name].shape) != meta[ckpt_name][0]:
-            per_layer = list(facts.kv_heads) if len(set(facts.kv_heads)) > 1 else None
+        if name in expected and (want := tuple(expected[name].shape)) != (have := meta[ckpt_name][0]):
             raise BadInput(
-                f"tensor {ckpt_name} has shape {list(meta[ckpt_name][0])} but config.json "
-                f"(num_attention_heads={facts.heads}, num_key_value_heads={max(facts.kv_heads)}"
-                f"{f', {KV_HEADS_PER_LAYER}={per_layer}' if per_layer else ''}) implies "
-                f"{list(expected[name].shape)}; fix num_key_value_heads or re-run headfold convert"
+                f"tensor {ckpt_name} has shape {list(have)} but config.json ({_sized_by(facts, want, have)}) implies {list(want)}; "
+                "config.json and the weights disagree: restore config.json from the original checkpoint, or re-run headfold convert"
             )
+
+
+def _sized_by(facts: CheckpointFacts, want: tuple[int, ...], have: tuple[int, ...]) -> str:
+    """The config values behind a dimension that differs: a size key holding it (a position table, mel
+    bins, an MLP width), else the head shape."""
+    wrong = {w for w, h in zip(want, have) if w != h} if len(want) == len(have) else set()
+    named = [f"{key}={value}" for key, value in facts.config.items() if key in SIZE_KEYS and key not in HEAD_KEYS and value in wrong]
+    per_layer = f", {KV_HEADS_PER_LAYER}={list(facts.kv_heads)}" if len(set(facts.kv_heads)) > 1 else ""
+    return ", ".join(named) or f"{facts.head_terms()}{per_layer}"
 
 
 def _check_missing(model: transformers.PreTrainedModel, present: set[str], expected: dict) -> None:
@@ -770,11 +781,16 @@ def _generation_config(folder: Path) -> transformers.GenerationConfig | None:
 
 
 def check_loadable(path: str | os.PathLike | CheckpointFacts) -> None:
-    """What load_model would refuse in the configs, without building anything (a pipeline checks it
-    before its first stage): config values transformers validates, the architecture, generation_config.json."""
+    """What load_model would refuse, without allocating anything (a pipeline checks it before its first
+    stage): config values transformers validates, the architecture, generation_config.json, and every
+    tensor's name and shape against the model config.json describes, built on the meta device."""
     facts = _facts(path)
-    _model_class(_read_config(facts))
+    config = _read_config(facts)
+    cls = _model_class(config)
     _generation_config(facts.folder)
+    gqa = _gqa_class(config, facts.heads, facts.kv_heads)
+    uniform = gqa is None and len(set(facts.kv_heads)) == 1  # load_model's from_pretrained path, which merges converted tensors
+    _plan(_build(cls, config, facts, gqa, torch.float32, device="meta"), facts, _tensor_meta(facts)[0], converters_ok=uniform)
 
 
 def parameter_names(model: transformers.PreTrainedModel, path: str | os.PathLike | CheckpointFacts) -> dict[str, str]:

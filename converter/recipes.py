@@ -13,12 +13,16 @@ if TYPE_CHECKING:
     from headfold.converter.methods import LayerResult
 
 POOLS = ("mean", "first")
-MODIFIERS = ("aligned", "grouped", "refit")  # a method's name lists them in this order
-METHODS = ("mean", "first", "aligned", "grouped", "refit", "aligned+grouped", "aligned+grouped+refit")
+MODIFIERS = ("aligned", "grouped", "scored", "refit", "local")  # a method's name lists them in this order
+METHODS = (
+    "mean", "first", "aligned", "grouped", "scored", "refit", "local", "aligned+grouped", "aligned+grouped+refit", "aligned+scored+refit",
+    "aligned+grouped+refit+local", "aligned+scored+refit+local",
+)  # fmt: skip
 # The one default of every command and of the Python API: the best training-free start measured
 # (benchmarks/results/conversion_quality.json, distill_recovery.json; docs/methods.md). It calibrates
 # on the built-in text, or on the weights alone when a checkpoint has no tokenizer to read text with.
 DEFAULT_METHOD = "aligned+grouped+refit"
+DEFAULT_LOCAL_STEPS = 100  # Adam steps per layer of `local` (--local-steps; converter/local.py, docs/methods.md)
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,10 @@ class LayerContext:
 class Recipe:
     pool: str = "mean"
     grouped: bool = False
+    scored: bool = False  # groups by the loss they predict (converter/scoring.py) instead of by similarity
     aligned: bool = False
     refit: bool = False
+    local: bool = False  # fit each layer's attention output after pooling (converter/local.py)
 
     @property
     def name(self) -> str:
@@ -43,10 +49,12 @@ class Recipe:
 
     @property
     def data_aware(self) -> bool:
-        return self.grouped or self.aligned or self.refit
+        return self.grouped or self.scored or self.aligned or self.refit or self.local
 
     def __call__(self, attn: AttentionWeights, kv_heads: int, ctx: LayerContext = LayerContext()) -> LayerResult:
         """Pool `attn` (canonical torch weights) to `kv_heads`; see methods.convert_attention."""
+        if self.local:
+            raise BadInput(f"{self.name}: local fits a layer while calibration runs it (headfold convert), not one layer's weights alone; drop local here")
         from headfold.converter.methods import convert_attention  # the torch maths, imported only when used
 
         return convert_attention(self, attn, kv_heads, ctx)
@@ -66,4 +74,6 @@ def get_method(name: str) -> Recipe:
         raise BadInput(
             f"unknown method {name!r}; use mean or first, or combine {', '.join(MODIFIERS)} with '+' (e.g. aligned+grouped)"
         )
+    if {"grouped", "scored"} <= set(parts):
+        raise BadInput(f"method {name!r} names grouped and scored, which both choose the groups; keep one")
     return Recipe(pool=pools[0] if pools else "mean", **{m: m in parts for m in MODIFIERS})

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from headfold.converter.checkpoint import TOKENIZER_FILES, CheckpointFacts, check_links, tokenizer_location
-from headfold.ground.errors import BadInput, first_line, is_panic
+from headfold.ground.errors import BadInput, first_line, is_panic, quiet_panics
 
 BYTE_VOCAB = 256  # a byte-level model: token = UTF-8 byte
 MAX_TEXT_BYTES = 64 << 20  # far more text than any check or calibration uses; /dev/zero is not text
@@ -60,7 +60,8 @@ def tokenizer_errors(folder: Path, doing: str = "load") -> Iterator[None]:
     """What the tokenizer library raises for a bad tokenizer file (a bare Exception, or a Rust
     panic, which is a BaseException) as one BadInput naming the folder."""
     try:
-        yield
+        with quiet_panics():  # the Rust panic hook's lines on stderr would precede the one line
+            yield
     except BadInput:
         raise
     except BaseException as err:
@@ -88,11 +89,16 @@ def _transformers_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer:
     def encode(text: str) -> list[int]:
         with tokenizer_errors(folder, "run"):
             ids = tok.encode(text, add_special_tokens=False, verbose=False)
-        if vocab_size and ids and max(ids) >= vocab_size:  # would index past the embedding table
-            raise BadInput(f"the tokenizer in {folder} gives token id {max(ids)}, outside the model's vocabulary of {vocab_size}; its tokenizer files belong to another model")
-        return ids
+        return in_vocabulary(ids, vocab_size, folder)
 
     return Tokenizer(encode, f"AutoTokenizer({type(tok).__name__})")
+
+
+def in_vocabulary(ids: list[int], vocab_size: int | None, folder: Path) -> list[int]:
+    """`ids`, or BadInput when one would index past the model's embedding table."""
+    if vocab_size and ids and max(ids) >= vocab_size:
+        raise BadInput(f"the tokenizer in {folder} gives token id {max(ids)}, outside the model's vocabulary of {vocab_size}; its tokenizer files belong to another model")
+    return ids
 
 
 def read_text(path: Path, option: str) -> str:

@@ -77,7 +77,7 @@ def _header(shard: list[PlannedTensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _copy_range(source: FileRange, out: BinaryIO) -> None:
+def copy_range(source: FileRange, out: BinaryIO) -> None:
     """Kernel-side copy (copy_file_range); a plain read/write loop where the kernel refuses."""
     done = 0
     with open(source.path, "rb", buffering=0) as f:
@@ -210,7 +210,7 @@ class ShardedWriter:
         assert self._file is not None
         start = 0 if header is not None else self._file.tell()
         if isinstance(data, FileRange):
-            _copy_range(data, self._file)
+            copy_range(data, self._file)
         else:
             self._file.write(data)
         start_writeback(self._file.fileno(), start, self._file.tell() - start)

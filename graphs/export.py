@@ -45,9 +45,10 @@ from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
 from headfold.graphs.trt_lint import rule_set
 from headfold.graphs.template import TRACED_LAYERS, LayerTemplate, NotAlike
-from headfold.graphs.weights import attach, fake_parameters, optimize_like_torch
+from headfold.graphs.weights import attach, fake_parameters, optimize_like_torch, reused_buffers
 from headfold.ground.artifacts import DECODE_GRAPH, MODEL_GRAPH, PREFILL_GRAPH
 from headfold.ground.atomic import atomic_output, check_output
+from headfold.ground.cache_names import PAST, PRESENT, cache_names
 from headfold.ground.errors import BadInput, HeadfoldError, first_line
 from headfold.ground.export_summary import ExportSummary
 from headfold.ground.units import INT4  # MatMul weights in 4 bits (graphs.rewrite.int4), traced and everything else in fp32
@@ -63,6 +64,7 @@ __all__ = [
     "position_ids",
     "POSITION_IDS",
     "check_opset",
+    "check_options",
     "OPSETS",
     "DTYPES",
     "INT4",
@@ -140,7 +142,7 @@ class Decode(nn.Module):
         return (out.logits, *_present(cache))
 
 
-def visible_keys(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def visible_keys(attention_mask: torch.Tensor, new_tokens: int, window: int | None = None) -> torch.Tensor:
     """[B, 1, S, P + S] bool: which keys each of the S new tokens attends to.
 
     Causal aligned bottom-right (new token i sits at column P + i) and real keys only, so left,
@@ -148,12 +150,45 @@ def visible_keys(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
     query would otherwise see no key at all, and its NaN would reach the real rows through the
     cache. An explicit mask instead of `is_causal` keeps S dynamic (torch cannot trace is_causal
     for a symbolic length).
+
+    A sliding `window` keeps the keys whose position (counted over real tokens, as the rotary
+    positions are) lies less than `window` before the token's own: the last `window` tokens of its
+    row, itself included, whatever pads lie between them. That is transformers' sliding-window mask
+    for unpadded, left- and right-padded rows, and what each row computes alone for gapped ones
+    (a right-padded prompt followed by generated tokens), where transformers would count the pads.
     """
     total = attention_mask.shape[1]
     keys = torch.arange(total, device=attention_mask.device)
     queries = torch.arange(total - new_tokens, total, device=attention_mask.device)[:, None]  # S exactly, not a slice
     causal_real = (keys <= queries) & attention_mask.bool()[:, None, None, :]
+    if window is not None:
+        positions = position_ids(attention_mask)
+        causal_real = causal_real & (positions[:, None, None, :] > positions[:, None, -new_tokens:, None] - window)
     return causal_real | (keys == queries)
+
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # transformers' config.layer_types
+
+
+def attention_windows(config: transformers.PretrainedConfig, layers: int) -> list[int | None]:
+    """Each layer's sliding window (the keys a token sees, itself included), None where it sees all
+    before it: config.layer_types where the config has them, else config.sliding_window in every
+    layer, as transformers' models pick their masks and size their caches. BadInput for a layer type
+    headfold has no mask for."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or [SLIDING_ATTENTION if window is not None else FULL_ATTENTION] * layers
+    if unknown := sorted(set(kinds) - {FULL_ATTENTION, SLIDING_ATTENTION}):
+        raise BadInput(f"config.layer_types has {unknown[0]!r} layers, which headfold cannot export; it exports {FULL_ATTENTION} and {SLIDING_ATTENTION}")
+    return [window if kind == SLIDING_ATTENTION else None for kind in kinds]
+
+
+def layer_masks(attention_mask: torch.Tensor, new_tokens: int, windows: Sequence[int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The mask each layer attends with: one for all when the layers' windows agree, else one per
+    layer type, the mapping transformers' models with config.layer_types take."""
+    if len(set(windows)) <= 1:
+        return visible_keys(attention_mask, new_tokens, windows[0] if windows else None)
+    window = next(w for w in windows if w is not None)
+    return {FULL_ATTENTION: visible_keys(attention_mask, new_tokens), SLIDING_ATTENTION: visible_keys(attention_mask, new_tokens, window)}
 
 
 class Decoder(nn.Module):
@@ -161,25 +196,27 @@ class Decoder(nn.Module):
     → logits (B, S, V), present K/V (B, kvᵢ, P + S, d).
 
     With `explicit_positions` a position_ids (B, S) input follows attention_mask and the rotary
-    positions are taken from it; otherwise they are counted over the mask's real tokens.
+    positions are taken from it; otherwise they are counted over the mask's real tokens. Sliding
+    windows (`windows`, one per layer) are in the masks; the cache keeps every token.
     """
 
-    def __init__(self, model: transformers.PreTrainedModel, explicit_positions: bool = False) -> None:
+    def __init__(self, model: transformers.PreTrainedModel, explicit_positions: bool = False, windows: Sequence[int | None] = ()) -> None:
         super().__init__()
         self.model = model
         self.explicit_positions = explicit_positions
+        self.windows = list(windows)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *rest: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         positions, past = (rest[0], rest[1:]) if self.explicit_positions else (None, rest)
-        cache = DynamicCache(list(zip(past[0::2], past[1::2])), config=self.model.config)
+        cache = DynamicCache(list(zip(past[0::2], past[1::2])))  # no config: no layer drops what its window no longer sees
         new_tokens = input_ids.shape[1]
         if positions is None:
             positions = position_ids(attention_mask)[:, -new_tokens:]
         out = self.model(
             input_ids=input_ids,
-            attention_mask=visible_keys(attention_mask, new_tokens),
+            attention_mask=layer_masks(attention_mask, new_tokens, self.windows),
             position_ids=positions,
             cache=cache,
             use_cache=True,
@@ -214,10 +251,6 @@ class GraphSpec:
     blocks: seq2seq_graphs.GraphBlocks | None = None
 
 
-def _kv_names(prefix: str, layers: int) -> list[str]:
-    return [f"{prefix}.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-
-
 def _example_tokens(config: transformers.PretrainedConfig, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     return ids, torch.ones(batch, seq, dtype=torch.long)
@@ -232,13 +265,13 @@ POSITION_IDS = "position_ids"
 def decoder_graphs(
     model: transformers.PreTrainedModel, layers: int, layout: str = "merged", *, explicit_positions: bool = False
 ) -> list[GraphSpec]:
-    """The merged graph (model.onnx), with a position_ids input if `explicit_positions`, or
-    prefill.onnx + decode.onnx for layout="split"."""
+    """The merged graph (model.onnx), with a position_ids input if `explicit_positions` and each
+    layer's sliding window in its mask, or prefill.onnx + decode.onnx for layout="split"."""
     batch, sequence, past = Dim("batch"), Dim("sequence"), Dim("past_sequence")
     ids, mask = _example_tokens(model.config, _BATCH, _SEQUENCE)
     prefill = Prefill(model)
-    with torch.no_grad():  # only the past's shapes matter (the model may be hollow: fake parameters)
-        past_kv = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in prefill(*_example_tokens(model.config, _BATCH, _PAST))[1:])
+    with torch.no_grad():  # only the past's shapes matter (the model may be hollow: fake parameters), all _PAST long
+        past_kv = tuple(torch.zeros(*t.shape[:2], _PAST, *t.shape[3:], dtype=t.dtype) for t in prefill(*_example_tokens(model.config, _BATCH, _PAST))[1:])
     kv_axes = {0: batch, 2: past}
     if layout == "merged":
         mask = torch.ones(_BATCH, _PAST + _SEQUENCE, dtype=torch.long)
@@ -247,10 +280,10 @@ def decoder_graphs(
         return [
             GraphSpec(
                 MODEL_GRAPH,
-                Decoder(model, explicit_positions),
+                Decoder(model, explicit_positions, attention_windows(model.config, layers)),
                 (ids, mask, *positions, *past_kv),
-                ["input_ids", "attention_mask", *[POSITION_IDS] * len(positions), *_kv_names("past_key_values", layers)],
-                ["logits", *_kv_names("present", layers)],
+                ["input_ids", "attention_mask", *[POSITION_IDS] * len(positions), *cache_names(PAST, layers)],
+                ["logits", *cache_names(PRESENT, layers)],
                 # P + S as its own symbol: torch.export's derived dims take one symbol only; *rest is one tuple
                 ({0: batch, 1: sequence}, {0: batch, 1: Dim("total_sequence")}, (*position_axes, *(kv_axes,) * len(past_kv))),
             )
@@ -261,15 +294,15 @@ def decoder_graphs(
             prefill,
             (ids, mask),
             ["input_ids", "attention_mask"],
-            ["logits", *_kv_names("present", layers)],
+            ["logits", *cache_names(PRESENT, layers)],
             ({0: batch, 1: sequence}, {0: batch, 1: sequence}),
         ),
         GraphSpec(
             DECODE_GRAPH,
             Decode(model),
             (ids[:, :1], torch.ones(_BATCH, _PAST + 1, dtype=torch.long), *past_kv),
-            ["input_ids", "attention_mask", *_kv_names("past_key_values", layers)],
-            ["logits", *_kv_names("present", layers)],
+            ["input_ids", "attention_mask", *cache_names(PAST, layers)],
+            ["logits", *cache_names(PRESENT, layers)],
             ({0: batch}, {0: batch, 1: past + 1}, (kv_axes,) * len(past_kv)),  # *past is one tuple
         ),
     ]
@@ -370,7 +403,8 @@ def save(model: ir.Model, path: Path, *, progress: bool = False) -> None:
             bar.set_postfix_str(tensor.name or "", refresh=False)
             bar.update()
 
-        ir.save(model, path, external_data=f"{path.name}.data", callback=written)
+        with reused_buffers():
+            ir.save(model, path, external_data=f"{path.name}.data", callback=written)
     onnx.checker.check_model(str(path))
 
 
@@ -388,9 +422,13 @@ def export_graph(
     int4: Int4 | None = None,
     weights: dict[str, TensorInfo] | None = None,
     template: LayerTemplate | None = None,
+    windows: Sequence[int | None] = (),
     progress: bool = False,
 ) -> dict:
     """Export, rewrite, check and save one graph; return its summary.
+
+    `windows` are each layer's sliding window, which the graph's masks hold and ORT's
+    GroupQueryAttention (attention="ort-gqa") takes as its local_window_size.
 
     With `ort_fusions`, ONNX Runtime's fused ops follow (graphs/rewrite/ort_fusions), counted;
     `positions` (the context length) sizes the rotary tables GroupQueryAttention then takes. With
@@ -407,7 +445,7 @@ def export_graph(
     graph, layer_of = spec.file, None
     if spec.blocks is not None:
         kv_heads, layers, graph, layer_of = spec.blocks.kv_heads, len(spec.blocks.kv_heads), spec.blocks.label, spec.blocks.layer_of
-    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=graph, attention=attention, layer_of=layer_of)
+    report = optimize(model, kv_heads=kv_heads, layers=layers, graph=graph, attention=attention, layer_of=layer_of, windows=windows)
     decomposed = {op: n for op, n in decompose(model, trt_version).items() if n} if trt_version else {}
     fused_for_ort = fuse_for_ort(model, positions=positions) if ort_fusions else None
     quantized = quantize_weights(model, int4) if int4 is not None else None
@@ -506,6 +544,18 @@ def choose_attention(facts: CheckpointFacts, requested: str, *, layout: str, trt
     return AttentionChoice("ort-gqa", ORT_DEFAULT)
 
 
+def _check_windows(windows: Sequence[int | None], layout: str, trt_version: str | None, src: Path) -> None:
+    """BadInput for an option whose graphs cannot hold the layers' sliding windows: only the merged
+    graph's masks carry them (TensorRT builds take the split graphs)."""
+    if (window := next((w for w in windows if w is not None), None)) is None:
+        return
+    has = f"{src} has sliding-window attention (sliding_window={window}), which headfold carries in the merged graph's mask only"
+    if trt_version:
+        raise BadInput(f"{has}, and TensorRT engines are built from split graphs; drop --trt-version and run the merged graph in ONNX Runtime")
+    if layout == "split":
+        raise BadInput(f"{has}; drop --graphs split")
+
+
 @contextmanager
 def _answered_for_unconverted(facts: CheckpointFacts) -> Iterator[None]:
     """torch.onnx failing on a family headfold has no spec for is an answer about the model, not a bug."""
@@ -527,17 +577,21 @@ def _answered_for_unconverted(facts: CheckpointFacts) -> Iterator[None]:
 
 def _export_all(
     specs: Callable[[int], list[GraphSpec]], export_one: Callable[[GraphSpec, LayerTemplate | None], dict],
-    template: LayerTemplate | None, layers: int, *, progress: bool,
+    template: Callable[[], LayerTemplate | None], layers: int, *, progress: bool,
 ) -> dict[str, dict]:
     """Each graph's summary: traced from the template's layers when the model's layers are alike and
-    the traced layer 1 copies (graphs.template), else from all `layers`."""
-    if template is not None:
-        try:
-            with template.traced() as traced:
-                return {spec.file: export_one(spec, template) for spec in tqdm(specs(traced), desc="export", unit="graph", disable=not progress)}
-        except NotAlike as why:
-            log.info("tracing every layer: the traced layer 1 cannot be copied (%s)", why)
-    return {spec.file: export_one(spec, None) for spec in tqdm(specs(layers), desc="export", unit="graph", disable=not progress)}
+    its traced layers prove the copies (graphs.template), else from all `layers`, with why in
+    "traced_whole"."""
+    try:
+        if (alike := template()) is not None:
+            with alike.traced() as traced:
+                return {spec.file: export_one(spec, alike) for spec in tqdm(specs(traced), desc="export", unit="graph", disable=not progress)}
+        why = None
+    except NotAlike as err:
+        why = str(err)
+        log.info("tracing every layer: %s", why)
+    summaries = {spec.file: export_one(spec, None) for spec in tqdm(specs(layers), desc="export", unit="graph", disable=not progress)}
+    return {file: summary | ({"traced_whole": why} if why else {}) for file, summary in summaries.items()}
 
 
 def _traceable_model(facts: CheckpointFacts, dtype: str) -> tuple[transformers.PreTrainedModel, dict[str, TensorInfo]]:
@@ -548,6 +602,29 @@ def _traceable_model(facts: CheckpointFacts, dtype: str) -> tuple[transformers.P
     fake_parameters(model)
     index = facts.tensor_index().tensors
     return model, {f"{WRAPPED}.{name}": index[tensor] for name, tensor in plan.items()}
+
+
+def check_options(
+    *, opset: int = 23, dtype: str | None = None, attention: str = "auto", trt_version: str | None = None, graphs: str = "merged",
+    optimize: str | None = "auto", explicit_positions: bool = False, int4_block_size: int | None = None, int4_symmetric: bool | None = None,
+) -> None:
+    """What export refuses in its options alone, before the checkpoint is read (run: before its first stage)."""
+    check_opset(opset)
+    if graphs not in GRAPH_LAYOUTS:
+        raise BadInput(f"unknown graph layout {graphs!r}; use --graphs merged or --graphs split")
+    if optimize not in (None, *OPTIMIZATIONS):
+        raise BadInput(f"unknown optimization {optimize!r}; use --optimize {', '.join(OPTIMIZATIONS)}")
+    if optimize == "ort" and trt_version:
+        raise BadInput("--optimize ort writes ONNX Runtime's own ops, which TensorRT cannot parse; drop --optimize or --trt-version")
+    if explicit_positions and graphs != "merged":
+        raise BadInput("position_ids is an input of the merged graph only; drop it or use --graphs merged")
+    if trt_version is not None:
+        rule_set(trt_version)  # an unknown version is bad input before the slow part
+    if attention not in ATTENTION_CHOICES:
+        raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_CHOICES)}")
+    if dtype is not None:
+        _torch_dtype(dtype)  # an unknown dtype is bad input before the checkpoint is read
+    int4_settings(dtype, int4_block_size, int4_symmetric, trt_version)
 
 
 def export(
@@ -595,21 +672,10 @@ def export(
     CheckFailed when a graph does not end up with exactly one fused attention node per layer
     with K/V at kv-heads.
     """
-    check_opset(opset)
-    if graphs not in GRAPH_LAYOUTS:
-        raise BadInput(f"unknown graph layout {graphs!r}; use --graphs merged or --graphs split")
-    if optimize not in (None, *OPTIMIZATIONS):
-        raise BadInput(f"unknown optimization {optimize!r}; use --optimize {', '.join(OPTIMIZATIONS)}")
-    if optimize == "ort" and trt_version:
-        raise BadInput("--optimize ort writes ONNX Runtime's own ops, which TensorRT cannot parse; drop --optimize or --trt-version")
-    if explicit_positions and graphs != "merged":
-        raise BadInput("position_ids is an input of the merged graph only; drop it or use --graphs merged")
-    if trt_version is not None:
-        rule_set(trt_version)  # an unknown version is bad input before the slow part
-    if attention not in ATTENTION_CHOICES:
-        raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_CHOICES)}")
-    if dtype is not None:
-        _torch_dtype(dtype)  # an unknown dtype is bad input before the checkpoint is read
+    check_options(
+        opset=opset, dtype=dtype, attention=attention, trt_version=trt_version, graphs=graphs, optimize=optimize,
+        explicit_positions=explicit_positions, int4_block_size=int4_block_size, int4_symmetric=int4_symmetric,
+    )  # fmt: skip
     int4 = int4_settings(dtype, int4_block_size, int4_symmetric, trt_version)
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
@@ -623,6 +689,8 @@ def export(
     model, weights = _traceable_model(facts, dtype)
     layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
     decoder = facts.kind == "decoder"
+    windows = attention_windows(model.config, layers) if decoder else []
+    _check_windows(windows, layout, trt_version, src)
 
     def specs(traced_layers: int) -> list[GraphSpec]:
         if layout == "seq2seq":
@@ -631,13 +699,14 @@ def export(
 
     def export_one(folder: Path, spec: GraphSpec, template: LayerTemplate | None) -> dict:
         summary = export_graph(
-            spec, folder, opset=opset, kv_heads=kv_heads, layers=layers, attention=choice.kind, trt_version=trt_version, ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
-            int4=int4, weights=weights, template=template, progress=progress,
+            spec, folder, opset=opset, kv_heads=kv_heads, layers=layers, attention=choice.kind, trt_version=trt_version,
+            ort_fusions=optimize == "ort", positions=facts.positions if decoder else None,
+            int4=int4, weights=weights, template=template, windows=windows, progress=progress,
         )  # fmt: skip
         return {**summary, "attention": choice.kind, "attention_reason": choice.reason}
 
     # An encoder-decoder's two stacks of layers are traced whole: the template copies one stack of one graph.
-    template = LayerTemplate.of(model, layers, WRAPPED) if layout != "seq2seq" else None
+    template = partial(LayerTemplate.of, model, layers, WRAPPED) if layout != "seq2seq" else lambda: None
     summary = ExportSummary(
         source=str(src), model_type=model.config.model_type, opset=opset, dtype=dtype, attention=choice.kind, layers=layers,
         heads=heads, kv_heads=collapse(kv_heads), optimize=optimize, layout=layout, graphs={},

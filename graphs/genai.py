@@ -19,9 +19,10 @@ import transformers
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.seq2seq import DECODER_CROSS, DECODER_SELF, ENCODER_SELF
-from headfold.graphs.seq2seq import AUDIO_INPUT, ENCODER_OUTPUT, name_template
+from headfold.graphs.seq2seq import AUDIO_INPUT, ENCODER_OUTPUT
 from headfold.ground.artifacts import DECODER_GRAPH, ENCODER_GRAPH
 from headfold.ground.artifacts import GENAI_CONFIG
+from headfold.ground.cache_names import CROSS_HALF, PAST, PRESENT, SELF_HALF, name_template
 from headfold.ground.errors import read_json_object
 
 __all__ = ["TOKENIZER_FILES", "copy_tokenizer", "genai_config", "write_model_folder", "whisper_genai_config", "seq2seq_genai_blocker", "GENAI_WHISPER_FRAMES"]
@@ -104,10 +105,10 @@ def genai_config(
             "input_ids": "input_ids",
             "attention_mask": "attention_mask",
             **({"position_ids": "position_ids"} if position_ids else {}),
-            "past_key_names": "past_key_values.%d.key",
-            "past_value_names": "past_key_values.%d.value",
+            "past_key_names": name_template(PAST, "key"),
+            "past_value_names": name_template(PAST, "value"),
         },
-        "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+        "outputs": {"logits": "logits", "present_key_names": name_template(PRESENT, "key"), "present_value_names": name_template(PRESENT, "value")},
     }
     model = {"type": "decoder", "vocab_size": facts.vocab_size, "context_length": length, **_token_ids(facts.folder, config), "decoder": decoder}
     search = {**_SEARCH, "max_length": length, "past_present_share_buffer": attention == "ort-gqa"}
@@ -149,8 +150,8 @@ def whisper_genai_config(facts: CheckpointFacts, config: transformers.Pretrained
         "inputs": {"audio_features": AUDIO_INPUT},
         "outputs": {
             "encoder_hidden_states": ENCODER_OUTPUT,
-            "cross_present_key_names": name_template("present", "encoder", "key"),
-            "cross_present_value_names": name_template("present", "encoder", "value"),
+            "cross_present_key_names": name_template(PRESENT, "key", CROSS_HALF),
+            "cross_present_value_names": name_template(PRESENT, "value", CROSS_HALF),
         },
     }  # fmt: skip
     decoder = {
@@ -158,15 +159,15 @@ def whisper_genai_config(facts: CheckpointFacts, config: transformers.Pretrained
         "num_hidden_layers": config.decoder_layers,
         "inputs": {
             "input_ids": "input_ids",
-            "past_key_names": name_template("past_key_values", "decoder", "key"),
-            "past_value_names": name_template("past_key_values", "decoder", "value"),
-            "cross_past_key_names": name_template("past_key_values", "encoder", "key"),
-            "cross_past_value_names": name_template("past_key_values", "encoder", "value"),
+            "past_key_names": name_template(PAST, "key", SELF_HALF),
+            "past_value_names": name_template(PAST, "value", SELF_HALF),
+            "cross_past_key_names": name_template(PAST, "key", CROSS_HALF),
+            "cross_past_value_names": name_template(PAST, "value", CROSS_HALF),
         },
         "outputs": {
             "logits": "logits",
-            "present_key_names": name_template("present", "decoder", "key"),
-            "present_value_names": name_template("present", "decoder", "value"),
+            "present_key_names": name_template(PRESENT, "key", SELF_HALF),
+            "present_value_names": name_template(PRESENT, "value", SELF_HALF),
         },
     }  # fmt: skip
     length = config.max_target_positions

@@ -38,7 +38,7 @@ def load_graph(path: Path) -> ir.Model:
 def external_data_files(model: ir.Model, path: Path) -> list[Path]:
     """The files `model` (loaded from `path`) keeps its weights in; BadInput for a location outside the graph's folder."""
     fix = "re-export the graph with its weights beside it"
-    found = {contained(path.parent, tensor.location, path, fix) for tensor in _external_tensors(model)}
+    found = {contained(path.parent, tensor.location, path, fix, "external data") for tensor in _external_tensors(model)}
     return sorted(found)
 
 

@@ -36,9 +36,10 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.seq2seq import DECODER_CROSS, DECODER_SELF, ENCODER_SELF
 from headfold.graphs.rewrite import AttentionNode
 from headfold.ground.artifacts import DECODER_GRAPH, ENCODER_GRAPH
+from headfold.ground.cache_names import CROSS_HALF, PAST, PRESENT, SELF_HALF, cache_names
 from headfold.ground.errors import BadInput
 
-__all__ = ["GraphBlocks", "seq2seq_graphs", "source_names", "cross_names", "self_names", "name_template", "ENCODER_OUTPUT", "ENCODER_MASK", "AUDIO_INPUT"]
+__all__ = ["GraphBlocks", "seq2seq_graphs", "source_names", "cross_names", "self_names", "ENCODER_OUTPUT", "ENCODER_MASK", "AUDIO_INPUT"]
 
 ENCODER_OUTPUT = "encoder_hidden_states"
 ENCODER_MASK = "encoder_attention_mask"
@@ -57,23 +58,14 @@ def source_names(model: transformers.PreTrainedModel) -> list[str]:
     return [AUDIO_INPUT] if audio(model) else ["input_ids", "attention_mask"]
 
 
-def name_template(prefix: str, half: str, kind: str) -> str:
-    """past_key_values|present.%d.decoder|encoder.key|value: one cache tensor's name, %d its layer."""
-    return f"{prefix}.%d.{half}.{kind}"
-
-
-def _kv(prefix: str, half: str, layers: int) -> list[str]:
-    return [name_template(prefix, half, kind).replace("%d", str(i)) for i in range(layers) for kind in ("key", "value")]
-
-
 def self_names(prefix: str, layers: int) -> list[str]:
     """past_key_values/present.{i}.decoder.key|value: the decoder self-attention's cache."""
-    return _kv(prefix, "decoder", layers)
+    return cache_names(prefix, layers, SELF_HALF)
 
 
 def cross_names(prefix: str, layers: int) -> list[str]:
     """past_key_values/present.{i}.encoder.key|value: the cross-attention's K/V of the source."""
-    return _kv(prefix, "encoder", layers)
+    return cache_names(prefix, layers, CROSS_HALF)
 
 
 def _pairs(flat: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -193,13 +185,13 @@ def seq2seq_graphs(model: transformers.PreTrainedModel) -> list[tuple[str, nn.Mo
     ids = torch.randint(0, config.vocab_size, (_BATCH, _TARGET), generator=gen)
     mask_axes = source_axes[1:]
     return [
-        (ENCODER_GRAPH, encoder, source, source_names(model), [ENCODER_OUTPUT, *cross_names("present", layers)], (source_axes,)),
+        (ENCODER_GRAPH, encoder, source, source_names(model), [ENCODER_OUTPUT, *cross_names(PRESENT, layers)], (source_axes,)),
         (
             DECODER_GRAPH,
             decoder,
             (ids, *mask, *past, *cross),
-            ["input_ids", *([ENCODER_MASK] if mask else []), *self_names("past_key_values", layers), *cross_names("past_key_values", layers)],
-            ["logits", *self_names("present", layers)],
+            ["input_ids", *([ENCODER_MASK] if mask else []), *self_names(PAST, layers), *cross_names(PAST, layers)],
+            ["logits", *self_names(PRESENT, layers)],
             ({0: batch, 1: target}, (*mask_axes, *({0: batch, 2: past_len},) * len(past), *(cross_axes,) * len(cross))),  # *rest is one tuple
         ),
     ]

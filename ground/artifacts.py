@@ -32,11 +32,11 @@ ENGINE_SUFFIXES = (ENGINE_SUFFIX, ".plan")  # what build and verify take as an e
 SIDECAR_SUFFIX = ".json"  # model.engine -> model.engine.json, the engine sidecar
 REPORT = "report.json"  # headfold verify / run: the checks and their verdicts
 
-# What marks a folder as headfold's own output, which `--overwrite` may replace (DESIGN.md)
+# What marks a file as headfold's, which `--overwrite` may replace (docs/design.md): this text in it. JSON
+# carries it as {"created_by": "headfold VERSION"}, Markdown and XML as a comment, a PNG as its Software
+# text chunk, an ONNX graph in its metadata; an engine has its sidecar. A file's name proves nothing:
+# a folder is headfold's when one of these records in it carries the mark (or an engine sidecar does).
 OWN_RECORDS = (MANIFEST, EXPORT_SUMMARY, LEDGER, REPORT)
-# ... and a single file (a report, a plan, a PNG, an .onnx): this text in it. JSON carries it as
-# {"created_by": "headfold VERSION"}, Markdown and XML as a comment, a PNG as its Software text
-# chunk, an ONNX graph in its metadata; an engine has its sidecar. A file's name proves nothing.
 MARK = "created by headfold"
 CREATED_BY = "created_by"
 _MARK_SCAN = 1 << 20  # bytes read from each end of a file to find the mark
@@ -53,15 +53,12 @@ def mark_comment() -> str:
 
 
 def written_by_headfold(path: Path) -> bool:
-    """A folder: empty, or holding a record only headfold writes (or an engine sidecar). A file:
-    carrying the mark (an engine: beside its sidecar; model.onnx.data: beside its graph)."""
+    """A folder: empty, or holding one of headfold's records (or an engine sidecar) that carries the
+    mark. A file: carrying the mark (an engine: beside its sidecar; model.onnx.data: beside its graph)."""
     path = Path(path)
     if path.is_dir():
-        return (
-            not any(path.iterdir())
-            or any((path / name).is_file() for name in OWN_RECORDS)
-            or any(path.glob(f"*{ENGINE_SUFFIX}{SIDECAR_SUFFIX}"))
-        )
+        records = [path / name for name in OWN_RECORDS if (path / name).is_file()]
+        return not any(path.iterdir()) or any(map(_marked_json, [*records, *path.glob(f"*{ENGINE_SUFFIX}{SIDECAR_SUFFIX}")]))
     if path.suffix in ENGINE_SUFFIXES:
         return _marked_json(path.with_name(path.name + SIDECAR_SUFFIX))
     if path.name.endswith(".onnx.data"):
@@ -100,6 +97,11 @@ R = TypeVar("R", bound="Record")
 
 class Malformed(ValueError):
     """JSON that does not fit its record; each loader turns it into its own one-line BadInput."""
+
+
+def mark() -> Any:
+    """The `created_by` field of a record headfold writes into an output folder: the folder's mark."""
+    return dataclasses.field(default_factory=created_by)
 
 
 def optional(default: Any = None) -> Any:

@@ -8,9 +8,10 @@ for all of a command's outputs at once and puts back the ones already placed whe
 cannot be. Before any work an output is refused when it is a link, is or overlaps anything the
 command reads (resolved real paths: files, links and index entries of the source folders), exists
 without --overwrite, is of the other kind (a folder where a file goes, or a file where a folder
-goes), or was not written by headfold (artifacts.written_by_headfold: a folder's records, a file's
-mark). Under the lock any other `.OUT.partial-*` / `.OUT.old-*` was left by a writer that died
-(kill -9, power loss), so it is removed. SIGTERM, like SIGINT, unwinds and cleans up (exit 143).
+goes), or was not written by headfold (artifacts.written_by_headfold: the mark of a folder's records,
+or of a file). Under the lock any other `.OUT.partial-*` / `.OUT.old-*` was left by a writer that died
+(kill -9, power loss), so it is removed. SIGTERM, like SIGINT, unwinds and cleans up (exit 143); a
+signal whose exception a library swallowed is raised again before any output is placed.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import stat
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from headfold.ground.artifacts import MARK, OWN_RECORDS, written_by_headfold
 from headfold.ground.errors import BadInput
@@ -134,7 +136,7 @@ def _refuse_existing(out: Path, overwrite: bool, how: str, ours: bool, is_dir: b
         wanted, found = ("a folder", "a file") if is_dir else ("a file", "a folder")
         raise BadInput(f"output {out} is {found}, and this command writes {wanted} there, which --overwrite never does; choose another path")
     if not ours and not written_by_headfold(out):
-        what = f"none of {', '.join(OWN_RECORDS)} or an engine sidecar in it" if out.is_dir() else f"no '{MARK}' mark in it"
+        what = f"none of {', '.join(OWN_RECORDS)} or an engine sidecar with headfold's mark in it" if out.is_dir() else f"no '{MARK}' mark in it"
         raise BadInput(f"output {out} is a {'folder' if out.is_dir() else 'file'} headfold did not write ({what}), which --overwrite never replaces; choose another path, or remove it yourself")
 
 
@@ -145,24 +147,60 @@ class Terminated(SystemExit):
     """SIGTERM raised where it lands, so every `finally` runs; exit 143 like a shell reports it."""
 
 
+_signalled: list[int] = []  # the signals that arrived inside cleanup_on_sigterm, in order
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
+    _signalled.append(signum)
     sys.stderr.write("headfold: terminated (SIGTERM); removing partial outputs\n")
     raise Terminated(128 + signum)
 
 
+def _on_sigint(signum: int, frame: object) -> None:
+    _signalled.append(signum)
+    raise KeyboardInterrupt
+
+
+def raise_if_signalled() -> None:
+    """Raise again the exception of a signal that arrived while inside cleanup_on_sigterm. Raised where
+    it lands, it is lost when that is a __del__ or a weakref callback of a library ("Exception ignored
+    in …"), and the command would run on and write its outputs; it is checked again before any output
+    is placed (and at each training step), so a signal always stops the command."""
+    if _signalled:
+        raise Terminated(128 + _signalled[-1]) if _signalled[-1] == signal.SIGTERM else KeyboardInterrupt
+
+
+def _unraisable(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """sys.unraisablehook that is quiet about a signal's exception (raise_if_signalled raises it again)."""
+
+    def quiet(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
+            hook(unraisable)
+
+    return quiet
+
+
 @contextmanager
 def cleanup_on_sigterm() -> Iterator[None]:
-    """While inside, SIGTERM unwinds like Ctrl-C instead of killing outright (main thread only;
-    a handler someone else installed is left alone)."""
+    """While inside, SIGTERM unwinds like Ctrl-C instead of killing outright, and both are recorded for
+    raise_if_signalled (main thread only; handlers someone else installed are left alone)."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
+    own_sigint, hook = signal.getsignal(signal.SIGINT) is signal.default_int_handler, sys.unraisablehook
+    _signalled.clear()
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if own_sigint:
+        signal.signal(signal.SIGINT, _on_sigint)
+    sys.unraisablehook = _unraisable(hook)
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if own_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # -- one writer ----------------------------------------------------------------------------
@@ -266,15 +304,22 @@ def staging_folder(out: Path, *, overwrite: bool = False, ours: bool = False, is
 Outputs = Mapping[Path, bool] | Iterable[tuple[Path, bool]]  # each output path → whether it is a folder
 
 
-def check_outputs(outputs: Outputs, *, overwrite: bool, sources: Iterable[Path] = (), ours: bool = False) -> dict[Path, bool]:
-    """What atomic_outputs refuses, checked before the work: {output_path: is_dir}."""
+def check_outputs(outputs: Outputs, *, overwrite: bool, sources: Iterable[Path] = (), ours: bool = False, beside: Iterable[Path] = ()) -> dict[Path, bool]:
+    """What atomic_outputs refuses, checked before the work: {output_path: is_dir}. `beside`: the
+    command's other outputs, written on their own (a --json FILE's command writes OUT): none of
+    `outputs` may be one of them, hold one or lie inside one."""
     sources, pairs = list(sources), list(outputs.items() if isinstance(outputs, Mapping) else outputs)
     paths = {check_disjoint(out, sources): is_dir for out, is_dir in pairs}
     if len(paths) < len(pairs):
         raise BadInput(f"two outputs name the same path ({', '.join(sorted(map(str, (p for p, _ in pairs))))}); give each its own")
+    others = [output_path(other) for other in beside]
     for out, is_dir in paths.items():
-        if others := [o for o in paths if out in o.parents]:
-            raise BadInput(f"output {others[0]} lies inside output {out}; give them separate paths")
+        if out in others:
+            raise BadInput(f"two outputs name the same path ({out}); give each its own")
+        if inner := [o for o in [*paths, *others] if out in o.parents]:
+            raise BadInput(f"output {inner[0]} lies inside output {out}; give them separate paths")
+        if outer := [o for o in others if o in out.parents]:
+            raise BadInput(f"output {out} lies inside output {outer[0]}; give them separate paths")
         _refuse_existing(out, overwrite, "already exists", ours, is_dir)
     return paths
 
@@ -297,6 +342,7 @@ def atomic_outputs(outputs: Outputs, *, overwrite: bool = False, ours: bool = Fa
             if is_dir:
                 staged[out].mkdir()
         yield {original: staged[output_path(original)] for original, _ in pairs}
+        raise_if_signalled()  # a Ctrl-C or SIGTERM a library swallowed: no output is placed after one
         for out, is_dir in paths.items():  # a writer that skipped the lock, or an input that appeared there
             _refuse_existing(out, overwrite, "appeared while this command ran", ours, is_dir)
             check_disjoint(out, sources)

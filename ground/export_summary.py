@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headfold.ground.artifacts import EXPORT_SUMMARY, Record, keep_unknown, load_record, optional
+from headfold.ground.artifacts import EXPORT_SUMMARY, Record, keep_unknown, load_record, mark, optional
 from headfold.ground.inputs import contained
 
 FORMAT = 1
@@ -20,6 +20,7 @@ FORMAT = 1
 @dataclass(kw_only=True)
 class ExportSummary(Record):
     format: int = FORMAT
+    created_by: str = mark()  # --overwrite replaces the folder only with this mark in it
     source: str  # the checkpoint folder as it was given to export (relative to where export ran)
     model_type: str | None = None
     opset: int | None = None

@@ -55,22 +55,27 @@ def check_links(folder: Path, what: str = "checkpoint folder") -> None:
             path = Path(parent) / name
             if path.is_symlink() and outside(path, roots):
                 raise BadInput(
-                    f"{path} links to {os.readlink(path)}, outside {folder}; headfold reads nothing outside the "
+                    f"the symbolic link {path} links to {os.readlink(path)}, outside {folder}; headfold reads nothing outside the "
                     f"{what}: copy the file into it or remove the link"
                 )
             if name in files and path.exists() and not path.is_file():
                 raise BadInput(f"{path} is not a regular file (a FIFO, socket or device); remove it from the {what}")
 
 
-def contained(folder: Path, entry: Any, listed_in: Path | str, fix: str) -> Path:
-    """`folder / entry` for a file name that `listed_in` (an index, export.json, a dataset's state)
-    gives: refused when it is not a plain relative name or resolves outside `folder`."""
-    name = Path(listed_in).name
-    if not isinstance(entry, str) or not entry or os.path.isabs(entry) or ".." in Path(entry).parts or "\0" in entry:
-        raise BadInput(f"{name} entry {entry!r} is not a file name inside {folder}; {fix}")
-    path = Path(folder) / entry
-    if outside(path, allowed_roots(folder)):
-        raise BadInput(f"{name} entry {entry!r} resolves outside {folder}; {fix}")
+def contained(folder: Path, entry: Any, listed_in: Path | str, fix: str, what: str = "entry") -> Path:
+    """`folder / entry` for a file name that `listed_in` (an index, export.json, a dataset's state, a
+    graph's external data) gives as its `what`: refused when it is not a file name, escapes `folder`
+    (absolute, or through '..'), or leads out of it through a symbolic link."""
+    name = f"{Path(listed_in).name} {what} {entry!r}"
+    if not isinstance(entry, str) or not entry or "\0" in entry:
+        raise BadInput(f"{name} is not a file name; {fix}")
+    if os.path.isabs(entry) or ".." in Path(entry).parts:
+        raise BadInput(f"{name} escapes the folder {folder}; {fix}")
+    path, roots = Path(folder) / entry, allowed_roots(folder)
+    if outside(path, roots):
+        steps = [Path(folder).joinpath(*Path(entry).parts[: i + 1]) for i in range(len(Path(entry).parts))]
+        link = next((step for step in steps if step.is_symlink() and outside(step, roots)), path)  # the first link on the way out
+        raise BadInput(f"{name} leads out of the folder {folder} through the symbolic link {link} (to {os.readlink(link) if link.is_symlink() else link.resolve()}); {fix}")
     return path
 
 

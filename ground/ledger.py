@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headfold.ground.artifacts import LEDGER, Malformed, Record, keep_unknown, optional
+from headfold.ground.artifacts import LEDGER, Malformed, Record, keep_unknown, mark, optional
 from headfold.ground.errors import BadInput, read_json_object
 
 FORMAT = 1
@@ -31,6 +31,7 @@ class StageEntry(Record):
 @dataclass(kw_only=True)
 class RunLedger(Record):
     format: int = FORMAT
+    created_by: str = mark()  # --overwrite replaces the folder only with this mark in it
     stages: dict[str, StageEntry] = field(default_factory=dict)
     extra: dict[str, Any] = keep_unknown()
 

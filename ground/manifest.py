@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headfold.ground.artifacts import MANIFEST, Record, keep_unknown, load_record, optional
+from headfold.ground.artifacts import MANIFEST, Record, keep_unknown, load_record, mark, optional
 
 FORMAT = 1
 Counts = int | list[int]  # one value for every layer, or one per layer
@@ -51,6 +51,7 @@ class Conversion(Record):
 @dataclass(kw_only=True)
 class Manifest(Record):
     format: int = FORMAT
+    created_by: str = mark()  # --overwrite replaces the folder only with this mark in it
     source: ManifestSource
     conversion: Conversion
     loader: str | None = None  # transformers | headfold.load_model

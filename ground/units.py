@@ -1,5 +1,5 @@
 """The units headfold reads from users, parsed in one place: sizes (2GB, 500MiB), fractions (0.05,
-5%), counts (200000, 200k, 1.5M) and the precision names."""
+5%), counts (200000, 200k, 1.5M) and the precision names; and the domains of numeric options."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any
 
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadOption
 from headfold.ground.inputs import shown
 
 PRECISIONS = ("fp32", "fp16", "bf16")  # what export writes, build builds and verify budgets key on; most to fewest mantissa bits
@@ -23,12 +23,12 @@ def parse_size(size: str | int, name: str = "size") -> int:
     else:
         m = _SIZE.fullmatch(str(size))
         if not m:
-            raise BadInput(f"{name} {size!r} is not a size; write e.g. 500MB or 2GiB")
+            raise BadOption(name, f"{size!r} is not a size; write e.g. 500MB or 2GiB")
         unit = (m.group(2) or "B").upper()
         base = 1024 if "I" in unit else 1000
         value = int(float(m.group(1)) * base ** "BKMGT".index(unit[0]))
     if value <= 0:
-        raise BadInput(f"{name} {size!r} must be positive")
+        raise BadOption(name, f"{size!r} must be positive")
     return value
 
 
@@ -38,9 +38,9 @@ def parse_fraction(value: Any, name: str) -> float:
     try:
         number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        raise BadInput(f"{name} = {shown(value)} is not a number; write e.g. 0.05 or 5%") from None
+        raise BadOption(name, f"= {shown(value)} is not a number; write e.g. 0.05 or 5%") from None
     if not (math.isfinite(number) and number >= 0):
-        raise BadInput(f"{name} = {shown(value)} must be a finite number of at least 0")
+        raise BadOption(name, f"= {shown(value)} must be a finite number of at least 0")
     return number
 
 
@@ -53,7 +53,23 @@ def parse_count(value: Any, name: str, unit: str, examples: str = "e.g. 200000, 
         else:
             count = float(value) if isinstance(value, float) else int(text)
     except ValueError:
-        raise BadInput(f"{name} {value!r} is not a {unit} count; give one, {examples}") from None
+        raise BadOption(name, f"{value!r} is not a {unit} count; give one, {examples}") from None
     if not (math.isfinite(count) and count >= 1):
-        raise BadInput(f"{name} must be at least 1 {unit}, got {value!r}; {examples}")
+        raise BadOption(name, f"must be at least 1 {unit}, got {value!r}; {examples}")
     return int(count)
+
+
+def whole(option: str, value: Any, least: int, why: str = "") -> None:
+    """BadOption unless `value` (None: unset) is an integer of at least `least` (`why`: what needs it)."""
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+        raise BadOption(option, f"must be a whole number of at least {least}{why}, got {shown(value)}")
+
+
+def finite(option: str, value: Any, *, above: float | None = None, least: float | None = None, most: float | None = None) -> None:
+    """BadOption unless `value` (None: unset) is a finite number above `above`, from `least`, up to `most`."""
+    if value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (number and (above is None or value > above) and (least is None or value >= least) and (most is None or value <= most)):
+        bounds = " and ".join(f"{word} {bound:g}" for bound, word in ((above, "above"), (least, "of at least"), (most, "up to")) if bound is not None)
+        raise BadOption(option, f"must be a finite number {bounds}".rstrip() + f", got {shown(value)}")

@@ -45,6 +45,7 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     pool: str | None = None,
+    local_steps: int | None = None,
 ) -> Path:
     """Convert a checkpoint to `kv_heads` K/V heads (`headfold convert`); the output folder.
 
@@ -52,7 +53,7 @@ def convert(
         source: a Hugging Face checkpoint folder (config.json + safetensors) or hub id ORG/NAME.
         output: the folder to write; it appears only when complete.
         kv_heads: one count for every layer (1 = MQA), or one per layer; each divides the heads.
-        method: mean, first, or data-aware modifiers joined by "+": aligned, grouped, refit
+        method: mean, first, or data-aware modifiers joined by "+": aligned, grouped, scored, refit, local
             (docs/methods.md); the default is the best training-free method measured.
         revision: branch, tag or commit of a hub id.
         calibration: text file the data-aware methods fit on; None: the built-in offline text (the
@@ -65,6 +66,7 @@ def convert(
         progress: show progress bars.
         pool: encoder-decoders (T5, BART, Whisper) only: the attentions to pool, "self", "cross",
             "decoder" (both: the default), "encoder" or "all" (`--pool`; docs/convert.md).
+        local_steps: Adam steps per layer of a method with local (None: the default budget).
     """
     from headfold import corpus
     from headfold.converter import convert as convert_checkpoint
@@ -72,6 +74,7 @@ def convert(
     return convert_checkpoint(
         source, output, kv_heads, method, revision=revision, overwrite=overwrite, max_shard_size=max_shard_size, allow_pickle=allow_pickle,
         calibration=calibration, calibration_tokens=calibration_tokens, seed=seed, progress=progress, builtin_text=corpus.calibration_text(), pool=pool,
+        local_steps=local_steps,
     )  # fmt: skip
 
 
@@ -305,6 +308,7 @@ def verify(
     min_cosine: float | None = None,
     atol: float | None = None,
     rtol: float | None = None,
+    progress: bool = True,
 ) -> Report:
     """Compare CANDIDATE with REFERENCE on the same inputs (`headfold verify`); the report.
 
@@ -329,11 +333,12 @@ def verify(
         min_top1: smallest top-1 agreement, e.g. "90%".
         min_cosine: smallest cosine.
         atol, rtol: fidelity: an element fails when it exceeds both.
+        progress: show a progress bar (rows done).
     """
     from headfold.verification.api import verify as run_verify
 
     return run_verify(
-        reference, candidate, check=check, revision=revision,
+        reference, candidate, check=check, revision=revision, progress=progress,
         inputs=_inputs(text, token_ids, window, max_rows, batch_size, seed, decode_steps),
         thresholds=_thresholds(budget, max_ppl_increase, max_kl, min_top1, min_cosine, atol, rtol),
     )  # fmt: skip

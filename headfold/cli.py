@@ -1,4 +1,4 @@
-"""The `headfold` command line (contract in DESIGN.md): exit 0 ok, 1 a check failed, 2 bad input, 3 a bug.
+"""The `headfold` command line (contract in docs/design.md): exit 0 ok, 1 a check failed, 2 bad input, 3 a bug.
 
 The options are declared once, in groups, in headfold/options.py; each command here says which
 groups it takes and does its work with the objects they build. Every command takes the same
@@ -27,6 +27,7 @@ from headfold.ground.atomic import library_scratch
 from headfold.ground.errors import HeadfoldError, first_line, is_panic
 from headfold.ground.inputs import printable
 from headfold.options import (
+    CHECKPOINT,
     PATH,
     REPORTS,
     REVISION,
@@ -70,7 +71,7 @@ def _kv_text(kv_heads: int | tuple[int, ...]) -> str:
     return str(kv_heads) if isinstance(kv_heads, int) else ",".join(map(str, kv_heads))
 
 
-def _local(*sources: Path, revision: str | None, allow_pickle: bool = False) -> list[Path]:
+def _local(*sources: str | Path, revision: str | None, allow_pickle: bool = False) -> list[Path]:
     """Each checkpoint argument as a local folder: hub ids (ORG/NAME) resolved through the Hugging Face
     cache before any heavy import, so a wrong id fails in a second; other paths as they are."""
     from headfold.converter.sources import checkpoint_folders
@@ -96,15 +97,15 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 
 
 @cli.command()
-@click.argument("src", type=PATH)
+@click.argument("src", type=CHECKPOINT)
 @click.argument("out", type=PATH)
 @conversion_options(pool=True)
 @calibration_options
 @SOURCE
 @output_options()
 def convert(
-    src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, pool: str | None, shard_size: str | None, allow_pickle: bool, calibration: Calibration,
-    revision: str | None, output: Output,
+    src: str, out: Path, kv_heads: int | tuple[int, ...], method: str, pool: str | None, local_steps: int | None, shard_size: str | None, allow_pickle: bool,
+    calibration: Calibration, revision: str | None, output: Output,
 ) -> None:
     """Convert the checkpoint SRC (a Hugging Face folder or hub id ORG/NAME) to a GQA/MQA checkpoint in OUT.
 
@@ -118,12 +119,13 @@ def convert(
 
     An encoder-decoder (T5, BART, Whisper) pools its decoder's self- and cross-attention (--pool).
     """
-    if src.suffix == ".onnx":
-        refuse(("pool", "shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"), f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)")
+    if Path(src).suffix == ".onnx":
+        src = Path(src)
+        refuse(("pool", "local_steps", "shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"), f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)")
         from headfold.graphs.onnx_convert import convert_onnx
 
         method = method if given(click.get_current_context(), ("method",)) else "mean"
-        output.check([src])
+        output.check([src], [out, out.with_name(f"{out.name}.data")])  # the graph and its weights
         summary = convert_onnx(src, out, kv_heads, method, overwrite=output.overwrite)
         line = f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})"
         output.emit(line, {"output": str(out), "method": method, **summary}, [src])
@@ -132,16 +134,16 @@ def convert(
 
     (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
     reads = [src, *([] if calibration.text in (None, "weights") else [Path(calibration.text)])]
-    output.check(reads)
+    output.check(reads, [out])
     if not get_method(method).data_aware:
-        refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only grouped, aligned and refit calibrate)")
+        refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only aligned, grouped, scored, refit and local calibrate)")
     from headfold import corpus
     from headfold.converter import convert as run_convert
     from headfold.ground import manifest
 
     result = run_convert(
         src, out, kv_heads, method, overwrite=output.overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle,
-        progress=output.progress, builtin_text=corpus.calibration_text(), pool=pool, **calibration.kwargs(),
+        progress=output.progress, builtin_text=corpus.calibration_text(), pool=pool, local_steps=local_steps, **calibration.kwargs(),
     )  # fmt: skip
     from headfold.converter.conversion import load_hint
 
@@ -155,12 +157,12 @@ def convert(
 
 
 @cli.command("export")
-@click.argument("src", type=PATH)
+@click.argument("src", type=CHECKPOINT)
 @click.argument("out_dir", type=PATH)
 @export_options
 @SOURCE
 @output_options()
-def export_cmd(src: Path, out_dir: Path, export: ExportOptions, revision: str | None, output: Output) -> None:
+def export_cmd(src: str, out_dir: Path, export: ExportOptions, revision: str | None, output: Output) -> None:
     """Export the checkpoint SRC (a folder or hub id ORG/NAME) to ONNX with one GQA Attention node per layer.
 
     Decoders get one merged model.onnx (any number of new tokens after a past of any length, KV
@@ -170,7 +172,7 @@ def export_cmd(src: Path, out_dir: Path, export: ExportOptions, revision: str | 
     the ops that release's parser lacks are decomposed and the graphs linted against it.
     """
     (src,) = _local(src, revision=revision)
-    output.check([src])
+    output.check([src], [out_dir])
     from headfold.graphs.export import export as run_export
 
     layout = export.graphs or ("split" if export.trt_version else "merged")  # a TensorRT target gets the graphs TensorRT builds
@@ -211,7 +213,7 @@ def build_cmd(src: Path, out: Path, dry_run: bool, require_fused_attention: bool
 
     target = target_for(trt_version, dry_run=dry_run)
     plan = make_plan(src, out, target, **profile.kwargs())
-    output.check(plan.reads)
+    output.check(plan.reads, [path for path, _ in plan.outputs])
     if dry_run:
         output.emit(plan.describe(), plan.to_json(), plan.reads)
         plan.check()
@@ -231,14 +233,14 @@ def _finish(report: Report, output: Output, sources: list[Path] | None = None) -
 
 
 @cli.command("verify")
-@click.argument("reference", type=PATH)
-@click.argument("candidate", type=PATH)
+@click.argument("reference", type=CHECKPOINT)
+@click.argument("candidate", type=CHECKPOINT)
 @options(spec("--check", type=click.Choice(("auto", "fidelity", "loss")), default="auto", help="auto: same model on both sides → fidelity; CANDIDATE converted from REFERENCE → loss."))
 @input_options(token_ids=True)
 @threshold_options
 @SOURCE
 @output_options(extra=REPORTS, json_alias="--report")
-def verify_cmd(reference: Path, candidate: Path, check: str, inputs: InputSpec, thresholds: Thresholds, revision: str | None, markdown_path: Path | None, junit_path: Path | None, output: Output) -> None:
+def verify_cmd(reference: str, candidate: str, check: str, inputs: InputSpec, thresholds: Thresholds, revision: str | None, markdown_path: Path | None, junit_path: Path | None, output: Output) -> None:
     """Compare CANDIDATE with REFERENCE on the same text; exit 1 when a budget is exceeded.
 
     Each side is a checkpoint (a folder or hub id ORG/NAME, run in torch), an export folder or a
@@ -255,13 +257,13 @@ def verify_cmd(reference: Path, candidate: Path, check: str, inputs: InputSpec, 
     files = [p for p in (None if output.json_to_stdout else output.json_path, markdown_path, junit_path) if p is not None]
     reads = files_read(reference, candidate, inputs, thresholds)
     check_outputs([(p, False) for p in files], overwrite=output.overwrite, sources=reads)  # before the work
-    report = verify(reference, candidate, inputs=inputs, thresholds=thresholds, check=check)
+    report = verify(reference, candidate, inputs=inputs, thresholds=thresholds, check=check, progress=output.progress)
     report.write(None if output.json_to_stdout else output.json_path, markdown_path, junit_path, overwrite=output.overwrite, sources=reads)
     _finish(report, replace(output, json_path=Path("-") if output.json_to_stdout else None))
 
 
 @cli.command("run")
-@click.argument("src", type=PATH)
+@click.argument("src", type=CHECKPOINT)
 @click.argument("out_dir", type=PATH)
 @conversion_options()
 @calibration_options
@@ -273,7 +275,7 @@ def verify_cmd(reference: Path, candidate: Path, check: str, inputs: InputSpec, 
 @SOURCE
 @output_options()
 def run_cmd(
-    src: Path, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, shard_size: str | None, allow_pickle: bool, calibration: Calibration,
+    src: str, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, shard_size: str | None, allow_pickle: bool, calibration: Calibration,
     distill: DistillStage | None, export: ExportOptions, profile: Profile, trt_version: str | None, inputs: InputSpec, thresholds: Thresholds,
     revision: str | None, output: Output,
 ) -> None:  # fmt: skip
@@ -289,7 +291,7 @@ def run_cmd(
     from headfold.pipeline import run
 
     (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
-    output.check([src, out_dir])
+    output.check([src], [out_dir])
     report = run(
         src, out_dir, kv_heads, method=method, max_shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration.kwargs(),
         distill=distill, export=export.kwargs(), build=profile.kwargs(), inputs=inputs, thresholds=thresholds,
@@ -309,8 +311,8 @@ def _distill_summary(record: dict[str, Any]) -> list[str]:
 
 
 @cli.command("distill")
-@click.argument("teacher", type=PATH)
-@click.argument("student", type=PATH)
+@click.argument("teacher", type=CHECKPOINT)
+@click.argument("student", type=CHECKPOINT)
 @click.argument("out", type=PATH)
 @options(*DISTILL_TRAINING, title="Training options")
 @options(*DISTILL_EVALUATION, title="Evaluation and stopping")
@@ -321,7 +323,7 @@ def _distill_summary(record: dict[str, Any]) -> list[str]:
 )  # fmt: skip
 @SOURCE
 @output_options()
-def distill_cmd(teacher: Path, student: Path, out: Path, revision: str | None, output: Output, **options: Any) -> None:
+def distill_cmd(teacher: str, student: str, out: Path, revision: str | None, output: Output, **options: Any) -> None:
     """Distill STUDENT (a headfold conversion of TEACHER) from TEACHER into OUT.
 
     The teacher (the MHA original; a folder or hub id) is frozen; the student learns to match its
@@ -331,13 +333,15 @@ def distill_cmd(teacher: Path, student: Path, out: Path, revision: str | None, o
     `accelerate launch` or `torchrun` (only the main process writes).
     """
     from headfold.distillation import distill
+    from headfold.distillation.sharding import main_process
+    from headfold.distillation.state import state_folder
     from headfold.ground import manifest
 
     teacher, student = _local(teacher, student, revision=revision)
     reads = [teacher, student, *(Path(options[k]) for k in ("data", "eval_data") if options.get(k) is not None)]
-    output.check(reads)
+    output.check(reads, [out, state_folder(out)])
     result = distill(teacher, student, out, overwrite=output.overwrite, progress=output.progress, **options)
-    if os.environ.get("RANK", "0") != "0":
+    if not main_process():
         return  # under torchrun / accelerate launch only the main process reports (and writes)
     record = manifest.load(result).distillation
     lines = [f"wrote {result} ({record['steps']} steps, {record['tokens']} tokens)", *_distill_summary(record)]
@@ -358,7 +362,7 @@ class KvBudget(click.ParamType):
 
 
 @cli.command("inspect")
-@click.argument("src", type=PATH)
+@click.argument("src", type=CHECKPOINT)
 @options(
     spec("--candidates", default=None, metavar="K,K,...", help="kv-head counts to predict the loss of, e.g. 4,2,1. [default: every divisor of the kv heads below them]"),
     method_spec(),
@@ -368,7 +372,7 @@ class KvBudget(click.ParamType):
 @calibration_options
 @SOURCE
 @output_options(extra=(spec("--heatmap", type=PATH, default=None, metavar="OUT.png", help="Write a PNG: layers × heads similarity, layers × candidates predicted loss."),))
-def inspect_cmd(src: Path, candidates: str | None, method: str, kv_budget, calibration: Calibration, revision: str | None, heatmap: Path | None, output: Output) -> None:
+def inspect_cmd(src: str, candidates: str | None, method: str, kv_budget, calibration: Calibration, revision: str | None, heatmap: Path | None, output: Output) -> None:
     """Per layer of SRC (a folder or hub id): K/V head similarity and the predicted loss of each kv-head count.
 
     The predicted loss of a (layer, kv heads) pair is the calibration loss with only that layer
@@ -393,35 +397,57 @@ def inspect_cmd(src: Path, candidates: str | None, method: str, kv_budget, calib
 DEMO_TOKENS = (("--distill-tokens",), {**DISTILL_TOKENS[1], "default": "1.5%"})
 
 
+def _demo_rows() -> int:
+    """--max-rows of the demo: the rows its reference budget was measured on (imported when the demo runs)."""
+    from headfold.demo import DEMO_INPUTS
+
+    return DEMO_INPUTS.max_rows
+
+
 @cli.command()
 @conversion_options(kv_default="4", written=False)
+@calibration_options
+@distill_stage_options
 @options(
     DEMO_TOKENS,
     spec("--no-distill", is_flag=True, help="Skip distillation: what training-free conversion alone reaches (the reference budget then fails)."),
     title="Distill stage",
 )  # fmt: skip
+@export_options
+@profile_options
+@input_options(max_rows={"default": _demo_rows, "show_default": "the rows of the reference budget"})
 @threshold_options
 @options(spec("--keep", type=PATH, default=None, metavar="DIR", help="Run in DIR and keep it (the stage folders and reports); default: a temporary folder, removed at the end."), title="Output")
 @output_options(writes=True)
-def demo(kv_heads: int | tuple[int, ...], method: str, distill_tokens: str, no_distill: bool, thresholds: Thresholds, keep: Path | None, output: Output) -> None:
+def demo(
+    kv_heads: int | tuple[int, ...], method: str, calibration: Calibration, distill: DistillStage | None, distill_tokens: str, no_distill: bool,
+    export: ExportOptions, profile: Profile, trt_version: str | None, inputs: InputSpec, thresholds: Thresholds, keep: Path | None, output: Output,
+) -> None:  # fmt: skip
     """`headfold run` on the embedded trained model (Llama layout, 4 layers × 8 heads).
 
     Converts, distills on the model's own training split, exports, (builds where TensorRT is
     present) and verifies on Python documentation text the model never saw in training, then
     prints the report table. Without --budget the gates are the embedded model's reference budget
-    (headfold/data/default_model/demo-budget.toml).
+    (headfold/data/default_model/demo-budget.toml). Takes run's options for every stage
+    (--distill-… over the demo's own distillation).
     """
     from headfold.demo import DEMO_DISTILL, demo_budget
     from headfold.demo import demo as run_demo
     from headfold.distillation.stage import DistillStage
 
     if no_distill:
-        refuse(("distill_tokens",), "with --no-distill")
+        refuse([name for name in click.get_current_context().params if name.startswith("distill_")], "with --no-distill")
     if keep is None:
         refuse(("overwrite",), "without --keep DIR (the demo writes nowhere else)")
-    distill = None if no_distill else DistillStage(None, {**DEMO_DISTILL.options, "tokens": distill_tokens})
+    output.check(writes=[keep] if keep else [])
+    asked = distill or DistillStage(None, {})  # the --distill-… options given, over the demo's own distillation
+    own = {**DEMO_DISTILL.options, **({} if "steps" in asked.options else {"tokens": distill_tokens})}  # --distill-steps replaces its tokens
+    distill = None if no_distill else DistillStage(asked.data, {**own, **asked.options}, asked.eval_data)
     budget = thresholds if thresholds.file else replace(thresholds, file=demo_budget())
-    report = run_demo(kv_heads, method, distill=distill, thresholds=budget, keep=keep, overwrite=output.overwrite, progress=output.progress)
+    report = run_demo(
+        kv_heads, method, distill=distill, thresholds=budget, keep=keep, overwrite=output.overwrite, progress=output.progress,
+        calibration=calibration.kwargs(), export=export.kwargs(), build=profile.kwargs(), inputs=inputs,
+    )  # fmt: skip
     _finish(report, output)
     if keep is not None:
         output.say(f"kept {keep}: convert/, {'distill/, ' if distill else ''}export/, verify/ (report.json, report.md, junit.xml)")

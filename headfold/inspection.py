@@ -39,7 +39,7 @@ from headfold.converter.conversion import calibration_text, layer_contexts, meth
 from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.converter.sources import checkpoint_folder
 from headfold.converter.layout import AttentionCodec, AttentionWeights
-from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, get_method, head_activations
+from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, expand_kv, get_method, head_activations
 from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
 from headfold.ground import VERSION
 from headfold.ground.artifacts import CREATED_BY, MARK, created_by
@@ -132,12 +132,6 @@ class LiveAttention:
             for i, layer in saved.items():
                 for suffix, t in layer.items():
                     self.layers[i][suffix].copy_(t)
-
-
-def expand_kv(attn: AttentionWeights, kv_heads: int) -> AttentionWeights:
-    """The same layer with `kv_heads` K/V heads: each pooled head repeated for the source heads of its
-    group. The method already made groups contiguous, so query head h reads kv head h // (H / kv_heads)."""
-    return attn.map_kv(lambda t: t.repeat_interleave(kv_heads // attn.kv_heads, 0))
 
 
 class LayerConverter:
@@ -337,6 +331,8 @@ def _inspect(
         raise BadInput(f"{source} already has per-layer kv heads; inspect the checkpoint it was converted from")
     ckpt.facts.require_positions(WINDOW, f"inspect (it measures the loss on windows of {WINDOW} tokens)", "inspect a model that takes them", table_only=True)
     recipe = method_for(ckpt, method)  # ALiBi refuses grouped, clip_qkv rotations: as convert does
+    if recipe.local:
+        raise BadInput(f"inspect predicts each layer's loss without fitting it; inspect {replace(recipe, local=False).name} (local fits while convert runs the layers)")
     cands = parse_candidates(candidates, ckpt.shape.kv_heads)
     if ckpt.spec.mqa_only:  # gpt_bigcode: 1 kv head in every layer, or none pooled
         if kv_budget is not None:

@@ -24,10 +24,10 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from headfold.converter.recipes import DEFAULT_METHOD
+from headfold.converter.recipes import DEFAULT_LOCAL_STEPS, DEFAULT_METHOD
 from headfold.converter.seq2seq import DEFAULT_POOL, POOL_CHOICES
 from headfold.ground.artifacts import CREATED_BY, created_by
-from headfold.ground.errors import BadInput, HeadfoldError
+from headfold.ground.errors import BadInput, BadOption, HeadfoldError
 from headfold.ground.inputs import printable
 from headfold.ground.units import INT4, PRECISIONS, parse_fraction
 
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 OPTIONS = "Options"  # the heading of a command's own options, listed first
 CONVERSION, EXPORT = "Conversion options", "Export options"
 PATH = click.Path(path_type=Path)
+CHECKPOINT = click.Path()  # a str as typed: converter/sources.py reads "./x" and "x/" as paths, "ORG/NAME" as a hub id
 
 
 class Option(click.Option):
@@ -133,7 +134,8 @@ KV_HEADS_HELP = "one value for every layer, or one per layer comma-separated (8,
 METHOD_HELP = (
     "How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
     "or combine with '+': aligned (rotate heads to a common basis first, function-preserving), grouped (pick groups "
-    "by activation similarity), refit (least-squares fit of W_Q/W_O to the pooled K/V). The default is the best "
+    "by activation similarity), scored (pick groups by the loss they predict), refit (least-squares fit of W_Q/W_O to the pooled K/V), "
+    "local (fit each layer's attention output by gradient descent). The default is the best "
     "training-free method measured; an ONNX source pools with mean."
 )
 
@@ -190,7 +192,10 @@ class OptionGroup:
         def command(*args: Any, **values: Any) -> Any:
             if self.build is not None:  # an option an inner group declared too stays for that group
                 given = {field: values[name] if name in declared else values.pop(name) for name, field in names.items()}
-                values[self.into] = self.build(**given)
+                try:
+                    values[self.into] = self.build(**given)
+                except BadOption as err:  # named as this command spells it: --distill-seq-len
+                    raise err.respelled(self.prefix) if self.prefix else err from None
                 log.debug(f"{self.into}: {values[self.into]!r}")  # -v shows what the options became
             return f(*args, **values)
 
@@ -244,12 +249,13 @@ class Output:
     def json_to_stdout(self) -> bool:
         return self.json_path is not None and str(self.json_path) == "-"
 
-    def check(self, sources: Iterable[Path] = ()) -> None:
-        """Refuse a --json FILE the policy would refuse (a link, an input, one of yours), before the work."""
+    def check(self, sources: Iterable[Path] = (), writes: Iterable[Path] = ()) -> None:
+        """Refuse a --json FILE the policy would refuse (a link, an input, one of yours, the command's
+        own outputs `writes` or a path inside one), before the work."""
         if self.json_path is not None and not self.json_to_stdout:
             from headfold.ground.atomic import check_outputs
 
-            check_outputs([(self.json_path, False)], overwrite=self.overwrite, sources=sources)
+            check_outputs([(self.json_path, False)], overwrite=self.overwrite, sources=sources, beside=writes)
 
     def emit(self, table: str, result: dict[str, Any] | str, sources: Iterable[Path] = (), *, written: bool = False) -> None:
         """The result: the table, or with --json - the JSON alone, or with --json FILE both (the file
@@ -298,6 +304,11 @@ class Calibration:
     tokens: int = 4096
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        from headfold.converter.conversion import check_options
+
+        check_options(None, self.tokens)  # convert's own domain, checked as the options are parsed
+
     def kwargs(self) -> dict[str, Any]:
         """As headfold.converter.convert / inspect_checkpoint take them."""
         return {"calibration": self.text, "calibration_tokens": self.tokens, "seed": self.seed}
@@ -335,8 +346,10 @@ INPUT_SPECS = (
 TOKEN_IDS = spec("--token-ids", type=PATH, default=None, metavar="FILE", help="Feed these token ids instead of a text: one row per line, whitespace-separated ids. Without it, a model with no tokenizer files gets seeded random ids (fidelity only).")
 
 
-def input_options(token_ids: bool = False) -> OptionGroup:
-    return OptionGroup("Input options", INPUT_SPECS + ((TOKEN_IDS,) if token_ids else ()), "inputs", _input_spec)
+def input_options(token_ids: bool = False, **changed: dict[str, Any]) -> OptionGroup:
+    """The input group; `changed` replaces click keywords of an option by its name (demo: max_rows's default)."""
+    specs = [(decls, {**kwargs, **changed.get(decls[0][2:].replace("-", "_"), {})}) for decls, kwargs in INPUT_SPECS + ((TOKEN_IDS,) if token_ids else ())]
+    return OptionGroup("Input options", tuple(specs), "inputs", _input_spec)
 
 
 # Thresholds of verify / run / demo
@@ -376,14 +389,20 @@ POOL = spec(
 )  # fmt: skip
 
 
+LOCAL_STEPS = spec(
+    "--local-steps", type=int, default=None, metavar="N",
+    help=f"Adam steps per layer of a method with local; each runs the layer's attention over the calibration tokens. [default: {DEFAULT_LOCAL_STEPS}]",
+)  # fmt: skip
+
+
 def conversion_options(*, kv_default: str | None = None, written: bool = True, pool: bool = False) -> OptionGroup:
     """--kv-heads and --method, and where a checkpoint is written (convert, run) --shard-size and --allow-pickle;
-    `pool`: --pool (convert)."""
+    `pool`: --pool and --local-steps (convert)."""
     checkpoint = (
         spec("--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file)."),
         spec("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin pickles (loaded with weights_only=True; from the hub only when the repo has no safetensors). Off by default: pickles can run code."),
     )  # fmt: skip
-    return options(kv_heads_spec(kv_default), method_spec(), *((POOL,) if pool else ()), *(checkpoint if written else ()), title=CONVERSION)
+    return options(kv_heads_spec(kv_default), method_spec(), *((POOL, LOCAL_STEPS) if pool else ()), *(checkpoint if written else ()), title=CONVERSION)
 
 
 # Export (export, run)
@@ -568,6 +587,9 @@ def quiet_libraries() -> None:
 
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per runner otherwise
         hf_logging.set_verbosity_error()
-    warnings.filterwarnings("ignore")  # torch.onnx's "torchvision is not installed" and friends
+    warnings.filterwarnings("ignore")
+    # torch.onnx's "torchvision is not installed" lines and friends: torch resets its own loggers when
+    # it is imported, so a torch imported later is told through TORCH_LOGS ('-': errors only).
+    os.environ.setdefault("TORCH_LOGS", "-onnx,-export")
     for name in ("torch.onnx", "onnxscript", "torch._dynamo", "torch.export"):
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -27,10 +27,11 @@ from headfold.engines.env import engine_support
 from headfold.ground import VERSION
 from headfold.ground.artifacts import LEDGER, REPORT
 from headfold.ground.atomic import atomic_output, check_disjoint, output_lock, output_path, refuse_link
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, BadOption
 from headfold.ground.hashing import sha256_file
 from headfold.ground.ledger import RunLedger, StageEntry
 from headfold.ground.ledger import load as load_ledger
+from headfold.ground.units import PRECISIONS
 from headfold.verification.artifacts import resolve
 from headfold.verification.budget import Thresholds
 from headfold.verification.inputs import InputSpec, make_inputs, read_text
@@ -119,7 +120,7 @@ def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work
     return digest, result
 
 
-def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: str, engines: Path | None = None) -> Report:
+def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: str, engines: Path | None = None, progress: bool = False) -> Report:
     from headfold.verification.api import run_artifact_checks
 
     original, conversion, graph = resolve(src), resolve(converted), resolve(onnx_dir)
@@ -130,7 +131,7 @@ def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresho
     ]
     if engines is not None:  # the prefill engine against the converted checkpoint, like the ONNX graph
         checks.append(("fidelity-tensorrt", "fidelity", conversion, resolve(engines), thresholds.fidelity(dtype)))
-    return Report(run_artifact_checks(checks, inputs), inputs.info)
+    return Report(run_artifact_checks(checks, inputs, progress=progress), inputs.info)
 
 
 def _write_report(report: Report, folder: Path) -> None:
@@ -167,7 +168,6 @@ def run(
     run folder (its ledger); `overwrite` also accepts a folder of other files, which stay: run only
     ever replaces the stage folders its ledger records. `progress` shows each stage's own progress."""
     from headfold.converter.sources import checkpoint_folder
-    from headfold.graphs.export import check_opset
 
     src = checkpoint_folder(src, revision=revision, allow_pickle=allow_pickle).resolve()
     out = output_path(Path(out_dir))
@@ -181,7 +181,7 @@ def run(
         raise BadInput("headfold run checks its export's fidelity to the checkpoint; int4 weights are gated by their loss: run without --dtype int4, then headfold export --dtype int4 and headfold verify CHECKPOINT EXPORT")
     settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration or {}, distill, export, build or {}, inputs, thresholds, progress)
     check_disjoint(out, settings.reads(src))  # the run folder holds none of its inputs, nor lies inside one
-    check_opset(settings.export.get("opset", 23))
+    settings.check(src)
     budgets = settings.budgets()  # bad budgets fail first
     text, _ = read_text(inputs.text)
     with output_lock(out):  # one run per OUT_DIR
@@ -247,6 +247,31 @@ class Settings:
                  distill and distill.data, distill and distill.eval_data, None if str(calibration) == "weights" else calibration)  # fmt: skip
         return [src, *(Path(p) for p in given if p is not None)]
 
+    def check(self, src: Path) -> None:
+        """What each stage would refuse in its options (the distill stage: in its data too), before the
+        first one writes. The inputs and thresholds check themselves as they are built."""
+        from headfold.converter.conversion import check_options as check_conversion
+        from headfold.engines.plan import parse_range, parse_workspace
+        from headfold.graphs.export import check_options as check_export
+
+        check_conversion(self.shard_size, self.calibration.get("calibration_tokens"))
+        if self.distill is not None:
+            self.distill.check(src)
+        check_export(**self.exporting(src))
+        for name in ("batch", "seq", "past"):
+            if self.build.get(name) is not None:
+                parse_range(self.build[name], name)
+        parse_workspace(self.build.get("workspace"))
+        if self.build.get("precision") not in (None, *PRECISIONS):
+            raise BadOption("--precision", f"{self.build['precision']!r} is not one of {', '.join(PRECISIONS)}")
+
+    def exporting(self, src: Path) -> dict[str, Any]:
+        """The export stage's keywords: the options given, and the layout (TensorRT builds the split pair,
+        onnxruntime-genai runs merged; an encoder-decoder's graphs run in ONNX Runtime)."""
+        seq2seq = CheckpointFacts.read(src).kind == "seq2seq"
+        layout = "split" if engine_support() is None and not seq2seq else "merged"
+        return {"graphs": layout, **{k: v for k, v in self.export.items() if v is not None}}
+
     def budgets(self) -> dict[str, Any]:
         """The gates as run applies them (a bad budget file fails before any stage runs)."""
         return {"loss": asdict(self.thresholds.loss(self.dtype)), "fidelity": asdict(self.thresholds.fidelity(self.dtype))}
@@ -278,8 +303,7 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budget
         student, converted, distill = converted, out / "distill", settings.distill
         conv_digest, _ = stage("distill", {"checkpoint": conv_digest, **distill.key(src, student)}, converted, lambda: distill(src, student, converted, progress=settings.progress))
     seq2seq = CheckpointFacts.read(src).kind == "seq2seq"  # encoder.onnx + one merged decoder.onnx, in ONNX Runtime
-    layout = "split" if engine_support() is None and not seq2seq else "merged"  # TensorRT builds the split pair; onnxruntime-genai runs merged
-    exporting = {"graphs": layout, **{k: v for k, v in settings.export.items() if v is not None}}
+    exporting = settings.exporting(src)
     exp_digest, _ = stage(
         "export", {"checkpoint": conv_digest, **exporting}, onnx_dir,
         lambda: export(converted, onnx_dir, overwrite=True, progress=settings.progress, **exporting),
@@ -295,7 +319,7 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budget
     }
 
     def verify_stage() -> Report:
-        report = _verify(src, converted, onnx_dir, settings.inputs, settings.thresholds, settings.dtype, engines if build_digest else None)
+        report = _verify(src, converted, onnx_dir, settings.inputs, settings.thresholds, settings.dtype, engines if build_digest else None, settings.progress)
         report.stages = {**stages, "verify": "ran"}
         _write_report(report, verified)
         return report

@@ -14,6 +14,7 @@ import ast
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Literal
 
 import onnx_ir as ir
@@ -68,6 +69,7 @@ def optimize(
     graph: str = "graph",
     attention: AttentionKind = "onnx",
     layer_of: Callable[[AttentionNode], int | None] | None = None,
+    windows: Sequence[int | None] = (),
 ) -> FusionReport:
     """Apply every rule in place, then fail (CheckFailed) unless each layer has one fused GQA node
     at its kv heads (`kv_heads`: one count for every layer, or one per layer).
@@ -78,7 +80,8 @@ def optimize(
 
     attention="ort-gqa" (decoder graphs only: the contrib op is causal) ends with
     com.microsoft.GroupQueryAttention instead of the standard Attention; see ort_gqa for its
-    padding contract.
+    padding contract. Each node's layer's sliding window (`windows`, one per layer; the standard
+    node has it in its mask) becomes its local_window_size.
     """
     if attention not in ATTENTION_OPS:
         raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
@@ -87,7 +90,7 @@ def optimize(
     fusions = {rule.name: rule.apply_to_model(model) for rule in RULES}
     cleanup(model)
     if attention == "ort-gqa":
-        fusions |= {rule.name: rule.apply_to_model(model) for rule in ort_gqa.rules(model)}
+        fusions |= {rule.name: rule.apply_to_model(model) for rule in ort_gqa.rules(model, partial(_window, windows))}
         deduplicate(model)  # one seqlens_k / total_sequence_length for all layers
         cleanup(model)
     found = attention_nodes(model, attention)
@@ -137,6 +140,16 @@ def check_attention(
             f"{graph}: {'; '.join(problems)} — expected one {op} per layer ({layers} layers) "
             f"with {wanted} kv-heads; the exporter produced a pattern no rewrite rule covers"
         )
+
+
+def _window(windows: Sequence[int | None], node: ir.Node) -> int | None:
+    """The sliding window of the layer `node` belongs to (by its module scope); None: full attention."""
+    if not any(w is not None for w in windows):
+        return None
+    layer = _layer(node)
+    if layer is None or not 0 <= layer < len(windows):
+        raise CheckFailed(f"{node.name}: no layer in its module scopes, so its sliding window is unknown")
+    return windows[layer]
 
 
 def _join(indices: list[int]) -> str:

@@ -30,6 +30,7 @@ from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_nor
 
 from headfold.graphs.rewrite.ort_gqa import DOMAIN
 from headfold.graphs.rewrite.values import constant, dims, float_attr, int_attr, is_lazy, same_dims
+from headfold.graphs.weights import joined
 
 __all__ = ["fuse_for_ort", "ROTARY_POSITIONS_INPUT_DIMS"]
 
@@ -231,6 +232,8 @@ def _concatenated(values: list[ir.Value], axis: int) -> ir.TensorProtocol:
     join = lambda: ir.tensor(np.concatenate([constant(v) for v in values], axis=axis))  # noqa: E731
     if not any(is_lazy(v) for v in values):
         return join()
+    if (streamed := joined([v.const_value for v in values], axis)) is not None:
+        return streamed  # read part after part when saved, like each of them alone
     shapes = [v.const_value.shape for v in values]
     shape = [*shapes[0]]
     shape[axis] = sum(s[axis] for s in shapes)

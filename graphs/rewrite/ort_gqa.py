@@ -15,6 +15,10 @@ row's cache compact, writing a new token's K/V at the row's own length, so a pad
 real tokens takes a cache slot a later token's position reads. The caller keeps appending ones to
 `attention_mask` exactly as for the standard graphs.
 
+A layer's sliding window, which the standard node has in its mask, becomes the GQA node's
+local_window_size (the rule asks the caller for it by node): ORT then attends to the row's last
+local_window_size tokens, the new one included, the count transformers' `sliding_window` gives.
+
 In the merged graph every layer's node takes past K/V and writes present K/V in every phase (an
 empty past at the prompt), so onnxruntime-genai can hand it one max-length buffer as both
 (`past_present_share_buffer`). ORT itself refuses, at run time, several new tokens after a
@@ -23,6 +27,7 @@ non-empty past when the batch has more than one row; one row (chat turns) and th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import onnx_ir as ir
@@ -39,9 +44,10 @@ _BNSH_TO_BSNH = [0, 2, 1, 3]
 class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
     """Masked 4D Attention (K/V at kv-heads), with or without the past-K/V Concat, → GQA."""
 
-    def __init__(self, attention_mask: ir.Value, *, past: bool) -> None:
+    def __init__(self, attention_mask: ir.Value, window_of: Callable[[ir.Node], int | None], *, past: bool) -> None:
         super().__init__("AttentionToGroupQueryAttention" + ("WithPast" if past else ""))
         self.attention_mask = attention_mask
+        self.window_of = window_of
         self.past = past
 
     def pattern(self, op, query, key, value, mask):
@@ -93,6 +99,7 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
             kv_num_heads=kv_heads,
             scale=float_attr(node, "scale") or head_size**-0.5,
             softcap=float_attr(node, "softcap"),
+            **({"local_window_size": window} if (window := self.window_of(node)) is not None else {}),
         )
         batch, sequence = dims(query, 4)[0], dims(query, 4)[2]
         output.shape, output.dtype = ir.Shape([batch, sequence, heads * head_size]), query.dtype  # for later rules
@@ -106,12 +113,13 @@ def _to_bsh(op, x: ir.Value) -> ir.Value:
     return op.Reshape(op.Transpose(x, perm=_BNSH_TO_BSNH), op.Constant(value_ints=[0, 0, -1]))
 
 
-def rules(model: ir.Model) -> list:
-    """The rules bound to `model`'s attention_mask input; none when the graph has no such input."""
+def rules(model: ir.Model, window_of: Callable[[ir.Node], int | None] = lambda node: None) -> list:
+    """The rules bound to `model`'s attention_mask input; none when the graph has no such input.
+    `window_of` gives an Attention node's sliding window (its layer's), its GQA's local_window_size."""
     mask = next((v for v in model.graph.inputs if v.name == MASK_INPUT), None)
     if mask is None:
         return []
-    return [AttentionToGroupQueryAttention.rule(mask, past=True), AttentionToGroupQueryAttention.rule(mask, past=False)]
+    return [AttentionToGroupQueryAttention.rule(mask, window_of, past=past) for past in (True, False)]
 
 
 def inexpressible(facts: Any) -> str | None:

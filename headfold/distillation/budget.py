@@ -11,7 +11,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadOption
 from headfold.ground.hashing import sha256_file
 from headfold.ground.units import parse_count, parse_fraction
 
@@ -43,5 +43,5 @@ def parse_tokens(value: str | int, pretraining: int | None) -> int:
     if not text.endswith("%"):
         return parse_count(value, "--tokens", "token", EXAMPLES)
     if pretraining is None:
-        raise BadInput(f"--tokens {value}: a percentage needs the teacher's pre-training token count, known only for the embedded model; give a count, {EXAMPLES}")
+        raise BadOption("--tokens", f"{value}: a percentage needs the teacher's pre-training token count, known only for the embedded model; give a count, {EXAMPLES}")
     return parse_count(parse_fraction(text, "--tokens") * pretraining, "--tokens", "token", EXAMPLES)

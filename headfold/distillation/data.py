@@ -25,8 +25,8 @@ import torch
 
 from headfold import corpus
 from headfold.converter.checkpoint import tokenizer_location
-from headfold.converter.tokens import TOKENIZER_FILES, auto_tokenizer, tokenizer_errors
-from headfold.ground.errors import BadInput, HeadfoldError, first_line
+from headfold.converter.tokens import TOKENIZER_FILES, auto_tokenizer, in_vocabulary, tokenizer_errors
+from headfold.ground.errors import BadInput, BadOption, HeadfoldError, first_line
 from headfold.ground.inputs import check_links, contained, read_json_object
 
 TEXT_FIELD = "text"
@@ -71,12 +71,13 @@ def builtin_source(text: str, name: str) -> TextSource:
     return TextSource(name, hashlib.sha256(text.encode()).hexdigest(), lambda: iter([text]))
 
 
-def file_source(path: Path, option: str = "--data") -> TextSource:
-    """A text / jsonl / parquet file or a save_to_disk folder; BadInput when it cannot be one."""
+def file_source(path: Path, option: str = "--data", pairs: bool = False) -> TextSource:
+    """A text / jsonl / parquet file or a save_to_disk folder; BadInput when it cannot be one, and while
+    its documents are read, at a row that is not text or (with `pairs`: an encoder-decoder) a pair."""
     if not path.exists():
         raise BadInput(f"{option} {path} does not exist; pass a text, .jsonl or .parquet file or a datasets save_to_disk folder")
     if path.is_dir():
-        return _disk_source(path, option)
+        return _disk_source(path, option, pairs)
     if not path.is_file():
         raise BadInput(f"{option} {path} is not a regular file; pass a text, .jsonl or .parquet file or a datasets save_to_disk folder")
     if path.stat().st_size == 0:
@@ -89,7 +90,7 @@ def file_source(path: Path, option: str = "--data") -> TextSource:
 
         with _read_errors(path, option, f"cannot be read as {builder}"):
             stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
-            yield from _texts(stream, path, option)
+            yield from _texts(stream, path, option, pairs)
 
     return TextSource(str(path), _digest([path]), docs)
 
@@ -124,7 +125,7 @@ def _check_dataset_folder(folder: Path, option: str) -> None:
             contained(folder, entry.get("filename") if isinstance(entry, dict) else entry, state, fix)
 
 
-def _disk_source(folder: Path, option: str) -> TextSource:
+def _disk_source(folder: Path, option: str, pairs: bool) -> TextSource:
     import datasets
 
     _check_dataset_folder(folder, option)
@@ -140,20 +141,27 @@ def _disk_source(folder: Path, option: str) -> TextSource:
 
     def docs() -> Iterator[str]:
         with _read_errors(folder, option, "cannot be read"):
-            yield from _texts(loaded.to_iterable_dataset(), folder, option)
+            yield from _texts(loaded.to_iterable_dataset(), folder, option, pairs)
 
     return TextSource(str(folder), _digest(files), docs)
 
 
-def _texts(stream, path: Path, option: str) -> Iterator[str | tuple[str, str]]:
-    """Each row's text, or its (source, target) pair (rows that lack either are skipped)."""
+def _texts(stream, path: Path, option: str, pairs: bool) -> Iterator[str | tuple[str, str]]:
+    """Each row's text, or (`pairs`) its (source, target) pair; rows whose values are all null are skipped.
+    A file mixing both kinds streams every column in every row, null where a row lacks it: a row is
+    what its values say, not its keys."""
     for number, row in enumerate(stream, 1):
+        where = f"{option} {path} row {number}"
         if AUDIO_FIELD in row:
-            raise BadInput(f"{option} {path} row {number} names audio, which only Whisper reads; give text with a '{TEXT_FIELD}' field")
-        if TEXT_FIELD not in row and all(field in row for field in PAIR_FIELDS):
-            pair = tuple(row[field] for field in PAIR_FIELDS)
+            raise BadInput(f"{where} names audio, which only Whisper reads; give text with a '{TEXT_FIELD}' field")
+        pair = tuple(row.get(field) for field in PAIR_FIELDS)
+        if any(part is not None for part in pair):
+            if row.get(TEXT_FIELD) is not None:
+                raise BadInput(f"{where} holds both '{TEXT_FIELD}' and 'source'/'target'; give each row one of them")
+            if not pairs:
+                raise BadInput(f"{where} is a (source, target) pair, which only an encoder-decoder (T5, BART) reads; give every row text in a '{TEXT_FIELD}' field")
             if not all(isinstance(part, str) or part is None for part in pair):
-                raise BadInput(f"{option} {path} row {number}: 'source' and 'target' must be strings; give every row text (or null)")
+                raise BadInput(f"{where}: 'source' and 'target' must be strings; give every row text (or null)")
             if all(pair):
                 yield pair
             continue
@@ -161,7 +169,7 @@ def _texts(stream, path: Path, option: str) -> Iterator[str | tuple[str, str]]:
             raise BadInput(f"{option} {path} has no '{TEXT_FIELD}' field (it has {', '.join(sorted(map(str, row)))}); name the text column '{TEXT_FIELD}'")
         text = row[TEXT_FIELD]
         if text is not None and not isinstance(text, str):
-            raise BadInput(f"{option} {path} row {number}: '{TEXT_FIELD}' is {type(text).__name__}, not a string; give every row text (or null)")
+            raise BadInput(f"{where}: '{TEXT_FIELD}' is {type(text).__name__}, not a string; give every row text (or null)")
         if text:
             yield text
 
@@ -177,10 +185,12 @@ def encoder_for(folder: Path, vocab_size: int, encoder_model: bool) -> Encoder:
         separator = [tok.eos_token_id] if tok.eos_token_id is not None and not encoder_model else tok.encode("\n\n", add_special_tokens=False)
         # encoders see every window framed as in training ([CLS] … [SEP]); decoders a plain slice of the stream
         prefix, suffix = _special_frame(tok) if encoder_model else ([], [])
+    in_vocabulary([*separator, *prefix, *suffix], vocab_size, folder)
 
     def encode(text: str) -> list[int]:
         with tokenizer_errors(folder, "run"):
-            return tok.encode(text, add_special_tokens=False, verbose=False)
+            ids = tok.encode(text, add_special_tokens=False, verbose=False)
+        return in_vocabulary(ids, vocab_size, folder)  # an id past the embedding table would fail inside the model
 
     return Encoder(encode, separator, lambda ids: prefix + ids + suffix, len(prefix) + len(suffix), type(tok).__name__)
 
@@ -235,7 +245,6 @@ class WindowPlan:
     seq_len: int
     eval_windows: int
     seed: int
-    pairs: bool = False  # (source, target) pairs are allowed: the student is an encoder-decoder
 
     @property
     def skip(self) -> int:
@@ -273,7 +282,14 @@ class WindowPlan:
         return available if available <= needed else None
 
     def check(self) -> None:
-        """BadInput when the data gives no window, or no training window after the held-out ones."""
+        """BadInput when a row is bad (every row is read: not only the first, so none is refused at some
+        step of the run), or the data gives no window, or no training window after the held-out ones."""
+        if self.seq_len <= self.encoder.overhead:
+            least = self.encoder.overhead + 1
+            raise BadOption("--seq-len", f"{self.seq_len} leaves no token inside the {self.encoder.overhead} special tokens of each window; choose at least {least}")
+        for source in (self.train, self.heldout):
+            for _ in source.docs() if source is not None else ():
+                pass
         first = list(islice(windows(self.train, self.encoder, self.seq_len), self.skip + 1))
         if not first:
             raise BadInput(f"--data {self.train.name} is shorter than one window of {self.seq_len} tokens; give more text or a smaller --seq-len")
@@ -282,8 +298,5 @@ class WindowPlan:
                 f"--data {self.train.name} has only {len(first)} window(s) of {self.seq_len} tokens, all needed as the "
                 f"{self.eval_windows} held-out windows; give more text, a smaller --eval-windows, or --eval-data"
             )
-        for option, source in (("--data", self.train), ("--eval-data", self.heldout)):
-            if not self.pairs and source is not None and isinstance(next(source.docs(), None), tuple):
-                raise BadInput(f"{option} {source.name} holds (source, target) pairs, which only an encoder-decoder (T5, BART) reads; give text with a '{TEXT_FIELD}' field")
         if self.heldout is not None and not next(windows(self.heldout, self.encoder, self.seq_len), None):
             raise BadInput(f"--eval-data {self.heldout.name} is shorter than one window of {self.seq_len} tokens; give more text or a smaller --seq-len")

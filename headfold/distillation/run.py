@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import os
 import time
 from contextlib import nullcontext
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from headfold import corpus
-from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 from headfold.converter.sources import checkpoint_folders
 from headfold.distillation import output, sharding, state
 from headfold.distillation.budget import is_embedded, parse_tokens, pretraining_tokens
@@ -37,8 +36,9 @@ from headfold.distillation.trainer import Trainer
 from headfold.ground import manifest as manifests
 from headfold.ground.artifacts import MANIFEST
 from headfold.ground.atomic import atomic_output, check_disjoint, check_output, cleanup_on_sigterm
-from headfold.ground.errors import BadInput
+from headfold.ground.errors import BadInput, BadOption
 from headfold.ground.hashing import sha256_file
+from headfold.ground.units import finite, whole
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,29 @@ class DistillOptions:
     gradient_checkpointing: bool = False
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        """Every option within its domain, whoever builds this (distill, run's stage, the Python API):
+        BadOption naming the option, before anything runs."""
+        whole("--seq-len", self.seq_len, 2, " (a token and the one it predicts)")
+        for option, value in (("--steps", self.steps), ("--batch-size", self.batch_size), ("--eval-every", self.eval_every), ("--eval-windows", self.eval_windows)):
+            whole(option, value, 1)
+        whole("--tokens", None if isinstance(self.tokens, str) else self.tokens, 1)  # text (200k, 5%): parsed with the teacher (requested)
+        whole("--seed", self.seed, 0)
+        for step in self.eval_at:
+            whole("eval_at", step, 1)
+        finite("--lr", self.lr, above=0)
+        finite("--temperature", self.temperature, above=0)
+        finite("--hidden-weight", self.hidden_weight, least=0)
+        finite("--until-kl", self.until_kl, least=0)
+        finite("--until-ppl-increase", self.until_ppl_increase, least=0)
+        finite("warmup", self.warmup, least=0, most=1)
+        if self.train not in (None, *TRAIN_MODES):
+            raise BadOption("--train", f"{self.train!r} is not one of {', '.join(TRAIN_MODES)}")
+        if self.loss not in LOSSES:
+            raise BadOption("--loss", f"{self.loss!r} is not one of {', '.join(LOSSES)}")
+        if self.tokens is not None and self.steps is not None:
+            raise BadInput("give --tokens or --steps, not both")
+
 
 def distill(
     teacher: str | os.PathLike,
@@ -111,13 +134,14 @@ def distill(
     """
     teacher, student = checkpoint_folders(teacher, student, revision=revision)
     opts = requested(teacher, options)
+    whole("--save-every", save_every, 1)
     teacher_ckpt, student_ckpt, manifest = check_pair(teacher, student)
     reads = [teacher, student, *(Path(p) for p in (data, eval_data) if p is not None)]
     out = check_output(Path(out), overwrite=overwrite, sources=reads, is_dir=True)
     check_disjoint(state.state_folder(out), reads)
     encoder_model = student_ckpt.facts.kind == "encoder"
     opts = resolve_defaults(opts, encoder_model)
-    check_options(opts, student_ckpt, encoder_model)
+    check_options(opts, student_ckpt.facts, encoder_model)
     decoder_start = seq2seq_start(student_ckpt)
     plan = window_plan(teacher, student_ckpt, data, eval_data, opts, encoder_model)
     plan.check()
@@ -246,27 +270,12 @@ def resolve_defaults(opts: DistillOptions, encoder_model: bool, processes: int |
     return opts
 
 
-def check_options(opts: DistillOptions, student: SourceCheckpoint, encoder_model: bool) -> None:
-    if opts.train not in TRAIN_MODES:
-        raise BadInput(f"--train {opts.train!r} is not one of {', '.join(TRAIN_MODES)}")
-    if opts.loss not in LOSSES:
-        raise BadInput(f"--loss {opts.loss!r} is not one of {', '.join(LOSSES)}")
+def check_options(opts: DistillOptions, student: CheckpointFacts, encoder_model: bool) -> None:
+    """What the options cannot be for this student (their domains DistillOptions checks itself)."""
     if encoder_model and (opts.loss != "kl" or opts.until_kl is not None or opts.until_ppl_increase is not None):
         raise BadInput("an encoder has no next-token distribution: --loss kl+ce, --until-kl and --until-ppl-increase are for decoders")
-    positive = {"--seq-len": opts.seq_len, "--batch-size": DEFAULT_BATCH if opts.batch_size is None else opts.batch_size, "--lr": opts.lr, "--temperature": opts.temperature, "--eval-windows": opts.eval_windows}
-    for option, value in positive.items():
-        if not (value > 0 and math.isfinite(value)):
-            raise BadInput(f"{option} must be a positive finite number, got {value}")
-    if not (opts.hidden_weight >= 0 and math.isfinite(opts.hidden_weight)):
-        raise BadInput(f"--hidden-weight must be 0 (off) or positive, got {opts.hidden_weight}")
-    for option, value in (("--until-kl", opts.until_kl), ("--until-ppl-increase", opts.until_ppl_increase)):
-        if value is not None and not (value >= 0 and math.isfinite(value)):
-            raise BadInput(f"{option} must be a finite number of at least 0, got {value}")
-    limit = student.facts.positions
-    if limit and opts.seq_len > limit:
-        raise BadInput(f"--seq-len {opts.seq_len} exceeds the model's {limit} positions; choose at most {limit}")
-    if opts.tokens is not None and opts.steps is not None:
-        raise BadInput("give --tokens or --steps, not both")
+    if student.positions and opts.seq_len > student.positions:
+        raise BadOption("--seq-len", f"{opts.seq_len} exceeds the model's {student.positions} positions; choose at most {student.positions}")
 
 
 def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts: DistillOptions, encoder_model: bool) -> WindowPlan | AudioPlan:
@@ -278,12 +287,13 @@ def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts:
     embedded = is_embedded(teacher)
     if data is None and not embedded:
         raise BadInput("--data is required: pass a text, .jsonl or .parquet file or a datasets folder (the built-in text is the embedded model's own corpus)")
-    train = builtin_source(corpus.train_text(), "built-in training split") if data is None else file_source(Path(data))
-    heldout = file_source(Path(eval_data), "--eval-data") if eval_data is not None else None
+    pairs = student.spec.encoder_decoder
+    train = builtin_source(corpus.train_text(), "built-in training split") if data is None else file_source(Path(data), pairs=pairs)
+    heldout = file_source(Path(eval_data), "--eval-data", pairs) if eval_data is not None else None
     if heldout is None and data is None:
         heldout = builtin_source(corpus.heldout_text(), "built-in held-out split")
     encoder = encoder_for(student.folder, int(student.facts.vocab_size or 0), encoder_model)
-    return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed, pairs=student.spec.encoder_decoder)
+    return WindowPlan(train, heldout, encoder, opts.seq_len, opts.eval_windows, opts.seed)
 
 
 def default_batch_size(tokens: int | None, seq_len: int, processes: int = 1) -> int:
@@ -296,10 +306,7 @@ def default_batch_size(tokens: int | None, seq_len: int, processes: int = 1) -> 
 def total_steps(opts: DistillOptions, processes: int) -> int:
     per_step = opts.batch_size * opts.seq_len * processes
     if opts.tokens is None:
-        steps = DEFAULT_STEPS if opts.steps is None else opts.steps
-        if steps < 1:
-            raise BadInput(f"--steps must be at least 1, got {steps}")
-        return steps
+        return DEFAULT_STEPS if opts.steps is None else opts.steps
     if opts.tokens < per_step:
         raise BadInput(f"--tokens {opts.tokens} is below one batch ({opts.batch_size} × {opts.seq_len} tokens × {processes} process(es) = {per_step}); give more tokens, a smaller --batch-size or a shorter --seq-len")
     return opts.tokens // per_step

@@ -22,6 +22,14 @@ import os
 from headfold.ground.errors import BadInput
 
 
+def main_process() -> bool:
+    """Whether this process wrote the output and reports it, as Accelerate decided (the launcher's
+    process group): a stray RANK=1 in a single process is still the main one."""
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
 def check_request(save_every: int | None, resume: bool) -> None:
     """Before Accelerator() reads it: BadInput for an FSDP request headfold does not run (FSDP1, checkpoints)."""
     from accelerate.utils import parse_flag_from_env

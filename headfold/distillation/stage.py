@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from headfold import corpus
-from headfold.converter.checkpoint import CheckpointFacts
+from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 from headfold.distillation.audio import audio_sha256
 from headfold.distillation.data import builtin_source, file_source
-from headfold.distillation.run import DistillOptions, distill, requested, resolve_defaults
+from headfold.distillation.run import DistillOptions, check_options, distill, requested, resolve_defaults, total_steps, window_plan
+from headfold.ground.errors import BadOption
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,20 @@ class DistillStage:
 
     def __post_init__(self) -> None:
         DistillOptions(**self.options)  # unknown option names fail before any stage runs
+
+    def check(self, teacher: Path) -> None:
+        """What the stage would refuse in its options and data, before run's first stage: the plan distill
+        makes, made on the teacher (the student, its conversion, shares its kind, vocabulary, positions and
+        tokenizer) and checked, every row of the data read."""
+        ckpt = SourceCheckpoint(teacher)
+        encoder_model = ckpt.facts.kind == "encoder"
+        try:
+            opts = resolve_defaults(requested(teacher, self.options), encoder_model, processes=1)
+            check_options(opts, ckpt.facts, encoder_model)
+            total_steps(opts, processes=1)
+        except BadOption as err:
+            raise err.respelled("distill") from None
+        window_plan(teacher, ckpt, self.data, self.eval_data, opts, encoder_model).check()
 
     def key(self, teacher: Path, student: Path) -> dict[str, Any]:
         """The stage's ledger inputs: the data's content hash and every option as the run resolves it

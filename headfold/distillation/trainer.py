@@ -16,6 +16,7 @@ from headfold.distillation.data import WindowPlan
 from headfold.distillation.objective import Objective, evaluate
 from headfold.distillation.trainable import merged, select, trainable_state
 from headfold.converter.modeling import load_model, parameter_names
+from headfold.ground.atomic import raise_if_signalled
 from headfold.ground.errors import BadInput, first_line
 
 MAX_GRAD_NORM = 1.0
@@ -102,6 +103,7 @@ class Trainer:
         targeted = self.opts.until_kl is not None or self.opts.until_ppl_increase is not None
         with bar:
             while p.step < self.steps and not (targeted and self.reached(scores)):
+                raise_if_signalled()  # one a library swallowed while the models loaded or a step ran
                 rows = list(islice(stream, per_process * acc.num_processes))  # the global batch: this process trains on its slice
                 loss = self.step(self.batch(rows[rank * per_process : (rank + 1) * per_process]))
                 tokens = len(rows) * self.plan.seq_len

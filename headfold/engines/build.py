@@ -230,10 +230,11 @@ def _scratch_cache(cache: Path | None, scratch: Path) -> Path | None:
     return local
 
 
-def build_export(onnx_dir: Path, out: Path) -> list[EngineSidecar]:
-    """`headfold run`'s build stage: every graph of an export folder, default profiles, the graph's precision."""
+def build_export(onnx_dir: Path, out: Path, **profile: Any) -> list[EngineSidecar]:
+    """`headfold run`'s build stage: every graph of an export folder, with the profile run was given
+    (make_plan's keywords; unset: the default profiles and the graph's precision)."""
     why_not = engine_support()
     if why_not:
         raise BadInput(why_not)
-    plan = make_plan(onnx_dir, out, Target.installed())
+    plan = make_plan(onnx_dir, out, Target.installed(), **profile)
     return build(plan, overwrite=True)

@@ -37,7 +37,9 @@ def check_vocab(reference: Artifact, candidate: Artifact) -> None:
 Pair = tuple[Artifact, Artifact]
 
 
-def run_artifact_checks(checks: list[tuple[str, str, Artifact, Artifact, FidelityBudget | LossBudget]], inputs: Inputs) -> list[CheckResult]:
+def run_artifact_checks(
+    checks: list[tuple[str, str, Artifact, Artifact, FidelityBudget | LossBudget]], inputs: Inputs, *, progress: bool = False
+) -> list[CheckResult]:
     """(name, kind, reference, candidate, budget) per check; an artifact used twice runs once per feed.
 
     A fidelity check with a decoder export on a side is followed by its KV-cache twin
@@ -56,7 +58,7 @@ def run_artifact_checks(checks: list[tuple[str, str, Artifact, Artifact, Fidelit
             sides = truth, runners.kv_cache_or_full(candidate)
             twin = decode_check(spec, *sides, inputs.decode_steps)
             planned += [(twin, (reference, candidate))] if twin else []
-    results = run_checks([spec for spec, _ in planned], inputs)
+    results = run_checks([spec for spec, _ in planned], inputs, progress=progress)
     for (_, (reference, candidate)), result in zip(planned, results):
         result.reference = {**reference.describe(), **result.reference}
         result.candidate = {**candidate.describe(), **result.candidate}
@@ -108,12 +110,14 @@ def verify(
     thresholds: Thresholds = Thresholds(),
     check: str = "auto",
     revision: str | None = None,
+    progress: bool = False,
 ) -> Report:
     """Compare CANDIDATE with REFERENCE; the report says what passed (`report.passed`).
 
     Each side is a checkpoint (a folder, or a hub id ORG/NAME at `revision`), an export folder, a
     .onnx file or an engine. `check` is "auto" (same model → fidelity, converted from REFERENCE →
-    loss), "fidelity" or "loss". Raises BadInput for paths, texts or budgets headfold cannot use.
+    loss), "fidelity" or "loss"; `progress` shows a bar of the rows done. Raises BadInput for paths,
+    texts or budgets headfold cannot use.
     """
     if check not in ("auto", *CHECK_NAMES):
         raise BadInput(f"unknown check {check!r}; use auto, fidelity or loss")
@@ -127,4 +131,4 @@ def verify(
     budget = thresholds.fidelity(precision, floors=True) if kind == "fidelity" else thresholds.loss(precision)
     feeds = make_inputs(ref.model or cand.model, inputs, allow_random=kind == "fidelity")
     name = QUANTIZATION_LOSS if kind == "loss" and precision == INT4 and ref.model == cand.model else CHECK_NAMES[kind]
-    return Report(run_artifact_checks([(name, kind, ref, cand, budget)], feeds), feeds.info)
+    return Report(run_artifact_checks([(name, kind, ref, cand, budget)], feeds, progress=progress), feeds.info)

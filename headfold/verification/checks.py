@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from headfold.ground.errors import BadInput
 from headfold.verification.budget import FidelityBudget, LossBudget
@@ -135,10 +136,11 @@ def _timed(runner: Runner, feed: dict[str, Any], clock: dict[int, float]) -> dic
     return out
 
 
-def run_checks(specs: list[CheckSpec], inputs: Inputs) -> list[CheckResult]:
+def run_checks(specs: list[CheckSpec], inputs: Inputs, *, progress: bool = False) -> list[CheckResult]:
     """Run every check on every feed; a runner shared by several checks runs once per feed.
 
     A check's seconds are its two runners' inference time (a shared runner's counts in both).
+    `progress`: a bar of the rows done (each row through every runner, its decode steps included).
     """
     runners = list({id(r): r for s in specs for r in (s.reference, s.candidate)}.values())
     meters: list[Any] = [None] * len(specs)
@@ -148,13 +150,21 @@ def run_checks(specs: list[CheckSpec], inputs: Inputs) -> list[CheckResult]:
         for runner in runners:
             if not runner.is_active:  # a KV-cache runner may have activated the prefill runner it shares
                 stack.enter_context(runner)
-        for feed in inputs.feeds:
+        rows = [len(next(iter(feed.values()))) for feed in inputs.feeds]  # every input is batch-first
+        bar = stack.enter_context(tqdm(total=sum(rows), desc="verify", unit="row", disable=not progress))
+        for feed, batch in zip(inputs.feeds, rows):
             outputs = {id(r): _timed(r, feed, clock) for r in runners}
+            bar.update(batch)
             for i, spec in enumerate(specs):
                 ref, cand = outputs[id(spec.reference)], outputs[id(spec.candidate)]
                 names[i] = names[i] or _output_name(ref)
                 if names[i] not in cand:
                     raise BadInput(f"{spec.candidate.name} has no output {names[i]!r} (it returned {', '.join(sorted(cand))})")
+                if (theirs := np.shape(cand[names[i]])) != (ours := np.shape(ref[names[i]])):  # a rank or a width of another model
+                    raise BadInput(
+                        f"{spec.candidate.name} gives {names[i]} of shape {list(theirs)} where {spec.reference.name} gives {list(ours)} on the "
+                        "same feed; the two are not the same kind of model: verify a graph headfold export wrote of the reference"
+                    )
                 meters[i] = meters[i] or _meter(spec.kind, names[i], spec.budget)
                 meters[i].add(ref[names[i]], cand[names[i]], spec.compared(feed))
         described = {id(r): _describe(r) for r in runners}

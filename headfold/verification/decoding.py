@@ -26,12 +26,11 @@ from typing import Any
 import numpy as np
 from polygraphy.common import TensorMetadata
 
+from headfold.ground.cache_names import PRESENT, CacheName, is_cache
 from headfold.verification.checks import CheckSpec
 from headfold.verification.inputs import pad_batch
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, Runner, SharedKvCache, token_metadata
 
-# graphs.export's cache names: prefill/decode output present.{i}.key, decode input past_key_values.{i}.key
-PRESENT, PAST = "present.", "past_key_values."
 SKIPPED_NOTE = "KV-cache path (decode graph) not checked: --decode-steps 0"
 
 
@@ -81,7 +80,7 @@ class DecodePlan:
 def past_from_present(outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """present.{i}.{key,value} → past_key_values.{i}.{key,value}, matched by name, never by order:
     a decode graph that wires a layer to another layer's cache shows up in the numbers."""
-    return {PAST + name.removeprefix(PRESENT): value for name, value in outputs.items() if name.startswith(PRESENT)}
+    return {str(CacheName.parse(name).as_past()): value for name, value in outputs.items() if is_cache(name, PRESENT)}
 
 
 class KvCacheRunner(BaseRunner):

@@ -24,6 +24,7 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.tokens import TOKENIZER_FILES, find_tokenizer
 from headfold.converter.tokens import read_text as read_text_file
 from headfold.ground.errors import BadInput
+from headfold.ground.units import whole
 from headfold.verification.seq2seq import pair_feeds
 
 BUILTIN_TEXT = "builtin:heldout"  # headfold.corpus.heldout_text(): never seen in the embedded model's training
@@ -42,6 +43,15 @@ class InputSpec:
     seed: int = 0
     decode_steps: int = DEFAULT_DECODE_STEPS  # the last tokens of each row fed one by one; 0 = none
     token_ids: Path | None = None  # rows of token ids instead of a text
+
+    def __post_init__(self) -> None:
+        """Every field within its option's domain, whoever builds this (verify, run, the Python API):
+        BadOption naming the option, before anything runs."""
+        whole("--window", self.window, 2, " (a token and the one it predicts)")
+        whole("--max-rows", self.max_rows, 1, " (0 on the command line: all rows)")
+        whole("--batch-size", self.batch_size, 1)
+        whole("--seed", self.seed, 0)
+        whole("--decode-steps", self.decode_steps, 0)
 
 
 @dataclass
@@ -147,10 +157,6 @@ def wants_token_type_ids(config: dict[str, Any]) -> bool:
 def make_inputs(checkpoint: Path, spec: InputSpec, allow_random: bool = False) -> Inputs:
     """Feeds for the model in `checkpoint` (its tokenizer and limits) from `spec`; `allow_random`
     (fidelity only): random ids when the model has no tokenizer and no --token-ids are given."""
-    if spec.window < 2 or spec.batch_size < 1 or (spec.max_rows is not None and spec.max_rows < 1):
-        raise BadInput("--window must be at least 2, --batch-size and --max-rows at least 1")
-    if spec.decode_steps < 0:
-        raise BadInput("--decode-steps must be 0 (no KV-cache check) or more")
     facts = CheckpointFacts.read(checkpoint)
     facts.require_positions(2, "verify (a row of at least 2 tokens)")
     limit = facts.position_limit

@@ -27,13 +27,13 @@ from polygraphy.datatype import DataType
 from polygraphy.exception import PolygraphyException
 from polygraphy.logger import G_LOGGER
 
+from headfold.ground.cache_names import PAST, CacheName, is_cache
 from headfold.ground.errors import BadInput, first_line
 from headfold.verification.inputs import wants_token_type_ids
 from headfold.verification.seq2seq import token_metadata as pair_metadata
 from headfold.verification.sessions import SessionFromGraph
 
 Runner = BaseRunner  # what verify runs: headfold's runners below, or any of Polygraphy's own
-PAST = "past_key_values."  # graphs.export's past K/V inputs: past_key_values.{i}.key / .value
 _ORT_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
 
@@ -121,7 +121,7 @@ class OnnxRuntimeRunner(OnnxrtRunner):
     def _empty_past(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A merged decoder graph fed without past K/V runs a prompt: past of length 0 [B, kvᵢ, 0, d]."""
         batch = len(feed["input_ids"]) if "input_ids" in feed else 0
-        missing = [i for i in self.session.get_inputs() if i.name.startswith(PAST) and i.name not in feed]
+        missing = [i for i in self.session.get_inputs() if is_cache(i.name, PAST) and i.name not in feed]
         if any(i.type not in _ORT_FLOATS for i in missing):
             raise BadInput(f"{self.graph.name} takes its past K/V as {missing[0].type}, which numpy cannot build; export it in fp32 or fp16 to verify it")
         return {i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), _ORT_FLOATS[i.type]) for i in missing}
@@ -131,9 +131,6 @@ class OnnxRuntimeRunner(OnnxrtRunner):
 
         providers = self.session.get_providers() if self.session is not None else list(self.providers or ())
         return {"runner": self.name, "backend": f"onnxruntime {ort.__version__}", "providers": ",".join(providers)}
-
-
-PRESENT = "present."  # graphs.export's present K/V outputs: present.{i}.key / .value
 
 
 class SharedKvCache:
@@ -156,7 +153,7 @@ class SharedKvCache:
         self.buffers = {
             i.name: ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, i.shape[1], length, head_size or i.shape[3]), _ORT_FLOATS[i.type]), device, 0)
             for i in self.session.get_inputs()
-            if i.name.startswith(PAST)
+            if is_cache(i.name, PAST)
         }
 
     def infer(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -165,7 +162,7 @@ class SharedKvCache:
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
         for name, buffer in self.buffers.items():
             binding.bind_ortvalue_input(name, buffer)
-            binding.bind_ortvalue_output(PRESENT + name.removeprefix(PAST), buffer)
+            binding.bind_ortvalue_output(str(CacheName.parse(name).as_present()), buffer)
         binding.bind_output("logits")
         self.session.run_with_iobinding(binding)
         return {"logits": binding.copy_outputs_to_cpu()[-1]}

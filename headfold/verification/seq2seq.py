@@ -28,6 +28,7 @@ from polygraphy.datatype import DataType
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.seq2seq import SYNTHESIZED_AUDIO
 from headfold.graphs.seq2seq import AUDIO_INPUT, ENCODER_MASK
+from headfold.ground.cache_names import PAST, PRESENT, SELF_HALF, CacheName, is_cache
 from headfold.ground.errors import BadInput
 from headfold.verification.sessions import SessionFromGraph
 
@@ -121,7 +122,7 @@ class Seq2SeqOnnxRunner(BaseRunner):
         start = time.perf_counter()
         source = {i.name: feed_dict[i.name].astype(_FLOATS.get(i.type, feed_dict[i.name].dtype)) for i in encoder.get_inputs()}
         outputs = dict(zip([o.name for o in encoder.get_outputs()], encoder.run(None, source)))
-        cross = {_as_past(name): value for name, value in outputs.items() if name.startswith("present.")}
+        cross = {_as_past(name): value for name, value in outputs.items() if is_cache(name, PRESENT)}
         mask = {ENCODER_MASK: source["attention_mask"]} if "attention_mask" in source else {}
         target = feed_dict[DECODER_IDS]
         past = {i.name: np.zeros((len(target), i.shape[1], 0, i.shape[3]), _FLOATS[i.type]) for i in decoder.get_inputs() if _is_self_past(i.name)}
@@ -141,11 +142,11 @@ class Seq2SeqOnnxRunner(BaseRunner):
 
 
 def _as_past(name: str) -> str:
-    return name.replace("present.", "past_key_values.", 1)
+    return str(CacheName.parse(name).as_past())
 
 
 def _is_self_past(name: str) -> bool:
-    return name.startswith("past_key_values.") and ".decoder." in name
+    return is_cache(name, PAST, SELF_HALF)
 
 
 def _chunks(length: int, steps: int) -> list[slice]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -83,6 +84,7 @@ def test_groups_build_the_objects_their_commands_take() -> None:
 def test_an_option_that_does_not_apply_is_an_error(args: list[str], words: str, tmp_path: Path, capsys) -> None:
     (tmp_path / "t.txt").write_text("some text")
     (tmp_path / "ids.txt").write_text("1 2 3\n")
+    (tmp_path / "src").mkdir()  # a folder, empty: the option is refused before anything reads it (a missing one is "no such folder")
     before = sorted(p.name for p in tmp_path.iterdir())
     code = main([a.format(d=tmp_path) for a in args])
     err = capsys.readouterr().err.strip()
@@ -250,3 +252,43 @@ def test_a_kl_budget_is_in_nats_not_a_percentage(capsys) -> None:
     assert main(["verify", "a", "b", "--max-kl", "5%"]) == 2
     assert "a KL divergence is in nats, not a percentage" in capsys.readouterr().err
     assert "--max-kl NATS" in CliRunner().invoke(cli, ["verify", "-h"]).output
+
+
+# -- progress and quiet -------------------------------------------------------------------------
+
+
+def test_verify_shows_its_progress_unless_quiet(byte_llama: Path, capsys) -> None:
+    args = ["verify", str(byte_llama), str(byte_llama), "--max-rows", "4", "--window", "16", "--batch-size", "2"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "verify: 100%" in err and "4/4" in err and "verify:" not in out  # rows done, on stderr
+    assert main([*args, "-q"]) == 0
+    assert "verify:" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_quiet_export_in_a_fresh_process_prints_nothing(tiny_checkpoint, tmp_path: Path) -> None:
+    """The user's path: torch is imported after -q took effect, and resets its own loggers then."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}  # an earlier in-process -q set it in this process
+    done = subprocess.run([sys.executable, "-m", "headfold", "export", tiny_checkpoint("llama"), tmp_path / "onnx", "-q"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "", done.stderr  # no "torchvision is not installed" lines
+    assert done.stdout.startswith("wrote ")
+
+
+# -- demo takes run's options -------------------------------------------------------------------
+
+
+def test_demo_takes_the_options_run_takes_where_they_apply() -> None:
+    flags = {name: {opt for p in cli.commands[name].params if isinstance(p, click.Option) for opt in p.opts} for name in ("run", "demo")}
+    assert flags["run"] - flags["demo"] == {"--shard-size", "--allow-pickle", "--revision"}  # the embedded model: one small safetensors file, no hub id
+    assert flags["demo"] - flags["run"] == {"--keep", "--no-distill"}
+
+
+@pytest.mark.slow
+def test_demo_runs_with_runs_options(tmp_path: Path, capsys) -> None:
+    loose = ["--max-kl", "5", "--max-ppl-increase", "500%", "--min-top1", "0"]  # over the reference budget, which --no-distill fails
+    args = ["demo", "--no-distill", "--method", "mean", "--max-rows", "2", "--window", "32", "--decode-steps", "2", "--opset", "24", *loose]
+    assert main([*args, "--keep", str(tmp_path / "demo"), "--json", "-", "-q"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["inputs"]["rows"], report["inputs"]["window"], report["inputs"]["decode_steps"]) == (2, 32, 2)
+    assert json.loads((tmp_path / "demo/export/export.json").read_text())["opset"] == 24

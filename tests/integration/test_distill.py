@@ -294,7 +294,7 @@ def students(teacher: Path, tiny_checkpoint, tmp_path_factory) -> dict[str, Path
         ("binary-data", "cannot be read as text"),
         ("no-text-field", "has no 'text' field (it has body)"),
         ("few-tokens", "--tokens 10 is below one batch"),
-        ("hidden-weight", "--hidden-weight must be 0 (off) or positive, got -1.0"),
+        ("hidden-weight", "--hidden-weight must be a finite number of at least 0, got -1.0"),
         ("no-data", "--data is required"),
         ("exists", "already exists; pass --overwrite"),
     ],

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from support.ort_decoding import session
+from support.ort_decoding import run_chunks
 from support.tiny_models import HEADS, MERGED_CASES
 
 from headfold import convert
@@ -71,26 +71,6 @@ def _torch_logits(checkpoint: Path, ids: np.ndarray, mask: np.ndarray) -> np.nda
     ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
     with torch.no_grad():
         return model(input_ids=ids_t, attention_mask=mask_t, position_ids=position_ids(mask_t)).logits.numpy()
-
-
-def run_chunks(graph: Path, ids: np.ndarray, mask: np.ndarray, chunks) -> np.ndarray:
-    """Feed the sequence chunk by chunk (the first with an empty past), present fed back as past."""
-    sess = session(graph)
-    past = {
-        i.name: np.zeros((len(ids), i.shape[1], 0, i.shape[3]), np.float32) for i in sess.get_inputs() if i.name.startswith("past_key_values.")
-    }
-    names = [o.name for o in sess.get_outputs()]
-    explicit = any(i.name == "position_ids" for i in sess.get_inputs())  # fed the mask-derived positions
-    positions = position_ids(torch.from_numpy(mask)).numpy()
-    logits, start = [], 0
-    for n in chunks:
-        feeds = {"input_ids": ids[:, start : start + n], "attention_mask": mask[:, : start + n], **past}
-        feeds |= {"position_ids": positions[:, start : start + n]} if explicit else {}
-        out = dict(zip(names, sess.run(None, feeds)))
-        past = {"past_key_values." + k.removeprefix("present."): v for k, v in out.items() if k.startswith("present.")}
-        logits.append(out["logits"])
-        start += n
-    return np.concatenate(logits, axis=1)
 
 
 @pytest.mark.parametrize(("family", "kv"), CASES)

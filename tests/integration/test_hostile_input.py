@@ -27,7 +27,7 @@ from support.hostile import World, assert_one_line, entries, make_world
 from support.tiny_models import make_checkpoint
 
 import headfold.converter.conversion as conversion
-from headfold import corpus
+from headfold import convert, corpus
 from headfold.cli import main
 from headfold.engines import env
 from headfold.ground.errors import BadInput
@@ -299,13 +299,16 @@ def test_config_values_are_checked_by_every_loader(case: str, src: Path, tmp_pat
 
 
 def test_absurd_sizes_are_refused_before_a_model_is_built(tiny_checkpoint, tmp_path: Path, capsys) -> None:
-    """A converted GPT-2 (headfold's own GQA module) whose config claims 10^10 tokens: a shape
-    mismatch against the weights, found on the meta device, not a MemoryError."""
+    """A converted GPT-2 (headfold's own GQA module) whose config claims 10^10 tokens: refused by the
+    reader, naming the key; one that claims 10^6: a shape mismatch against the weights, found on the
+    meta device, naming the tensor and the key. Never a MemoryError."""
     converted = tmp_path / "gpt2-kv2"
     assert run(capsys, "convert", tiny_checkpoint("gpt2"), converted, "--kv-heads", "2", "--method", "mean", "-q")[0] == 0
-    edit_config(converted, vocab_size=10**10)
     report = tmp_path / "report.json"
-    refused(capsys, converted, report, ["verify", converted, converted, "--report", report], "wte.weight")
+    edit_config(converted, vocab_size=10**10)
+    refused(capsys, converted, report, ["verify", converted, converted, "--report", report], "'vocab_size' is 10000000000, more than")
+    edit_config(converted, vocab_size=10**6)
+    refused(capsys, converted, report, ["verify", converted, converted, "--report", report], "wte.weight", "(vocab_size=1000000) implies [1000000,")
 
 
 # ---- 5. one line, always ----------------------------------------------------------------------
@@ -647,6 +650,51 @@ def test_every_command_refuses_a_hostile_checkpoint(case: str, command: str, wor
     assert tree_digest(src) == before and world.digests() == inputs
 
 
+@pytest.fixture(scope="module")
+def seq2seq_pairs(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """family → (its tiny checkpoint, its kv-2 conversion): what the encoder-decoder cases break."""
+    folder = tmp_path_factory.mktemp("seq2seq")
+    return {family: (tiny_checkpoint(family), convert(tiny_checkpoint(family), folder / family, 2, method="mean", progress=False)) for family in ("t5", "bart", "whisper")}
+
+
+LOADERS = ("export", "verify", "run")  # what builds the model config.json describes and matches it to the weights
+# case → (family, config.json changes, the commands that refuse it, words of the refusal)
+SEQ2SEQ_CONFIGS: dict[str, tuple[str, dict, tuple[str, ...], tuple[str, ...]]] = {
+    "negative max_source_positions": ("whisper", {"max_source_positions": -5}, (*ON_CHECKPOINT,), ("'max_source_positions'", "positive integer")),
+    "absurd max_source_positions": ("whisper", {"max_source_positions": 10**12}, (*ON_CHECKPOINT,), ("'max_source_positions'", "more than")),
+    "0 mel bins": ("whisper", {"num_mel_bins": 0}, (*ON_CHECKPOINT,), ("'num_mel_bins'", "positive integer")),
+    "absurd mel bins": ("whisper", {"num_mel_bins": 10**9}, (*ON_CHECKPOINT,), ("'num_mel_bins'", "more than")),
+    "mel bins not the weights'": ("whisper", {"num_mel_bins": 80}, LOADERS, ("num_mel_bins=80", "weights disagree")),
+    "absurd max_target_positions": ("whisper", {"max_target_positions": 10**12}, (*ON_CHECKPOINT,), ("'max_target_positions'", "more than")),
+    "negative d_kv": ("t5", {"d_kv": -8}, (*ON_CHECKPOINT,), ("'d_kv'", "positive integer")),
+    "absurd d_kv": ("t5", {"d_kv": 10**9}, (*ON_CHECKPOINT,), ("'d_kv'", "more than")),
+    "d_kv not the weights'": ("t5", {"d_kv": 16}, ("convert", "inspect", *LOADERS), ("d_kv 16", "disagree")),
+    "negative decoder layer count": ("t5", {"num_decoder_layers": -1}, (*ON_CHECKPOINT,), ("'num_decoder_layers'", "positive integer")),
+    "absurd decoder layer count": ("bart", {"decoder_layers": 10**9}, (*ON_CHECKPOINT,), ("'decoder_layers'", "more than 10000")),
+    "absurd encoder layer count": ("whisper", {"encoder_layers": 10**6}, (*ON_CHECKPOINT,), ("'encoder_layers'", "more than 10000")),
+    "a string MLP width": ("bart", {"encoder_ffn_dim": "96"}, (*ON_CHECKPOINT,), ("'encoder_ffn_dim'", "positive integer")),
+    "absurd decoder heads": ("bart", {"decoder_attention_heads": 10**8}, (*ON_CHECKPOINT,), ("'decoder_attention_heads'", "more than")),
+    "heads not dividing the width": ("bart", {"decoder_attention_heads": 7}, (*ON_CHECKPOINT,), ("d_model 64", "decoder_attention_heads 7")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case, command", [(case, command) for case, (_, _, commands, _) in SEQ2SEQ_CONFIGS.items() for command in commands])
+def test_encoder_decoder_config_values_are_checked(case: str, command: str, seq2seq_pairs, world: World, tmp_path: Path, capsys) -> None:
+    """Negative, absurd or weight-contradicting sizes of T5, BART and Whisper: one line naming the key,
+    before anything is sized by it; convert copies none of them into an output. distill gets the value in
+    its student (converted from a good teacher), the others in their source."""
+    family, changes, _, words = SEQ2SEQ_CONFIGS[case]
+    teacher, student = seq2seq_pairs[family]
+    broken = Path(shutil.copytree(student if command == "distill" else teacher, tmp_path / "src"))
+    edit_config(broken, **changes)
+    out = tmp_path / ("out.json" if command in ("verify", "inspect") else "out")
+    if command == "distill":
+        args = ["distill", teacher, broken, out, "--data", world.text, "--seq-len", "32", "--steps", "1", "-q"]
+    else:
+        args = ON_CHECKPOINT[command](world, broken, out)
+    refused(capsys, broken, out, args, *words)
+
+
 def _graph_names(*names: str) -> Callable[[Path], None]:
     def edit(export: Path) -> None:
         summary = json.loads((export / "export.json").read_text())
@@ -666,13 +714,19 @@ def _weights_outside(export: Path) -> None:
     shutil.copy(export / "prefill.onnx.data", export.parent / "prefill.onnx.data")
 
 
+def _weights_linked_out(export: Path) -> None:
+    shutil.move(export / "prefill.onnx.data", export.parent / "elsewhere.data")
+    (export / "prefill.onnx.data").symlink_to(export.parent / "elsewhere.data")
+
+
 HOSTILE_EXPORTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "a graph named ../x.onnx": (_graph_names("../x.onnx"), ("'../x.onnx'",)),
     "a graph named /etc/passwd": (_graph_names("/etc/passwd"), ("'/etc/passwd'",)),
     "a graph linked out of the folder": (lambda e: (shutil.move(e / "prefill.onnx", e.parent / "elsewhere.onnx"), (e / "prefill.onnx").symlink_to(e.parent / "elsewhere.onnx")), ("links to",)),
     "an empty graph": (lambda e: (e / "prefill.onnx").write_bytes(b""), ("prefill.onnx", "empty")),
     "a graph of garbage": (lambda e: (e / "prefill.onnx").write_bytes(b"\x08\x07garbage" * 100), ("prefill.onnx", "not")),
-    "weights outside the folder": (_weights_outside, ("../prefill.onnx.data",)),
+    "weights outside the folder": (_weights_outside, ("../prefill.onnx.data", "escapes the folder")),
+    "weights linked out of the folder": (_weights_linked_out, ("prefill.onnx.data", "symbolic link")),
     "export.json nested 100000 deep": (_deep_json("export.json"), ("export.json", "nested deeper")),
 }
 ON_EXPORT: dict[str, Callable[[Path, Path], list]] = {
@@ -692,6 +746,35 @@ def test_every_command_refuses_a_hostile_export(case: str, command: str, world: 
     assert_one_line(*run(capsys, *ON_EXPORT[command](export, out)), 2, *words)
     assert_nothing_written(out) or assert_nothing_written(out.with_suffix(".json"))
     assert tree_digest(export) == before and not (tmp_path / "x.onnx").exists()
+
+
+# command → arguments reading the graph file GRAPH alone (no export folder around it), writing OUT
+ON_GRAPH: dict[str, Callable[[World, Path, Path], list]] = {
+    "verify": lambda w, graph, out: ["verify", w.export, graph, *SMALL, "--report", out],
+    "build": lambda w, graph, out: ["build", graph, out.with_suffix(".engine"), "--dry-run", "--trt-version", "10.15", "--json", out],
+    "convert": lambda w, graph, out: ["convert", graph, out.with_suffix(".onnx"), "--kv-heads", "2", "--json", out],
+}
+
+
+@pytest.mark.parametrize("how", ["escapes the folder", "symbolic link"])
+@pytest.mark.parametrize("command", ON_GRAPH)
+def test_external_data_out_of_a_graphs_folder_says_how(command: str, how: str, world: World, tmp_path: Path, capsys) -> None:
+    """A graph given as a file whose external data lies outside its folder, named '../x' or behind a link:
+    one line saying which ("escapes the folder", "symbolic link"), nothing read there, nothing written."""
+    folder = tmp_path / "graph"
+    folder.mkdir()
+    graph = Path(shutil.copy(world.graph, folder / "prefill.onnx"))
+    if how == "escapes the folder":
+        shutil.copy(world.graph.with_name("prefill.onnx.data"), folder)
+        _weights_outside(folder)
+        (folder / "prefill.onnx.data").unlink()
+    else:
+        shutil.copy(world.graph.with_name("prefill.onnx.data"), tmp_path / "elsewhere.data")
+        (folder / "prefill.onnx.data").symlink_to(tmp_path / "elsewhere.data")
+    out = tmp_path / "out.json"
+    before = tree_digest(tmp_path)
+    assert_one_line(*run(capsys, *ON_GRAPH[command](world, graph, out)), 2, "prefill.onnx external data", how)
+    assert tree_digest(tmp_path) == before
 
 
 def _dataset(tmp_path: Path, state_entry: str | None = None, link_out: bool = False) -> Path:
@@ -788,6 +871,95 @@ def test_non_finite_options_are_refused(args: list[str], words: tuple[str, ...],
     assert_nothing_written(out)
 
 
+DISTILL_DOMAINS = [
+    ("--seq-len", "1"), ("--seq-len", "4096"), ("--batch-size", "0"), ("--steps", "0"), ("--eval-every", "0"), ("--eval-windows", "0"),
+    ("--tokens", "0"), ("--tokens", "5%"), ("--lr", "0"), ("--temperature", "-1"), ("--hidden-weight", "-1"),
+]  # fmt: skip
+# command → options outside their domain, each alone: what the command, its stages and the Python API refuse
+OPTION_DOMAINS: dict[str, list[tuple[str, str]]] = {
+    "distill": [*DISTILL_DOMAINS, ("--save-every", "0")],
+    "run": [
+        ("--window", "0"), ("--window", "1"), ("--batch-size", "0"), ("--max-rows", "-1"), ("--decode-steps", "-1"),
+        *((f"--distill-{option[2:]}", value) for option, value in DISTILL_DOMAINS),
+        ("--calibration-tokens", "0"), ("--shard-size", "0"), ("--opset", "22"), ("--trt-version", "9.0"), ("--batch", "0:1:2"), ("--workspace", "lots"),
+    ],
+    "verify": [("--window", "0"), ("--batch-size", "0"), ("--max-rows", "-1"), ("--decode-steps", "-1")],
+    "convert": [("--calibration-tokens", "0"), ("--calibration-tokens", "-5"), ("--shard-size", "0")],
+    "inspect": [("--calibration-tokens", "0")],
+}  # fmt: skip
+DOMAIN_ARGS: dict[str, Callable[[World, Path], list]] = {
+    "distill": lambda w, out: ["distill", w.src, w.student, out, "--data", w.text, "--seq-len", "32", "--steps", "1", "-q"],
+    "run": lambda w, out: ["run", w.src, out, "--kv-heads", "2", "--method", "mean"],
+    "verify": lambda w, out: ["verify", w.src, w.src, "--report", out],
+    "convert": lambda w, out: ["convert", w.src, out, "--kv-heads", "2", "--method", "aligned", "-q"],
+    "inspect": lambda w, out: ["inspect", w.src, "--json", out, "-q"],
+}
+
+
+@pytest.mark.parametrize("command, option, value", [(command, *case) for command, cases in OPTION_DOMAINS.items() for case in cases])
+def test_every_option_is_checked_before_the_first_write(command: str, option: str, value: str, world: World, tmp_path: Path, capsys) -> None:
+    """An option outside its domain, in any stage `run` runs: exit 2 and one line naming the option as the
+    command spells it, before anything is written (distill --seq-len 1 once divided by zero, run
+    --window 0 once ran convert and export first)."""
+    out = tmp_path / "out"
+    code, err = run(capsys, *DOMAIN_ARGS[command](world, out), option, value)
+    assert_one_line(code, err, 2, "TensorRT rule set for 9.0" if option == "--trt-version" else option)
+    assert entries(tmp_path) == []
+
+
+def test_the_python_api_checks_the_same_domains(world: World, tmp_path: Path) -> None:
+    """The settings objects check themselves: the API refuses what the command line refuses."""
+    import headfold
+    from headfold.distillation.stage import DistillStage
+    from headfold.verification.inputs import InputSpec
+
+    with pytest.raises(BadInput, match="--seq-len must be a whole number of at least 2"):
+        headfold.distill(world.src, world.student, tmp_path / "out", data=world.text, seq_len=1)
+    with pytest.raises(BadInput, match="--eval-every must be a whole number of at least 1, got 0"):
+        DistillStage(world.text, {"eval_every": 0})
+    with pytest.raises(BadInput, match=r"--window must be a whole number of at least 2 \(a token and the one it predicts\), got 0"):
+        InputSpec(window=0)
+    with pytest.raises(BadInput, match="--calibration-tokens must be a whole number of at least 1, got 0"):
+        headfold.run(world.src, tmp_path / "run", 2, method="mean", calibration_tokens=0)
+    assert entries(tmp_path) == []
+
+
+def _mixed_rows(kind: str) -> Callable[[Path], Path]:
+    """Forty text rows, then one (source, target) pair: as a .jsonl, a .parquet or a datasets folder."""
+    rows = [{"text": corpus.train_text()[i * 400 : (i + 1) * 400]} for i in range(40)] + [{"source": "a question", "target": "an answer"}]
+
+    def make(folder: Path) -> Path:
+        import datasets
+
+        if kind == "jsonl":
+            (folder / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+            return folder / "d.jsonl"
+        table = datasets.Dataset.from_list([{"text": None, "source": None, "target": None} | row for row in rows])
+        if kind == "parquet":
+            table.to_parquet(str(folder / "d.parquet"))
+            return folder / "d.parquet"
+        table.save_to_disk(str(folder / "d"))
+        return folder / "d"
+
+    return make
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "dataset folder"])
+@pytest.mark.parametrize("command", ["distill", "run"])
+def test_every_data_row_is_checked(command: str, kind: str, world: World, tmp_path: Path, capsys) -> None:
+    """A decoder's --data whose first rows are text and whose last is a (source, target) pair: refused
+    like a file of pairs, naming the row, before anything is written (run: before its first stage)."""
+    data = _mixed_rows(kind)(tmp_path)
+    capsys.readouterr()  # datasets' own progress bar
+    before, out = tree_digest(tmp_path), tmp_path / "out"
+    if command == "distill":
+        args = ["distill", world.src, world.student, out, "--data", data, "--seq-len", "32", "--steps", "1", "-q"]
+    else:
+        args = ["run", world.src, out, "--kv-heads", "2", "--method", "mean", "--distill-data", data, "--distill-seq-len", "32"]
+    assert_one_line(*run(capsys, *args), 2, "row 41", "(source, target) pair", "encoder-decoder")
+    assert tree_digest(tmp_path) == before and not out.exists()
+
+
 def test_a_diverging_distillation_writes_nothing_and_says_lower_lr(world: World, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     args = ["distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "2", "--eval-every", "1", "--eval-windows", "1"]
@@ -796,21 +968,39 @@ def test_a_diverging_distillation_writes_nothing_and_says_lower_lr(world: World,
     assert entries(tmp_path) == []  # the checkpoints of --save-every went with it
 
 
-def test_a_native_panic_is_one_line(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
-    """The tokenizers library panics on some hostile tokenizer.json files (pyo3's PanicException is a
-    BaseException): named as the tokenizer's failure, exit 2, one line."""
-    import transformers
+def _panicking_tokenizer(folder: Path) -> None:
+    """A tokenizer.json the tokenizers library loads, whose pre-tokenizer pattern backtracks without end on
+    a run of words before punctuation: Oniguruma gives up ("retry-limit-in-match over") and its Rust
+    binding panics, its hook printing the panic (and under RUST_BACKTRACE a backtrace) on stderr."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-    panic = type("PanicException", (BaseException,), {"__module__": "pyo3_runtime"})
-    src = Path(shutil.copytree(world.src, tmp_path / "src"))
-    add_gpt2_tokenizer(src, {"tokenizer_class": "GPT2Tokenizer"})
+    tokenizer = Tokenizer(models.BPE(vocab={chr(c): c - 32 for c in range(32, 127)} | {"\n": 95}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"(\w+\s?)*$"), "isolated")
+    tokenizer.save(str(folder / "tokenizer.json"))
 
-    def explode(*args, **kwargs):
-        raise panic("called `Option::unwrap()` on a `None` value")
 
-    monkeypatch.setattr(transformers.GPT2Tokenizer, "encode", explode)
-    text, out = ascii_text(tmp_path / "text.txt"), tmp_path / "r.json"
-    assert_one_line(*run(capsys, "verify", src, src, *SMALL, "--text", text, "--report", out), 2, "tokenizer", "PanicException", str(src))
+# command → arguments that tokenize TEXT with the checkpoint's tokenizer (distill: the student's), writing OUT
+TOKENIZING: dict[str, Callable[[World, Path, Path, Path, Path], list]] = {
+    "verify": lambda w, src, student, text, out: ["verify", src, src, *SMALL, "--text", text, "--report", out],
+    "convert": lambda w, src, student, text, out: ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "--calibration", text, "--calibration-tokens", "256", "-q"],
+    "inspect": lambda w, src, student, text, out: ["inspect", src, "--calibration", text, "--calibration-tokens", "256", "--json", out, "-q"],
+    "distill": lambda w, src, student, text, out: ["distill", w.src, student, out, "--data", text, "--seq-len", "32", "--steps", "1", "-q"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", TOKENIZING)
+def test_a_native_panic_is_one_line(command: str, world: World, tmp_path: Path, capfd, monkeypatch) -> None:
+    """A real Rust panic in the tokenizer (pyo3's PanicException is a BaseException): named as the
+    tokenizer's failure, exit 2, and one line on stderr, the file descriptor included, where the panic
+    hook writes its message and backtrace before Python sees the panic."""
+    monkeypatch.setenv("RUST_BACKTRACE", "1")
+    src, student = (Path(shutil.copytree(folder, tmp_path / folder.name)) for folder in (world.src, world.student))
+    _panicking_tokenizer(src)
+    _panicking_tokenizer(student)
+    text, out = tmp_path / "text.txt", tmp_path / "out"
+    text.write_text(corpus.train_text()[:20_000])
+    code = main([str(a) for a in TOKENIZING[command](world, src, student, text, out)])
+    assert_one_line(code, capfd.readouterr().err, 2, "cannot run the tokenizer", "PanicException", "retry-limit-in-match over")
     assert_nothing_written(out)
 
 
@@ -843,3 +1033,53 @@ def test_windows_longer_than_a_position_table_are_refused(command: str, tiny_che
     out = tmp_path / "out"
     args = ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "-q"] if command == "convert" else ["inspect", src, "--json", out, "-q"]
     refused(capsys, src, out, args, "n_positions 64", "256")
+
+
+def _wide_tokenizer(folder: Path) -> None:
+    """A tokenizer.json whose ids run to 350: past the 256-token vocabulary of the world's models."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE(vocab={chr(c): 250 + c - 32 for c in range(32, 127)} | {"\n": 349}, merges=[])).save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("command", TOKENIZING)
+def test_token_ids_beyond_the_vocabulary_are_bad_input(command: str, world: World, tmp_path: Path, capsys) -> None:
+    """Tokenizer files of another model give ids the embedding table has no row for: one line naming the
+    tokenizer, exit 2 (distill once failed inside the model, exit 3)."""
+    src, student = (Path(shutil.copytree(folder, tmp_path / folder.name)) for folder in (world.src, world.student))
+    _wide_tokenizer(src)
+    _wide_tokenizer(student)
+    out = tmp_path / "out"
+    refused(capsys, src, out, TOKENIZING[command](world, src, student, world.text, out), "gives token id", "outside the model's vocabulary of 256")
+
+
+@pytest.mark.parametrize("logits", [["b", "s"], ["b", "s", 2, 256], ["b", "s", 7]])
+@pytest.mark.parametrize("side", ["candidate", "reference"])
+def test_a_graph_whose_logits_have_another_shape_is_bad_input(side: str, logits: list, world: World, tmp_path: Path, capsys) -> None:
+    """A .onnx whose logits lack the vocabulary axis, have one too many or are too narrow: one line naming
+    both shapes, exit 2 (once exit 3 from the meter)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    table = numpy_helper.from_array(np.ones((256, *[d for d in logits[2:]]), np.float32), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["logits"])], "g",
+        [helper.make_tensor_value_info(name, TensorProto.INT64, ["b", "s"]) for name in ("input_ids", "attention_mask")],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, logits)], [table],
+    )  # fmt: skip
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), tmp_path / "odd.onnx")
+    sides = [world.src, tmp_path / "odd.onnx"] if side == "candidate" else [tmp_path / "odd.onnx", world.src]
+    out = tmp_path / "r.json"
+    shape = [2, 8, *logits[2:]]
+    assert_one_line(*run(capsys, "verify", *sides, *SMALL, "-q", "--report", out), 2, f"logits of shape {shape if side == 'candidate' else [2, 8, 256]}")
+    assert_nothing_written(out)
+
+
+def test_a_stray_rank_does_not_silence_a_single_process_distillation(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
+    """RANK=1 left in the environment of one process: Accelerate makes it the main process, which writes OUT;
+    it reports it too (it once printed nothing, exit 0)."""
+    monkeypatch.setenv("RANK", "1")
+    out = tmp_path / "out"
+    code = main([str(a) for a in ("distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1", "-q")])
+    captured = capsys.readouterr()
+    assert code == 0 and f"wrote {out} (1 steps" in captured.out and (out / "headfold.json").is_file(), captured.err

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -401,7 +402,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(wide, tmpfs, capsys) -> None:
 
 def test_failing_final_rename_is_one_line_and_leaves_nothing(src: Path, tmp_path: Path, tmpfs, capsys) -> None:
     out = tmpfs("size=1m", tmp_path / "out")  # a mount point cannot be renamed away: EBUSY
-    (out / "headfold.json").write_text("{}")  # an earlier output of headfold's, which --overwrite may replace
+    (out / "headfold.json").write_text('{"created_by": "headfold 0.1.0"}')  # an earlier output of headfold's, which --overwrite may replace
     before = digest(src)
     code, err = run_cli(["convert", src, out, "--kv-heads", "2", "--method", "mean", "--overwrite", "-q"], capsys)
     assert code == 2 and "cannot move the finished output into place" in err and "mount point" in err
@@ -477,6 +478,74 @@ def test_every_output_keeps_the_contract(command: str, kind: str, world: World, 
     assert not (world.root / "elsewhere").exists()
 
 
+@pytest.mark.parametrize("record", ["headfold.json", "export.json", "stages.json", "report.json", "model.engine.json"])
+@pytest.mark.parametrize("marked", [False, True])
+def test_a_folder_is_headfolds_by_its_records_mark_not_their_names(record: str, marked: bool, world: World, tmp_path: Path, capsys) -> None:
+    """A folder holding a file named like one of headfold's records is the user's unless the record carries
+    headfold's mark: --overwrite refuses it, untouched; with the mark it is replaced."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / record).write_text(json.dumps({"created_by": "headfold 0.1.0"} if marked else {"checks": [], "format": 1}))
+    (out / "notes.txt").write_text("mine")
+    before = digest(out)
+    code, err = cli(capsys, "convert", world.src, out, "--kv-heads", "2", "--method", "mean", "--overwrite", "-q")
+    if marked:
+        assert code == 0 and (out / "headfold.json").is_file() and not (out / "notes.txt").exists(), err
+    else:
+        assert_one_line(code, err, 2, "headfold did not write", "mark")
+        assert digest(out) == before and entries(tmp_path) == ["out"]
+
+
+DANGLING: dict[str, Callable[[World, Path], list]] = {  # the other output options, beside WRITERS' OUTs: each writes `link`
+    "convert --json": lambda w, link: ["convert", w.src, link.with_name("out"), "--kv-heads", "2", "--method", "mean", "-q", "--json", link],
+    "inspect --json": lambda w, link: ["inspect", w.src, "--calibration", "weights", "--json", link, "-q"],
+    "verify --junit": lambda w, link: ["verify", w.src, w.src, *SMALL_VERIFY, "--junit", link],
+    "demo --keep": lambda w, link: ["demo", "--no-distill", "--keep", link],
+    "distill's state": lambda w, link: ["distill", w.src, w.student, link.with_name("out"), "--data", w.text, "--seq-len", "32", "--steps", "1", "-q"],
+}
+
+
+@pytest.mark.parametrize("command", DANGLING)
+def test_a_dangling_link_is_refused_and_left_as_it_was(command: str, world: World, tmp_path: Path, capsys) -> None:
+    """An output path that is a dangling link: the user's, so refused and kept (headfold deletes nothing it
+    did not write), and nothing of headfold's beside it (lock, partial folder, the command's OUT)."""
+    link = tmp_path / (".out.distill-state" if command == "distill's state" else "link")
+    link.symlink_to(tmp_path / "nowhere" / "x")
+    code, err = cli(capsys, *DANGLING[command](world, link))
+    assert_one_line(code, err, 2, "symbolic link")
+    assert entries(tmp_path) == [link.name] and os.readlink(link) == str(tmp_path / "nowhere" / "x")
+
+
+SMALL_RUN = ["--max-rows", "2", "--window", "8", "--decode-steps", "0"]
+# command → (its arguments writing OUT under the test's folder, the paths a --json FILE must not take: OUT, a path inside it, its other files)
+JSON_CLASHES: dict[str, tuple[Callable[[World, Path], list], Callable[[Path], list[Path]]]] = {
+    "convert": (lambda w, d: ["convert", w.src, d / "out", "--kv-heads", "2", "--method", "mean", "-q"], lambda d: [d / "out", d / "out" / "r.json"]),
+    "convert-onnx": (lambda w, d: ["convert", w.graph, d / "out.onnx", "--kv-heads", "2"], lambda d: [d / "out.onnx", d / "out.onnx.data"]),
+    "export": (lambda w, d: ["export", w.src, d / "out", "-q"], lambda d: [d / "out", d / "out" / "r.json"]),
+    "build a folder": (lambda w, d: ["build", w.export, d / "out", "--dry-run", "--trt-version", "10.15"], lambda d: [d / "out", d / "out" / "prefill.engine.json"]),
+    "build one engine": (lambda w, d: ["build", w.graph, d / "out.engine", "--dry-run", "--trt-version", "10.15"], lambda d: [d / "out.engine", d / "out.engine.json"]),
+    "distill": (
+        lambda w, d: ["distill", w.src, w.student, d / "out", "--data", w.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1", "-q"],
+        lambda d: [d / "out", d / "out" / "r.json", d / ".out.distill-state" / "r.json"],
+    ),
+    "run": (lambda w, d: ["run", w.src, d / "out", "--kv-heads", "2", "--method", "mean", *SMALL_RUN], lambda d: [d / "out", d / "out" / "r.json", d / "out" / "verify" / "r.json"]),
+    "demo --keep": (lambda w, d: ["demo", "--no-distill", "--keep", d / "out"], lambda d: [d / "out", d / "out" / "r.json"]),
+    "inspect --heatmap": (lambda w, d: ["inspect", w.src, "--calibration", "weights", "--heatmap", d / "out.png", "-q"], lambda d: [d / "out.png"]),
+    "verify --markdown": (lambda w, d: ["verify", w.src, w.src, *SMALL_RUN, "--markdown", d / "out.md"], lambda d: [d / "out.md"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command, clash", [(command, i) for command, (_, clashes) in JSON_CLASHES.items() for i in range(len(clashes(Path())))])
+def test_json_file_never_names_the_commands_own_output(command: str, clash: int, world: World, tmp_path: Path, capsys) -> None:
+    """--json FILE that is OUT, lies inside it or is another file of the command's: refused before any
+    work, in one line, nothing written (neither OUT nor the JSON), no input changed."""
+    make_args, clashes = JSON_CLASHES[command]
+    inputs = world.digests()
+    code, err = cli(capsys, *make_args(world, tmp_path), "--json", clashes(tmp_path)[clash])
+    assert_one_line(code, err, 2, "same path" if clash == 0 or command in ("convert-onnx", "build one engine") else "lies inside")
+    assert entries(tmp_path) == [] and world.digests() == inputs
+
+
 def test_convert_onnx_never_replaces_the_sources_external_data(world: World, tmp_path: Path, capsys) -> None:
     """convert X.onnx Y.onnx where Y.onnx.data is X's own weights file: refused, even with --overwrite."""
     graph = tmp_path / "x.onnx"
@@ -501,7 +570,7 @@ def test_all_reports_appear_together_or_none(world: World, tmp_path: Path, capsy
     from headfold.verification.report import Report
 
     reports = {"--report": tmp_path / "r.json", "--markdown": tmp_path / "r.md", "--junit": tmp_path / "j.xml"}
-    args = ["verify", world.src, world.src, *SMALL_VERIFY, *(a for option, path in reports.items() for a in (option, path))]
+    args = ["verify", world.src, world.src, *SMALL_VERIFY, "-q", *(a for option, path in reports.items() for a in (option, path))]  # -q: no progress bar before the line
     monkeypatch.setattr(Report, "junit", lambda self: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     code, err = cli(capsys, *args)
     assert_one_line(code, err, 2, "no space left")
@@ -675,3 +744,49 @@ def test_build_places_engines_sidecars_and_timing_cache_by_the_policy(world: Wor
     folder = make_plan(world.export, tmp_path / "engines", Target.assumed("10.15"))
     builder.build(folder)
     assert entries(tmp_path / "engines") == ["decode.engine", "decode.engine.json", "prefill.engine", "prefill.engine.json"]
+
+
+class _SwallowsASignal:
+    """A library object whose __del__ a signal lands in: Python prints and drops an exception raised there
+    ("Exception ignored in …"), so the handler's KeyboardInterrupt or Terminated never unwinds anything."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), self.signum)  # the handler runs before kill returns to this frame
+
+
+@pytest.mark.parametrize(
+    "signal_name, lands, save_every",
+    [("SIGINT", "in a library's __del__", ["--save-every", "1"]), ("SIGTERM", "in a library's __del__", []),
+     ("SIGINT", "where it unwinds", []), ("SIGTERM", "where it unwinds", ["--save-every", "1"])],
+)  # fmt: skip
+def test_a_signal_while_the_models_load(signal_name: str, lands: str, save_every: list, world: World, tmp_path: Path, monkeypatch, capsys) -> None:
+    """Ctrl-C or SIGTERM before the first training step: exit 130 / 143 and nothing left (no OUT, no state
+    without a checkpoint, no lock), also when the signal's exception lands where Python drops it (it once
+    ran on to exit 0 with OUT written, the state left); then a fresh run, without --resume, succeeds."""
+    from headfold.distillation import trainer
+
+    signum = getattr(signal, signal_name)
+    original = trainer.Trainer.__init__
+
+    def loading(self, *args, **kwargs):
+        if lands == "where it unwinds":
+            os.kill(os.getpid(), signum)
+        else:
+            _SwallowsASignal(signum)  # collected at once: the signal lands in its __del__
+        original(self, *args, **kwargs)
+
+    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "2", *save_every, "-q"]
+    monkeypatch.setattr(trainer.Trainer, "__init__", loading)
+    if signal_name == "SIGINT":
+        assert cli(capsys, *args)[0] == 130
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            cli(capsys, *args)
+        assert stopped.value.code == 143
+    assert entries(tmp_path) == [] and "Exception ignored" not in capsys.readouterr().err
+    monkeypatch.setattr(trainer.Trainer, "__init__", original)
+    code, err = cli(capsys, *args)
+    assert code == 0 and entries(tmp_path) == ["out"], err

@@ -23,8 +23,10 @@ from support.tiny_models import VOCAB
 from headfold import convert
 from headfold.cli import main
 from headfold.graphs.export import export
+from headfold.ground.cache_names import PAST, is_cache
 from headfold.ground.errors import BadInput
 from headfold.verification import InputSpec, verify
+from headfold.verification.decoding import past_from_present
 
 DEFAULT = Path(__file__).resolve().parents[2] / "headfold" / "data" / "default_model"
 SETTINGS = {"symmetric-32": {}, "asymmetric-16": {"int4_block_size": 16, "int4_symmetric": False}}
@@ -47,11 +49,11 @@ def prompt_then_steps(graph: Path, steps: int = 4) -> np.ndarray:
     ids = np.random.default_rng(0).integers(3, VOCAB, (2, 7))
     mask = np.ones_like(ids)
     mask[1, 5:] = 0
-    past = {i.name: np.zeros((2, i.shape[1], 0, i.shape[3]), np.float32) for i in sess.get_inputs() if i.name.startswith("past")}
+    past = {i.name: np.zeros((2, i.shape[1], 0, i.shape[3]), np.float32) for i in sess.get_inputs() if is_cache(i.name, PAST)}
     names, logits = [o.name for o in sess.get_outputs()], []
     for _ in range(steps + 1):
         out = dict(zip(names, sess.run(None, {"input_ids": ids, "attention_mask": mask, **past})))
-        past = {"past_key_values." + k.removeprefix("present."): v for k, v in out.items() if k.startswith("present.")}
+        past = past_from_present(out)
         logits.append(out["logits"][:, -1])
         ids, mask = out["logits"][:, -1].argmax(-1)[:, None], np.concatenate([mask, np.ones_like(mask[:, :1])], axis=1)
     return np.stack(logits, axis=1)

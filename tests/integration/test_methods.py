@@ -23,7 +23,7 @@ from headfold.ground.errors import BadInput
 # partial rotary with a q/k LayerNorm per head (stablelm), interleaved rotary pairs (gptj), head_dim
 # above hidden/heads (gemma), ALiBi (bloom: no query head may move, so not `grouped`)
 FAMILIES = ("llama", "gpt_neox", "qwen3", "gpt2", "bert", "phi", "gemma", "olmo", "stablelm", "gptj", "bloom")
-METHODS = ("aligned", "grouped", "refit", "aligned+grouped", "aligned+grouped+refit", "first+aligned")
+METHODS = ("aligned", "grouped", "refit", "aligned+grouped", "scored", "aligned+scored+refit", "aligned+grouped+refit", "first+aligned")
 BEST = {"bloom": "aligned+refit"}  # the richest method each family allows; aligned+grouped+refit elsewhere
 
 
@@ -111,6 +111,27 @@ def test_unknown_methods_are_bad_input(name: str) -> None:
         get_method(name)
 
 
+def test_grouped_and_scored_exclude_each_other() -> None:
+    with pytest.raises(BadInput, match="grouped and scored, which both choose the groups; keep one"):
+        get_method("aligned+grouped+scored")
+
+
+def paired_heads(attn: AttentionWeights, ctx: LayerContext) -> AttentionWeights:
+    """K/V head j equal to head j mod 4: the pairs (0, 4), (1, 5), (2, 6), (3, 7), which contiguous groups miss."""
+    return attn.map_kv(lambda t: t[torch.arange(len(t)) % 4])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])
+def test_scored_finds_equal_heads_wherever_they_sit(family: str, tiny_checkpoint, tmp_path: Path) -> None:
+    """scored pairs the equal heads (query heads and W_O rows permuted to match) and pools them without loss; mean cannot."""
+    src = edit_attention(tiny_checkpoint(family), tmp_path / "src", paired_heads)
+    out = convert(src, tmp_path / "scored", kv_heads=4, method="scored", calibration="weights", progress=False)
+    assert json.loads((out / "headfold.json").read_text())["conversion"]["source_kv_heads_of_kv_head"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert (outputs(src) - outputs(out)).abs().max().item() <= 1e-5
+    mean = convert(src, tmp_path / "mean", kv_heads=4, method="mean", progress=False)
+    assert (outputs(src) - outputs(mean)).abs().max().item() > 1e-2
+
+
 def _random_layer(seed: int = 0, heads: int = 4, d: int = 8, hidden: int = 16) -> tuple[AttentionWeights, LayerContext]:
     gen = torch.Generator().manual_seed(seed)
     w = lambda: torch.randn(heads, d, hidden, generator=gen)  # noqa: E731
@@ -153,6 +174,7 @@ def test_bad_compute_device_fails_before_calibration(tiny_checkpoint, tmp_path: 
     "family, config, kv, method, message",
     [
         ("bloom", {}, 2, "aligned+grouped", "ALiBi"),
+        ("bloom", {}, 2, "scored", "ALiBi"),
         ("olmo", {"clip_qkv": 8.0}, 2, "aligned", "clip_qkv"),
         ("olmo", {"clip_qkv": 8.0}, 2, "refit", "clip_qkv"),
     ],

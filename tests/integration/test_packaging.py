@@ -1,6 +1,10 @@
 """Both installs work: the suite itself runs on the editable install; the wheel (`pip install .`
 installs exactly that) has the right import names and data files, and installed with its declared
-dependencies alone into a fresh environment it runs convert → export → verify."""
+dependencies alone into a fresh environment it runs convert → export → verify; with the `genai`
+extra, the README's onnxruntime-genai snippet runs on that export as written.
+
+pip honours PIP_CONSTRAINT: `scripts/test` sets it to requirements-lock.txt, so the fresh
+environment resolves within the lock; `scripts/test --latest` leaves it unset (the newest versions)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support.readme import readme_block
 
 import headfold
 
@@ -79,6 +84,14 @@ def test_plain_install_runs_convert_export_verify(wheel: Path, tmp_path: Path) -
     model = subprocess.run([python, "-c", where], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(model).is_relative_to(venv)  # the model shipped inside the wheel
     headfold("convert", model, "gqa", "--kv-heads", "4", "-q")
-    headfold("export", "gqa", "onnx", "-q")
-    out = headfold("verify", "gqa", "onnx", "--max-rows", "4", "--decode-steps", "4")
+    headfold("export", "gqa", "out/onnx", "-q")
+    out = headfold("verify", "gqa", "out/onnx", "--max-rows", "4", "--decode-steps", "4")
     assert "fidelity-decode" in out and "all checks passed" in out  # ONNX Runtime through Polygraphy's runner, KV cache too
+
+    assert "onnxruntime-genai" not in names  # the deploy runtime is the extra's
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", f"{wheel}[genai]"], check=True, env=quick)
+    snippet = readme_block("Your model in five commands")  # the deploy block, on out/onnx as the README names it
+    assert snippet.startswith("import onnxruntime_genai as og") and 'og.Model("out/onnx")' in snippet
+    done = subprocess.run([python, "-c", snippet], cwd=tmp_path, env=one_thread, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("def fib(n):") and len(done.stdout) > len("def fib(n):")  # the prompt, then what the model generated

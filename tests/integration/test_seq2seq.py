@@ -283,7 +283,7 @@ def test_distill_on_source_target_pairs(tiny_checkpoint, pairs_file: Path, tmp_p
     decoder = tiny_checkpoint("llama", **BYTES)
     decoder_student = convert(decoder, tmp_path / "llama-kv2", 2, method="mean", progress=False)
     err = refused(["distill", str(decoder), str(decoder_student), str(tmp_path / "llama-out"), "--data", str(pairs_file), "--steps", "1", "--seq-len", "32"], capsys)
-    assert "holds (source, target) pairs, which only an encoder-decoder (T5, BART) reads" in err
+    assert "row 1 is a (source, target) pair, which only an encoder-decoder (T5, BART) reads" in err
 
 
 def test_decoder_heads_other_than_the_encoders(tiny_checkpoint, tmp_path: Path) -> None:

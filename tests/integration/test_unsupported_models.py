@@ -1,16 +1,19 @@
 """A model headfold does not convert gets the same one line from every command, and never exit 3.
 
-Falcon (a causal LM transformers traces with SDPA) still exports and verifies unconverted; ViT
-(no token ids) and MPT (eager attention only) do not, and every command says so the same way.
+Falcon (a causal LM transformers traces with SDPA) still exports and verifies unconverted, MQA
+included; ViT (no token ids) and MPT (eager attention only) do not, and every command says so the same
+way; Falcon-RW's ALiBi, which torch.onnx refuses to trace, is one line from export.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 from headfold.cli import main
 from headfold.converter.spec import supported_model_types
@@ -19,6 +22,7 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
 MODELS = {
     "falcon": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(vocab_size=64, new_decoder_architecture=False, multi_query=False, **TINY)),
     "falcon-mqa": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(vocab_size=64, new_decoder_architecture=False, multi_query=True, **TINY)),
+    "falcon-alibi": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(vocab_size=64, new_decoder_architecture=False, alibi=True, **TINY)),
     "vit": lambda: transformers.ViTModel(transformers.ViTConfig(intermediate_size=64, image_size=16, patch_size=8, **TINY)),
     "mpt": lambda: transformers.MptForCausalLM(transformers.MptConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=64)),
 }
@@ -70,8 +74,22 @@ def test_exportable_model_exports_and_verifies_unconverted(models, tmp_path: Pat
     assert main(["verify", str(models["falcon"]), str(tmp_path / "onnx"), "--quiet"]) == 0
 
 
-def test_export_that_torch_onnx_refuses_is_one_line(models, tmp_path: Path, capsys) -> None:
-    assert main(["export", str(models["falcon-mqa"]), str(tmp_path / "onnx"), "--quiet"]) == 2
+def test_a_stock_mqa_falcon_exports_with_its_one_kv_head(models, tmp_path: Path, capsys) -> None:
+    """transformers 5.25 on runs Falcon's multi_query attention through its shared attention code and
+    says num_key_value_heads=1 in config.json: that is the model as it is, not a conversion to undo.
+    Before 5.25 torch.onnx refuses Falcon's own MQA broadcast: one line, as for any model it refuses."""
+    code = main(["export", str(models["falcon-mqa"]), str(tmp_path / "onnx"), "--quiet"])
     err = capsys.readouterr().err.strip()
-    assert err.startswith("headfold: error: torch.onnx cannot export this 'falcon' model (SDPA") and "\n" not in err
+    if Version(transformers.__version__) < Version("5.25"):
+        assert code == 2 and err.startswith("headfold: error: torch.onnx cannot export this 'falcon' model") and "\n" not in err
+        return
+    assert code == 0, err
+    assert json.loads((tmp_path / "onnx/export.json").read_text())["kv_heads"] == 1
+    assert main(["verify", str(models["falcon-mqa"]), str(tmp_path / "onnx"), "--max-rows", "2", "--quiet"]) == 0  # KV cache fed back too
+
+
+def test_export_that_torch_onnx_refuses_is_one_line(models, tmp_path: Path, capsys) -> None:
+    assert main(["export", str(models["falcon-alibi"]), str(tmp_path / "onnx"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("headfold: error: torch.onnx cannot export this 'falcon' model (") and "\n" not in err
     assert not (tmp_path / "onnx").exists()

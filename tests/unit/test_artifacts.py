@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from headfold.ground import export_summary, ledger, manifest
-from headfold.ground.artifacts import EXPORT_SUMMARY, LEDGER, MANIFEST, Malformed
+from headfold.ground.artifacts import EXPORT_SUMMARY, LEDGER, MANIFEST, Malformed, created_by
 from headfold.ground.errors import BadInput
 
 # export.json as headfold wrote it before `format` (and before attention/optimize/layout) existed
@@ -25,11 +25,12 @@ OLD_EXPORT = {
     "graphs": {"prefill.onnx": {"attention_nodes": 2}, "decode.onnx": {"attention_nodes": 2}},
 }
 EXPORT = {  # as headfold export writes it now, keys in its order
-    "format": 1, **{k: OLD_EXPORT[k] for k in ("source", "model_type", "opset", "dtype")}, "attention": "onnx",
+    "format": 1, "created_by": created_by(), **{k: OLD_EXPORT[k] for k in ("source", "model_type", "opset", "dtype")}, "attention": "onnx",
     **{k: OLD_EXPORT[k] for k in ("layers", "heads", "kv_heads")}, "optimize": None, "layout": "split", "graphs": OLD_EXPORT["graphs"],
 }  # fmt: skip
 MANIFEST_DATA = {
     "format": 1,
+    "created_by": created_by(),
     "source": {
         "path": "/models/llama",
         "model_type": "llama",
@@ -67,7 +68,7 @@ def _write(path: Path, data: object) -> Path:
 
 @pytest.mark.parametrize(
     "record, data",
-    [(export_summary.ExportSummary, EXPORT), (manifest.Manifest, MANIFEST_DATA), (ledger.RunLedger, {"format": 1, "stages": OLD_LEDGER})],
+    [(export_summary.ExportSummary, EXPORT), (manifest.Manifest, MANIFEST_DATA), (ledger.RunLedger, {"format": 1, "created_by": created_by(), "stages": OLD_LEDGER})],
 )
 def test_round_trip_keeps_every_key_and_value_in_order(record, data: dict) -> None:
     loaded = record.from_dict(json.loads(json.dumps(data)))
@@ -122,7 +123,7 @@ def test_graph_source_finds_the_checkpoint_relative_to_the_export(tmp_path: Path
 def test_old_ledger_of_stages_alone_loads(tmp_path: Path) -> None:
     loaded = ledger.load(_write(tmp_path / LEDGER, OLD_LEDGER))
     assert loaded.format == 1 and loaded.stages["convert"].sha256 == "s1" and loaded.stages["export"].key is None
-    assert loaded.to_dict() == {"format": 1, "stages": OLD_LEDGER}  # written back in format 1, nothing lost
+    assert loaded.to_dict() == {"format": 1, "created_by": created_by(), "stages": OLD_LEDGER}  # written back in format 1, marked, nothing lost
 
 
 # ---- corrupt files: one line, the fix -----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md are what the imports do: import-linter's contracts in pyproject.toml
+"""The layers of docs/design.md are what the imports do: import-linter's contracts in pyproject.toml
 (`[tool.importlinter]`) hold, and no private name crosses from one room into another.
 
 grimp reads a package from its folder tree, and the editable install maps headfold.converter,

@@ -1,0 +1,72 @@
+"""The quality zoo's scripts at a toy size (benchmarks/zoo.py, zoo_models.py; the full zoo is a
+benchmark): narrow copies of two members train for a few steps into a temporary cache, deterministically,
+and the quality harness scores a conversion of each on its held-out text, rows rendered as docs show them."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ROOT / "benchmarks"))
+        yield importlib.import_module("zoo"), importlib.import_module("zoo_models"), importlib.import_module("render")
+
+
+@pytest.fixture(scope="module")
+def cache(zoo, tmp_path_factory) -> Path:
+    _, models, _ = zoo
+    cache = tmp_path_factory.mktemp("zoo")
+    for name in ("llama-16h", "t5"):
+        models.ensure(models.toy(models.MEMBERS[name]), cache, log=lambda _: None)
+    return cache
+
+
+def test_a_member_is_written_whole_with_its_record(zoo, cache: Path) -> None:
+    _, models, _ = zoo
+    record = json.loads((cache / "llama-16h" / "training.json").read_text())
+    assert sorted(p.name for p in (cache / "llama-16h").iterdir()) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training.json"]
+    assert record["weights_sha256"] == models.sha256(cache / "llama-16h" / "model.safetensors")
+    assert (record["heads"], record["head_dim"], record["layers"]) == (16, 8, 2)
+    assert record["pretraining_tokens"] == 3 * 2 * 256 == record["recipe"]["steps"] * record["recipe"]["batch_size"] * record["recipe"]["seq_len"]
+    assert record["corpus"]["train_bytes"] > 5_000_000 and record["corpus"]["heldout_files"] > 0 and len(record["corpus"]["sha256"]) == 64
+    assert not list(cache.glob(".*partial*"))
+    index = (cache / "INDEX.md").read_text()
+    assert "| llama-16h | RoPE Llama, 16 heads | 16 | 8 | 2 | 1536 |" in index and "| t5 | T5, " in index
+
+
+def test_training_is_deterministic(zoo, cache: Path, tmp_path: Path) -> None:
+    _, models, _ = zoo
+    again = models.ensure(models.toy(models.MEMBERS["llama-16h"]), tmp_path, log=lambda _: None)
+    assert models.sha256(again / "model.safetensors") == json.loads((cache / "llama-16h" / "training.json").read_text())["weights_sha256"]
+
+
+def test_quality_rows_score_each_conversion_on_held_out_text(zoo, cache: Path, tmp_path: Path) -> None:
+    harness, _, render = zoo
+    results, entries, rows = tmp_path / "zoo_quality.json", [], []
+    for name in ("llama-16h", "t5"):
+        model = harness.subject(name, cache, log=lambda _: None)
+        entries.append(harness.model_entry(model, (0.0, 0.0)))
+        rows += harness.quality_rows(model, ["mean"], "h/4", tmp_path, log=lambda _: None)
+    assert [(r["model"], r["kv"], r["kv_heads"], r["method"], r["calibration"]) for r in rows] == [("llama-16h", "h/4", 4, "mean", "built-in"), ("t5", "h/4", 2, "mean", "built-in")]
+    for row, entry in zip(rows, entries, strict=True):
+        assert set(row) == {"model", "kv", "kv_heads", "method", "calibration", "kl", "ppl", "reference_ppl", "ppl_increase", "top1", "convert_s"}
+        assert row["kl"] > 0 and 0 <= row["top1"] <= 1 and row["convert_s"] > 0
+        assert row["reference_ppl"] == pytest.approx(entry["heldout_perplexity"], rel=1e-3)  # the original scored as training.json scored it
+    harness.merge(results, entries, rows, "test")
+    page = render.zoo_quality(json.loads(results.read_text()))
+    assert "| llama-16h | h/4 (4) |" in page and "| t5 | h/4 (2) |" in page
+
+
+def test_kv_counts_name_distinct_divisors(zoo) -> None:
+    harness, _, _ = zoo
+    assert harness.kv_counts("h/2,h/4,1", 8) == {"h/2": 4, "h/4": 2, "MQA": 1}
+    assert harness.kv_counts("h/2,h/4,1", 12) == {"h/2": 6, "h/4": 3, "MQA": 1}
+    assert harness.kv_counts("h/2,h/4,1", 4) == {"h/2": 2, "MQA": 1}  # h/4 is MQA: counted once
