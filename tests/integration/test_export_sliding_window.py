@@ -1,12 +1,13 @@
 """Sliding-window attention in the merged graph: each layer's window is in its Attention's mask
-(GroupQueryAttention: its local_window_size) and the cache keeps every token.
+(the default GroupQueryAttention graph: its local_window_size) and the cache keeps every token.
 
 Mistral and Phi-3 (one window in every layer: the template applies) and Qwen2 (full layers, then
 sliding ones: traced whole, one mask per layer type), converted to 2 kv heads, on rows three times longer
-than the window: ONNX Runtime equals torch with the cache fed back (the prompt whole, in chunks and
-token by token; unpadded, left-padded and gapped rows), the GroupQueryAttention graph too;
-onnxruntime-genai generates transformers' greedy tokens; `headfold verify` passes; the options
-whose graphs cannot hold a window are refused in one line, exit 2, nothing written.
+than the window: ONNX Runtime equals torch with the cache fed back (the standard graph: the prompt
+whole, in chunks and token by token; unpadded, left-padded and gapped rows), the default
+GroupQueryAttention graph too (the prompt, then token by token; unpadded and right-padded rows);
+onnxruntime-genai generates transformers' greedy tokens from both graphs; `headfold verify` passes; the
+options whose graphs cannot hold a window are refused in one line, exit 2, nothing written.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import onnx
 import pytest
 import torch
 from support.hostile import assert_one_line, cli
-from support.ort_decoding import run_chunks
+from support.ort_decoding import og_greedy, run_chunks
 
 from headfold import convert
 from headfold.converter.modeling import load_model
@@ -88,7 +89,7 @@ def without_window(checkpoint: Path, family: str, folder: Path) -> Path:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_window_matches_torch_with_the_cache_fed_back(sliding, family: str, tmp_path: Path) -> None:
-    checkpoint, folder = sliding(family)
+    checkpoint, folder = sliding(family, attention="onnx")
     summary = json.loads((folder / "export.json").read_text())["graphs"]["model.onnx"]
     if family != "qwen2":  # one window for all: the layers are alike, the template copies them
         assert summary["traced_layers"] == TRACED_LAYERS
@@ -105,7 +106,7 @@ def test_window_matches_torch_with_the_cache_fed_back(sliding, family: str, tmp_
 
 @pytest.mark.parametrize("family", SLIDING)
 def test_group_query_attention_takes_the_window_as_local_window_size(sliding, family: str) -> None:
-    checkpoint, folder = sliding(family, attention="ort-gqa")
+    checkpoint, folder = sliding(family)  # the default folder: GroupQueryAttention
     nodes = [n for n in onnx.load(folder / "model.onnx", load_external_data=False).graph.node if n.op_type == "GroupQueryAttention"]
     windows = [next((a.i for a in n.attribute if a.name == "local_window_size"), -1) for n in nodes]
     assert windows == [WINDOW if slides else -1 for slides in SLIDING[family]]
@@ -122,30 +123,22 @@ def test_group_query_attention_takes_the_window_as_local_window_size(sliding, fa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["onnx", "ort-gqa"])
-def test_onnxruntime_genai_generates_transformers_tokens(sliding, attention: str) -> None:
+@pytest.mark.parametrize(("family", "attention"), [("qwen2", "onnx"), ("qwen2", "auto"), ("mistral", "auto")])
+def test_onnxruntime_genai_generates_transformers_tokens(sliding, family: str, attention: str) -> None:
     """Prompts longer than the window, alone and as a right-padded batch (og pads so): og's greedy
-    tokens equal transformers' generate on each prompt alone; genai_config needs no window key."""
-    og = pytest.importorskip("onnxruntime_genai")
-    checkpoint, folder = sliding("qwen2", attention=attention, **({"optimize": "ort"} if attention == "ort-gqa" else {}))
+    tokens equal transformers' generate on each prompt alone, from the standard graph and from the
+    default one (GroupQueryAttention's local_window_size, one shared K/V buffer); genai_config needs
+    no window key."""
+    pytest.importorskip("onnxruntime_genai")
+    checkpoint, folder = sliding(family, **({"attention": attention} if attention != "auto" else {}))
     assert "sliding" not in (folder / "genai_config.json").read_text()
     model, prompts, new = load_model(checkpoint), [list(range(3, 12)), list(range(40, 53)), list(range(100, 106))], 12
     with torch.no_grad():
         expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=new, do_sample=False)[0, len(p) :].tolist() for p in prompts]
-    og_model, pad = og.Model(str(folder)), 0
     for batch in ([0], [0, 1, 2]):
-        width = max(len(prompts[i]) for i in batch)
-        params = og.GeneratorParams(og_model)
-        params.set_search_options(max_length=width + new, do_sample=False, batch_size=len(batch))
-        generator = og.Generator(og_model, params)
-        generator.append_tokens(np.array([prompts[i] + [pad] * (width - len(prompts[i])) for i in batch], dtype=np.int32))
-        steps = []
-        while not generator.is_done():
-            generator.generate_next_token()
-            steps.append(np.array(generator.get_next_tokens()))
-        for row, got in zip(batch, np.stack(steps, axis=1).tolist()):
+        for row, got in zip(batch, og_greedy(folder, [prompts[i] for i in batch], new)):
             want = expected[row]
-            assert got[: len(want)] == want, f"og {attention} row {row}: {got} against {want}"
+            assert got[: len(want)] == want, f"og {family} {attention} row {row}: {got} against {want}"
 
 
 @pytest.mark.slow
