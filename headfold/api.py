@@ -209,6 +209,8 @@ def export(
     optimize: str | None = "auto",
     position_ids: bool = False,
     trt_version: str | None = None,
+    int4_block_size: int | None = None,
+    int4_symmetric: bool | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ExportSummary:
@@ -221,7 +223,8 @@ def export(
         revision: branch, tag or commit of a hub id.
         output: the folder to write.
         opset: 23, 24 or 25.
-        dtype: "fp32", "fp16" or "bf16" weights; None: the checkpoint's own.
+        dtype: "fp32", "fp16" or "bf16" weights; "int4": MatMul weights in 4 bits (ONNX Runtime's
+            MatMulNBits, decoders), everything else fp32; None: the checkpoint's own.
         attention: "auto" (GroupQueryAttention in a merged decoder graph that ONNX Runtime runs, else the
             standard Attention), "onnx" (standard Attention) or "ort-gqa" (com.microsoft.GroupQueryAttention).
         graphs: decoders: "merged" (model.onnx + genai_config.json: an onnxruntime-genai folder) or
@@ -229,6 +232,8 @@ def export(
         optimize: "ort" for ONNX Runtime's fused ops; "auto" for them on GroupQueryAttention graphs; "none".
         position_ids: merged decoders: take a position_ids input.
         trt_version: decompose what that TensorRT release's parser lacks, e.g. "10.14".
+        int4_block_size: dtype "int4": weights per quantization block (16 to 256; None: 32).
+        int4_symmetric: dtype "int4": symmetric blocks without zero points (None: True) or asymmetric.
         overwrite: replace an output headfold wrote before.
         progress: show progress.
     """
@@ -238,6 +243,7 @@ def export(
     export_checkpoint(
         source, output, revision=revision, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=progress,
         trt_version=trt_version, graphs=graphs, optimize=optimize, explicit_positions=position_ids,
+        int4_block_size=int4_block_size, int4_symmetric=int4_symmetric,
     )  # fmt: skip
     return export_summary.load(Path(output))
 
