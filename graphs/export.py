@@ -488,7 +488,7 @@ def _layout(
         raise BadInput(f"position_ids is an input of decoder graphs; {src} is {kind}")
     if facts.kind == "encoder":
         return "encoder"
-    if trt_version:  # before --graphs: the CLI makes --trt-version's default layout split
+    if trt_version:  # before --graphs: graph_layout makes --trt-version's default layout split
         raise BadInput(f"--trt-version targets headfold build, which takes decoder and encoder exports; drop it for the encoder-decoder {src}")
     if graphs != "merged":
         raise BadInput(f"{src} is an encoder-decoder: export writes encoder.onnx and one merged decoder.onnx; drop --graphs {graphs}")
@@ -604,12 +604,19 @@ def _traceable_model(facts: CheckpointFacts, dtype: str) -> tuple[transformers.P
     return model, {f"{WRAPPED}.{name}": index[tensor] for name, tensor in plan.items()}
 
 
+def graph_layout(graphs: str | None, trt_version: str | None) -> str:
+    """The decoder layout asked for: `graphs`, or by default the split pair for a TensorRT target (what
+    build takes) and the merged onnxruntime-genai folder otherwise. The one place this is chosen."""
+    return graphs or ("split" if trt_version else "merged")
+
+
 def check_options(
-    *, opset: int = 23, dtype: str | None = None, attention: str = "auto", trt_version: str | None = None, graphs: str = "merged",
+    *, opset: int = 23, dtype: str | None = None, attention: str = "auto", trt_version: str | None = None, graphs: str | None = None,
     optimize: str | None = "auto", explicit_positions: bool = False, int4_block_size: int | None = None, int4_symmetric: bool | None = None,
 ) -> None:
     """What export refuses in its options alone, before the checkpoint is read (run: before its first stage)."""
     check_opset(opset)
+    graphs = graph_layout(graphs, trt_version)
     if graphs not in GRAPH_LAYOUTS:
         raise BadInput(f"unknown graph layout {graphs!r}; use --graphs merged or --graphs split")
     if optimize not in (None, *OPTIMIZATIONS):
@@ -638,7 +645,7 @@ def export(
     overwrite: bool = False,
     progress: bool = True,
     trt_version: str | None = None,
-    graphs: str = "merged",
+    graphs: str | None = None,
     optimize: str | None = "auto",
     explicit_positions: bool = False,
     int4_block_size: int | None = None,
@@ -655,7 +662,8 @@ def export(
     `int4_symmetric`, default True), everything else fp32; export.json records it as "quantization".
 
     graphs="merged" (decoders) writes model.onnx, genai_config.json and the tokenizer files: an
-    onnxruntime-genai model folder; graphs="split" writes prefill.onnx + decode.onnx instead.
+    onnxruntime-genai model folder; graphs="split" writes prefill.onnx + decode.onnx instead; None:
+    split for a `trt_version` target, else merged (graph_layout).
     optimize="ort" applies ONNX Runtime's fusions and records their counts per graph; "auto" (the
     default) applies them to GroupQueryAttention graphs only, "none" (or None) never.
     explicit_positions=True gives the merged graph a position_ids [B, S] input that the rotary
@@ -677,6 +685,7 @@ def export(
         explicit_positions=explicit_positions, int4_block_size=int4_block_size, int4_symmetric=int4_symmetric,
     )  # fmt: skip
     int4 = int4_settings(dtype, int4_block_size, int4_symmetric, trt_version)
+    graphs = graph_layout(graphs, trt_version)
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)

@@ -205,7 +205,7 @@ def export(
     opset: int = 23,
     dtype: str | None = None,
     attention: str = "auto",
-    graphs: str = "merged",
+    graphs: str | None = None,
     optimize: str | None = "auto",
     position_ids: bool = False,
     trt_version: str | None = None,
@@ -228,7 +228,8 @@ def export(
         attention: "auto" (GroupQueryAttention in a merged decoder graph that ONNX Runtime runs, else the
             standard Attention), "onnx" (standard Attention) or "ort-gqa" (com.microsoft.GroupQueryAttention).
         graphs: decoders: "merged" (model.onnx + genai_config.json: an onnxruntime-genai folder) or
-            "split" (prefill.onnx + decode.onnx, what `build` takes).
+            "split" (prefill.onnx + decode.onnx, what `build` takes); None: split for a `trt_version`
+            target, else merged, as the command.
         optimize: "ort" for ONNX Runtime's fused ops; "auto" for them on GroupQueryAttention graphs; "none".
         position_ids: merged decoders: take a position_ids input.
         trt_version: decompose what that TensorRT release's parser lacks, e.g. "10.14".

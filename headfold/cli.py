@@ -175,8 +175,7 @@ def export_cmd(src: str, out_dir: Path, export: ExportOptions, revision: str | N
     output.check([src], [out_dir])
     from headfold.graphs.export import export as run_export
 
-    layout = export.graphs or ("split" if export.trt_version else "merged")  # a TensorRT target gets the graphs TensorRT builds
-    summary = run_export(src, out_dir, overwrite=output.overwrite, progress=output.progress, **{**export.kwargs(), "graphs": layout})
+    summary = run_export(src, out_dir, overwrite=output.overwrite, progress=output.progress, **export.kwargs())
     lines = []
     for name, graph in summary["graphs"].items():
         decomposed = {op: n for op, n in graph.get("decomposed_for_tensorrt", {}).items() if op != "version"}

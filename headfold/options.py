@@ -419,8 +419,8 @@ class ExportOptions:
     int4_symmetric: bool | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        """As headfold.graphs.export.export takes them; graphs None: the caller's layout (export: split
-        for a TensorRT target, else merged; run: split where TensorRT builds)."""
+        """As headfold.graphs.export.export takes them; graphs None: export's default layout (split for
+        a TensorRT target, else merged: graph_layout), or run's (split where TensorRT builds)."""
         return {"opset": self.opset, "dtype": self.dtype, "attention": self.attention, "graphs": self.graphs, "optimize": self.optimize,
                 "explicit_positions": self.position_ids, "trt_version": self.trt_version,
                 "int4_block_size": self.int4_block_size, "int4_symmetric": self.int4_symmetric}  # fmt: skip

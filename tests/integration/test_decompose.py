@@ -230,3 +230,19 @@ def test_cli_export_for_10_14_prints_parsable(tiny_checkpoint, tmp_path: Path, c
     assert "TensorRT 10.14 (rule set 10.14)" in printed
     rows = [line.split() for line in printed.splitlines() if line.startswith(("prefill.onnx", "decode.onnx"))]
     assert rows == [["prefill.onnx", "yes", "0", "0"], ["decode.onnx", "yes", "0", "0"]]  # graph, parsable, errors, warnings
+
+
+@pytest.mark.slow
+def test_the_api_and_the_command_give_the_same_graphs_for_the_same_request(tiny_checkpoint, tmp_path: Path) -> None:
+    """headfold.export(..., trt_version=…) and `headfold export --trt-version …`: one default layout
+    (graph_layout), so the same split pair with the same nodes."""
+    import headfold
+
+    src = tiny_checkpoint("llama")
+    assert main(["export", str(src), str(tmp_path / "cli"), "--quiet", "--trt-version", "10.14"]) == 0
+    headfold.export(src, tmp_path / "api", trt_version="10.14", progress=False)
+    graphs = {side: sorted(p.name for p in (tmp_path / side).glob("*.onnx")) for side in ("cli", "api")}
+    assert graphs["cli"] == graphs["api"] == ["decode.onnx", "prefill.onnx"]
+    for name in graphs["cli"]:
+        ops = [[n.op_type for n in onnx.load(tmp_path / side / name, load_external_data=False).graph.node] for side in ("cli", "api")]
+        assert ops[0] == ops[1]
