@@ -99,7 +99,7 @@ def _seq2seq_runs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, pro
     key = ckpt.spec.projections["k"].weight
     paths = [names[layer[key]][: -len(key) - 1] for layer in ckpt.attention.layers]  # each attention block's module
     runs = [layerwise.LayerRun(i, [], model.get_submodule(path), {}, [], []) for i, path in enumerate(paths)]
-    feeds = audio_feeds(model, tokens, seed) if ckpt.spec.audio_encoder else text_feeds(ckpt, model, text, tokens, seed)  # before the hooks: Whisper's generates
+    feeds = audio_feeds(ckpt.facts, model, tokens, seed) if ckpt.facts.audio_input else text_feeds(ckpt, model, text, tokens, seed)  # before the hooks: Whisper's generates
     hooks = []
     for run, path in zip(runs, paths):
         run.names = {source: names[source][len(path) + 1 :] for source in ckpt.attention.layers[run.index].values()}
@@ -129,13 +129,13 @@ def text_feeds(ckpt: SourceCheckpoint, model: torch.nn.Module, text: str, tokens
     return [{"input_ids": rows[:, :half], "decoder_input_ids": torch.cat([s, rows[:, half:-1]], 1)} for rows, s in zip(batch.split(4), start.split(4))]
 
 
-def audio_feeds(model: torch.nn.Module, tokens: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def audio_feeds(facts: CheckpointFacts, model: torch.nn.Module, tokens: int, seed: int) -> list[dict[str, torch.Tensor]]:
     """SYNTHESIZED_AUDIO: seeded features of the encoder's full frame count (the feature extractor's
     normalised log-mel range is about [-1, 1]), and the model's own greedy transcript of each."""
     config = model.config
-    frames, target = 2 * config.max_source_positions, min(WINDOW // 2, config.max_target_positions - 1)
-    count = max(1, tokens // (config.max_source_positions + target))
-    features = torch.randn(count, config.num_mel_bins, frames, generator=torch.Generator().manual_seed(seed)) * 0.5
+    frames, target = facts.audio_frames, min(WINDOW // 2, config.max_target_positions - 1)
+    count = max(1, tokens // (frames // 2 + target))  # the encoder's positions (half the frames) and the target's
+    features = torch.randn(count, facts.mel_bins, frames, generator=torch.Generator().manual_seed(seed)) * 0.5
     feeds = []
     for part in features.split(4):
         part = part.to(model.device)

@@ -419,6 +419,22 @@ class CheckpointFacts:
         )
 
     @property
+    def audio_input(self) -> bool:
+        """The encoder reads log-mel features (Whisper), not token ids: the one place that says."""
+        return self.spec is not None and self.spec.audio_encoder
+
+    @property
+    def audio_frames(self) -> int:
+        """The log-mel frames an audio encoder reads (its whole window): twice its positions, which its
+        second convolution halves."""
+        return 2 * self.config["max_source_positions"]
+
+    @property
+    def mel_bins(self) -> int:
+        """The log-mel bins of each frame an audio encoder reads."""
+        return self.config["num_mel_bins"]
+
+    @property
     def kind(self) -> Literal["decoder", "encoder", "seq2seq"]:
         """Decoder (causal LM: generates, exports with a KV cache), encoder or encoder-decoder: the one
         place that says (a family without a spec is never seq2seq here: support.export_blocker refuses it)."""

@@ -90,7 +90,7 @@ def convert(
         out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
         shard_bytes = parse_size(max_shard_size, "--shard-size") if max_shard_size is not None else default_shard_bytes(ckpt)
         pools = targets != list(ckpt.layer_shapes)  # kv heads = heads everywhere: byte-identical, nothing to calibrate
-        if ckpt.spec.audio_encoder and recipe.data_aware and pools:
+        if ckpt.facts.audio_input and recipe.data_aware and pools:
             text = audio_calibration(calibration)
         else:
             text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware and pools else None

@@ -324,7 +324,7 @@ def encoder_decoder_graphs(model: transformers.PreTrainedModel, facts: Checkpoin
     """encoder.onnx and decoder.onnx, each checked for one fused node per attention block it holds."""
     return [
         GraphSpec(file, module, args, inputs, outputs, dynamic, seq2seq_graphs.GraphBlocks(facts, file))
-        for file, module, args, inputs, outputs, dynamic in seq2seq_graphs.seq2seq_graphs(model)
+        for file, module, args, inputs, outputs, dynamic in seq2seq_graphs.seq2seq_graphs(model, facts)
     ]
 
 

@@ -126,10 +126,10 @@ def _counts(facts: CheckpointFacts, kind: str) -> set[int]:
 def seq2seq_genai_blocker(facts: CheckpointFacts) -> str | None:
     """Why onnxruntime-genai cannot run this encoder-decoder's export (for export.json); None when it
     can (a Whisper it takes as it is)."""
-    if facts.config.get("model_type") != "whisper":
+    if not facts.audio_input:
         return "onnxruntime-genai runs Whisper among headfold's encoder-decoders only"
-    if 2 * facts.config.get("max_source_positions", 0) != GENAI_WHISPER_FRAMES:
-        return f"onnxruntime-genai takes {GENAI_WHISPER_FRAMES} log-mel frames only; this Whisper's encoder takes {2 * facts.config.get('max_source_positions', 0)}"
+    if facts.audio_frames != GENAI_WHISPER_FRAMES:
+        return f"onnxruntime-genai takes {GENAI_WHISPER_FRAMES} log-mel frames only; this Whisper's encoder takes {facts.audio_frames}"
     if len(_counts(facts, DECODER_SELF)) > 1 or len(_counts(facts, DECODER_CROSS)) > 1:
         return "onnxruntime-genai sizes every decoder layer's cache alike; this conversion gives its layers different kv heads"
     return None

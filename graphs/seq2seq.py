@@ -49,13 +49,9 @@ GRAPH_KINDS = {ENCODER_GRAPH: (ENCODER_SELF,), DECODER_GRAPH: (DECODER_SELF, DEC
 _BATCH, _SOURCE, _TARGET, _PAST = 2, 7, 5, 3
 
 
-def audio(model: transformers.PreTrainedModel) -> bool:
-    """Whether the encoder reads log-mel features (Whisper) rather than token ids."""
-    return model.main_input_name == AUDIO_INPUT
-
-
-def source_names(model: transformers.PreTrainedModel) -> list[str]:
-    return [AUDIO_INPUT] if audio(model) else ["input_ids", "attention_mask"]
+def source_names(audio: bool) -> list[str]:
+    """The encoder's inputs: log-mel features (CheckpointFacts.audio_input), or token ids and their mask."""
+    return [AUDIO_INPUT] if audio else ["input_ids", "attention_mask"]
 
 
 def self_names(prefix: str, layers: int) -> list[str]:
@@ -104,12 +100,12 @@ class Encoder(nn.Module):
     the exporter's cleanup drops it.
     """
 
-    def __init__(self, model: transformers.PreTrainedModel) -> None:
+    def __init__(self, model: transformers.PreTrainedModel, audio: bool) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.audio = model, audio
 
     def forward(self, *source: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        inputs = dict(zip(source_names(self.model), source))
+        inputs = dict(zip(source_names(self.audio), source))
         hidden = self.model.get_encoder()(**inputs).last_hidden_state
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         start = torch.full((hidden.shape[0], 1), self.model.config.decoder_start_token_id, dtype=torch.long, device=hidden.device)
@@ -123,12 +119,12 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     """input_ids [, encoder_attention_mask], self past K/V, cross K/V → logits, present self K/V."""
 
-    def __init__(self, model: transformers.PreTrainedModel) -> None:
+    def __init__(self, model: transformers.PreTrainedModel, audio: bool) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.audio = model, audio
 
     def forward(self, input_ids: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        mask, kv = (None, rest) if audio(self.model) else (rest[0], rest[1:])
+        mask, kv = (None, rest) if self.audio else (rest[0], rest[1:])
         half = len(kv) // 2
         cache = EncoderDecoderCache(DynamicCache(_pairs(kv[:half])), DynamicCache(_pairs(kv[half:])))
         # The cross K/V are in the cache (marked as computed): the encoder output is read for its shape only.
@@ -160,7 +156,7 @@ class GraphBlocks:
         self.layer_of: Callable[[AttentionNode], int] = layer_of
 
 
-def seq2seq_graphs(model: transformers.PreTrainedModel) -> list[tuple[str, nn.Module, tuple, list[str], list[str], tuple]]:
+def seq2seq_graphs(model: transformers.PreTrainedModel, facts: CheckpointFacts) -> list[tuple[str, nn.Module, tuple, list[str], list[str], tuple]]:
     """(file, module, example args, input names, output names, dynamic shapes) of encoder.onnx and decoder.onnx.
 
     `model` may be hollow (fake parameters: graphs.weights): the example past and cross K/V take only
@@ -169,23 +165,24 @@ def seq2seq_graphs(model: transformers.PreTrainedModel) -> list[tuple[str, nn.Mo
     batch, source_len, target, past_len = Dim("batch"), Dim("source_sequence"), Dim("sequence"), Dim("past_sequence")
     gen = torch.Generator().manual_seed(0)
     config = model.config
-    if audio(model):  # Whisper's encoder takes its full frame count only
-        source = (torch.randn(_BATCH, config.num_mel_bins, 2 * config.max_source_positions, generator=gen).to(model.dtype),)
+    audio, names = facts.audio_input, source_names(facts.audio_input)
+    if audio:  # Whisper's encoder takes its full frame count only
+        source = (torch.randn(_BATCH, facts.mel_bins, facts.audio_frames, generator=gen).to(model.dtype),)
         source_axes, cross_axes = ({0: batch},), {0: batch}
     else:
         ids = torch.randint(0, config.vocab_size, (_BATCH, _SOURCE), generator=gen)
         source = (ids, torch.ones_like(ids))
         source_axes, cross_axes = ({0: batch, 1: source_len},) * 2, {0: batch, 2: source_len}
-    encoder, decoder = Encoder(model), Decoder(model)
+    encoder, decoder = Encoder(model, audio), Decoder(model, audio)
     prompt = torch.randint(0, config.vocab_size, (_BATCH, _PAST), generator=gen)
     with torch.no_grad(), _traceable(model):  # only their shapes matter (the model may be hollow: its outputs fake tensors)
         cross = _zeros_like(encoder(*source)[1:])
-        past = _zeros_like(_flat(model(**dict(zip(source_names(model), source)), decoder_input_ids=prompt, use_cache=True).cache.self_attention_cache))
+        past = _zeros_like(_flat(model(**dict(zip(names, source)), decoder_input_ids=prompt, use_cache=True).cache.self_attention_cache))
     layers, mask = len(cross) // 2, source[1:]  # mask: the encoder attention mask, when there is one
     ids = torch.randint(0, config.vocab_size, (_BATCH, _TARGET), generator=gen)
     mask_axes = source_axes[1:]
     return [
-        (ENCODER_GRAPH, encoder, source, source_names(model), [ENCODER_OUTPUT, *cross_names(PRESENT, layers)], (source_axes,)),
+        (ENCODER_GRAPH, encoder, source, names, [ENCODER_OUTPUT, *cross_names(PRESENT, layers)], (source_axes,)),
         (
             DECODER_GRAPH,
             decoder,

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from headfold.converter.checkpoint import CheckpointFacts
 from headfold.distillation.data import ABSENT, AUDIO_FIELD, TEXT_FIELD, Encoder, encoder_for, shuffled
 from headfold.ground.errors import BadInput, first_line
 from headfold.ground.inputs import check_links, contained, parse_json, read_json_object, shown
@@ -104,11 +105,11 @@ class Features:
         return encoded.input_features
 
 
-def features_for(folder: Path, config: dict) -> Features:
+def features_for(facts: CheckpointFacts) -> Features:
     """The checkpoint's WhisperFeatureExtractor (its preprocessor_config.json), or one built from num_mel_bins."""
     from transformers import WhisperFeatureExtractor
 
-    bins = config.get("num_mel_bins")
+    folder, bins = facts.folder, facts.mel_bins
     fix = f"restore {PREPROCESSOR} from the original checkpoint"
     if (path := folder / PREPROCESSOR).is_file():
         try:
@@ -121,8 +122,7 @@ def features_for(folder: Path, config: dict) -> Features:
         described = f"built from config.json's num_mel_bins ({folder} has no {PREPROCESSOR})"
     if extractor.feature_size != bins:
         raise BadInput(f"{path} gives {extractor.feature_size} mel bins, config.json's num_mel_bins {bins}; {fix}")
-    frames = 2 * config["max_source_positions"]  # the encoder's second convolution halves the frames
-    return Features(extractor, frames * extractor.hop_length, described)
+    return Features(extractor, facts.audio_frames * extractor.hop_length, described)
 
 
 # -- clips and their sources --------------------------------------------------------------------
@@ -306,20 +306,20 @@ class AudioPlan:
             )
 
 
-def audio_sha256(student_folder: Path, config: dict, data: Path, option: str) -> str:
+def audio_sha256(student: CheckpointFacts, data: Path, option: str) -> str:
     """The sha256 a run records for audio `data` (what `headfold run` keys its distill stage on)."""
-    return audio_source(Path(data), option, features_for(student_folder, config).rate).sha256
+    return audio_source(Path(data), option, features_for(student).rate).sha256
 
 
-def audio_plan(student_folder: Path, config: dict, vocab_size: int, data: Path | None, eval_data: Path | None, seq_len: int, eval_windows: int, seed: int) -> AudioPlan:
+def audio_plan(student: CheckpointFacts, vocab_size: int, data: Path | None, eval_data: Path | None, seq_len: int, eval_windows: int, seed: int) -> AudioPlan:
     """Training and held-out clips for an audio encoder-decoder (there is no built-in audio)."""
     if data is None:
         raise BadInput(f"--data is required: Whisper distills on audio, {FORMS}")
-    limit = config.get("max_target_positions")
+    limit = student.config.get("max_target_positions")
     if limit and seq_len > limit:
         raise BadInput(f"--seq-len {seq_len} exceeds the decoder's {limit} positions (max_target_positions); choose at most {limit}")
-    features = features_for(student_folder, config)
+    features = features_for(student)
     train = audio_source(Path(data), "--data", features.rate)
     heldout = audio_source(Path(eval_data), "--eval-data", features.rate) if eval_data is not None else None
-    encoder = transcript_encoder(student_folder, vocab_size, config["decoder_start_token_id"])
+    encoder = transcript_encoder(student.folder, vocab_size, student.config["decoder_start_token_id"])
     return AudioPlan(train, heldout, encoder, features, seq_len, eval_windows, seed)

@@ -281,9 +281,9 @@ def check_options(opts: DistillOptions, student: CheckpointFacts, encoder_model:
 def window_plan(teacher: Path, student: SourceCheckpoint, data, eval_data, opts: DistillOptions, encoder_model: bool) -> WindowPlan | AudioPlan:
     """Training and held-out text (the embedded model's own corpus splits when no --data is given), or
     an audio encoder-decoder's clips and transcripts."""
-    if student.spec.audio_encoder:
+    if student.facts.audio_input:
         vocab = int(student.facts.vocab_size or 0)
-        return audio_plan(student.folder, student.config, vocab, data, eval_data, opts.seq_len, opts.eval_windows, opts.seed)
+        return audio_plan(student.facts, vocab, data, eval_data, opts.seq_len, opts.eval_windows, opts.seed)
     embedded = is_embedded(teacher)
     if data is None and not embedded:
         raise BadInput("--data is required: pass a text, .jsonl or .parquet file or a datasets folder (the built-in text is the embedded model's own corpus)")

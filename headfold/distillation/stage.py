@@ -54,8 +54,8 @@ class DistillStage:
         """What the run records of the data: audio for Whisper (clips and transcripts), text for the rest."""
         if data is None:
             return builtin_source(corpus.train_text(), "built-in").sha256
-        if facts.spec is not None and facts.spec.audio_encoder:
-            return audio_sha256(facts.folder, facts.config, Path(data), option)
+        if facts.audio_input:
+            return audio_sha256(facts, Path(data), option)
         return file_source(Path(data), option).sha256
 
     def __call__(self, teacher: Path, student: Path, out: Path, progress: bool = False) -> Path:

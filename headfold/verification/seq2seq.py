@@ -44,10 +44,6 @@ def target_view(feed: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
     return {"input_ids": feed[DECODER_IDS], "attention_mask": feed[DECODER_MASK]}
 
 
-def audio(facts: CheckpointFacts) -> bool:
-    return facts.config.get("model_type") == "whisper"
-
-
 def _right_padded(rows: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     width = max(len(r) for r in rows)
     ids, mask = np.full((len(rows), width), pad_id, dtype=np.int64), np.zeros((len(rows), width), dtype=np.int64)
@@ -65,9 +61,8 @@ def pair_feeds(facts: CheckpointFacts, rows: list[np.ndarray], batch_size: int, 
     feeds = []
     for i in range(0, len(rows), batch_size):
         batch = rows[i : i + batch_size]
-        if audio(facts):
-            frames = 2 * config["max_source_positions"]
-            source = {AUDIO_INPUT: (rng.standard_normal((len(batch), config["num_mel_bins"], frames)) * _AUDIO_SCALE).astype(np.float32)}
+        if facts.audio_input:
+            source = {AUDIO_INPUT: (rng.standard_normal((len(batch), facts.mel_bins, facts.audio_frames)) * _AUDIO_SCALE).astype(np.float32)}
             targets = batch
         else:
             halves = [len(r) // 2 for r in batch]
@@ -76,15 +71,15 @@ def pair_feeds(facts: CheckpointFacts, rows: list[np.ndarray], batch_size: int, 
         decoder = [np.concatenate([[start], t])[: limit or None] for t in targets]
         ids, mask = _right_padded(decoder, pad)
         feeds.append({**source, DECODER_IDS: ids, DECODER_MASK: mask})
-    pairs = SYNTHESIZED_AUDIO + " → each row as the target" if audio(facts) else "each row's first half → its second half"
+    pairs = SYNTHESIZED_AUDIO + " → each row as the target" if facts.audio_input else "each row's first half → its second half"
     return feeds, {"pairs": pairs, "target_tokens": int(sum(f[DECODER_MASK].sum() - len(f[DECODER_MASK]) for f in feeds))}
 
 
 def token_metadata(facts: CheckpointFacts) -> TensorMetadata:
     """The feed's names, dtypes and shapes: source then target."""
     meta = TensorMetadata()
-    if audio(facts):
-        meta.add(AUDIO_INPUT, DataType.FLOAT32, ("batch", facts.config["num_mel_bins"], "frames"))
+    if facts.audio_input:
+        meta.add(AUDIO_INPUT, DataType.FLOAT32, ("batch", facts.mel_bins, "frames"))
     else:
         for name in ("input_ids", "attention_mask"):
             meta.add(name, DataType.INT64, ("batch", "source"))

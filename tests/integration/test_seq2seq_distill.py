@@ -101,10 +101,10 @@ def test_whisper_student_equal_to_its_teacher_stays_unchanged(whisper: Path, whi
 
 def test_the_teachers_transcripts_are_its_greedy_generation(whisper: Path, whisper_students, audio) -> None:
     """The folder form's targets are teacher.generate's greedy tokens after the start token, cut after end-of-text."""
+    from headfold.converter.checkpoint import CheckpointFacts
     from headfold.distillation.audio import audio_plan
 
-    config = json.loads((whisper_students[2] / "config.json").read_text())
-    plan = audio_plan(whisper_students[2], config, 256, audio["clips"], None, 16, 2, 0)
+    plan = audio_plan(CheckpointFacts.read(whisper_students[2]), 256, audio["clips"], None, 16, 2, 0)
     teacher = load_model(whisper)
     batch = plan.complete(plan.eval_batch(), teacher, rows=1)
     generated = teacher.generate(input_features=batch.features, max_new_tokens=16, do_sample=False, return_dict_in_generate=True).sequences
