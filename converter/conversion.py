@@ -305,6 +305,8 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, recipe:
     data-aware method, and mean/first of a pickle source (rawpool does the others)."""
     import torch
 
+    from headfold.converter.methods import convert_attention  # the torch maths: a mean/first conversion never loads them
+
     layer = ckpt.attention.layers[index]
     codec = AttentionCodec(ckpt.spec, ckpt.layer_shapes[index])
     kept = untouched_suffixes(ckpt, recipe)
@@ -314,7 +316,7 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, recipe:
             return torch.empty(ckpt.tensors[name].shape, device="meta")
         return ckpt.get(name).float() if recipe.data_aware else ckpt.get(name)
 
-    result = recipe(codec.decode({s: read(s, n) for s, n in layer.items()}), target.kv_heads, ctx)
+    result = convert_attention(recipe, codec.decode({s: read(s, n) for s, n in layer.items()}), target.kv_heads, ctx)
     tensors = {layer[s]: t.to(ckpt.tensors[layer[s]].dtype) for s, t in codec.encode(result.attn).items() if s not in kept}
     return tensors, result.groups
 

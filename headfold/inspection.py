@@ -39,7 +39,7 @@ from headfold.converter.conversion import calibration_text, layer_contexts, meth
 from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.converter.sources import checkpoint_folder
 from headfold.converter.layout import AttentionCodec, AttentionWeights
-from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, expand_kv, get_method, head_activations
+from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, convert_attention, expand_kv, get_method, head_activations
 from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
 from headfold.ground import VERSION
 from headfold.ground.artifacts import CREATED_BY, MARK, created_by
@@ -146,7 +146,7 @@ class LayerConverter:
         return self.codec.decode({s: self.ckpt.get(n).float() for s, n in self.ckpt.attention.layers[index].items()})
 
     def convert(self, index: int, kv_heads: int, source: AttentionWeights | None = None) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-        result = self.recipe(source if source is not None else self.decode(index), kv_heads, self.contexts[index])
+        result = convert_attention(self.recipe, source if source is not None else self.decode(index), kv_heads, self.contexts[index])
         names = self.ckpt.attention.layers[index]
         encoded = self.codec.encode(expand_kv(result.attn, self.ckpt.shape.kv_heads))
         return {s: t.to(self.ckpt.tensors[names[s]].dtype).float() for s, t in encoded.items()}, result.groups
