@@ -66,7 +66,8 @@ from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER
 from headfold.converter.spec import HEAD, spec_for, supported_model_types
 from headfold.converter.support import builtin_class
-from headfold.ground.errors import BadInput, first_line, read_json_object
+from headfold.ground.errors import BadInput, first_line
+from headfold.ground.inputs import read_json_object
 
 __all__ = ["load_model", "empty_model", "hollow_model", "resolve_dtype", "parameter_names", "check_loadable", "GQA_ATTENTION"]
 
