@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import WhisperFeatureExtractor
 
 from headfold.distillation.data import ABSENT, AUDIO_FIELD, TEXT_FIELD, Encoder, encoder_for, shuffled
 from headfold.ground.errors import BadInput, first_line
@@ -106,8 +107,6 @@ class Features:
 
 def features_for(folder: Path, config: dict) -> Features:
     """The checkpoint's WhisperFeatureExtractor (its preprocessor_config.json), or one built from num_mel_bins."""
-    from transformers import WhisperFeatureExtractor
-
     bins = config.get("num_mel_bins")
     fix = f"restore {PREPROCESSOR} from the original checkpoint"
     if (path := folder / PREPROCESSOR).is_file():
