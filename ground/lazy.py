@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import sys
 from types import ModuleType
-from typing import Any
-
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from typing import TYPE_CHECKING, Any
 
 from headfold.ground.errors import BadInput, first_line
+
+if TYPE_CHECKING:
+    from packaging.requirements import Requirement
 
 DISTRIBUTIONS = {"yaml": "pyyaml"}  # a module whose distribution is not its name (as canonicalize_name spells it)
 
@@ -28,6 +27,11 @@ DISTRIBUTIONS = {"yaml": "pyyaml"}  # a module whose distribution is not its nam
 def requirement(module: str) -> Requirement:
     """What headfold requires of the distribution that provides `module` (its top-level name): its
     pinned range, e.g. ``tensorrt>=10.13`` from the ``trt`` extra, or the bare name where none is pinned."""
+    import importlib.metadata  # with packaging, slow to import: paid when a module loads, not by every holder of a handle
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
     distribution = canonicalize_name(DISTRIBUTIONS.get(module, module))
     try:
         declared = importlib.metadata.requires("headfold") or []

@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from headfold import corpus
-from headfold.converter import convert as run_convert
-from headfold.converter.conversion import load_hint
 from headfold.converter.recipes import get_method
 from headfold.converter.seq2seq import KIND_NAMES
 from headfold.converter.sources import checkpoint_folders
@@ -142,11 +140,13 @@ def convert(
     output.check(reads, [out])
     if not get_method(method).data_aware:
         refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only aligned, grouped, scored, refit and local calibrate)")
+    from headfold.converter import convert as run_convert  # tqdm and the writer: not loaded for `headfold --help`
 
     result = run_convert(
         src, out, kv_heads, method, overwrite=output.overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle,
         progress=output.progress, builtin_text=corpus.calibration_text(), pool=pool, local_steps=local_steps, **calibration.kwargs(),
     )  # fmt: skip
+    from headfold.converter.conversion import load_hint
 
     record = manifest.load(result)
     pooled = [KIND_NAMES[kind] for kind, entry in (record.conversion.attentions or {}).items() if entry["pooled"]]  # an encoder-decoder's

@@ -24,7 +24,6 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from headfold.converter.conversion import check_options
 from headfold.converter.per_layer import parse_kv_heads
 from headfold.converter.recipes import DEFAULT_LOCAL_STEPS, DEFAULT_METHOD
 from headfold.converter.seq2seq import DEFAULT_POOL, POOL_CHOICES
@@ -302,6 +301,8 @@ class Calibration:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        from headfold.converter.conversion import check_options  # tqdm and the writer: not loaded for `headfold --help`
+
         check_options(None, self.tokens)  # convert's own domain, checked as the options are parsed
 
     def kwargs(self) -> dict[str, Any]:
