@@ -14,10 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from headfold import corpus
 from headfold.converter.recipes import DEFAULT_METHOD
-from headfold.ground import export_summary
-from headfold.ground.units import parse_fraction
 
 if TYPE_CHECKING:
     import transformers
@@ -71,6 +68,7 @@ def convert(
             "decoder" (both: the default), "encoder" or "all" (`--pool`; docs/convert.md).
         local_steps: Adam steps per layer of a method with local (None: the default budget).
     """
+    from headfold import corpus
     from headfold.converter import convert as convert_checkpoint
 
     return convert_checkpoint(
@@ -234,6 +232,7 @@ def export(
         progress: show progress.
     """
     from headfold.graphs.export import export as export_checkpoint
+    from headfold.ground import export_summary
 
     export_checkpoint(
         source, output, revision=revision, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=progress,
@@ -453,6 +452,8 @@ def _path(value: PathLike | None) -> Path | None:
 
 
 def _fraction(value: Fraction | None, name: str) -> float | None:
+    from headfold.ground.units import parse_fraction
+
     return None if value is None else parse_fraction(value, name)
 
 

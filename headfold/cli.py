@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from headfold import corpus
 from headfold.converter.recipes import get_method
 from headfold.converter.seq2seq import KIND_NAMES
 from headfold.converter.sources import checkpoint_folders
@@ -140,7 +139,8 @@ def convert(
     output.check(reads, [out])
     if not get_method(method).data_aware:
         refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only aligned, grouped, scored, refit and local calibrate)")
-    from headfold.converter import convert as run_convert  # tqdm and the writer: not loaded for `headfold --help`
+    from headfold import corpus  # the built-in text (pydoc's topics) and tqdm: not loaded for `headfold --help`
+    from headfold.converter import convert as run_convert
 
     result = run_convert(
         src, out, kv_heads, method, overwrite=output.overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle,
