@@ -1,12 +1,14 @@
 """Checkpoint conversion: MHA → GQA/MQA by pooling K/V heads, streamed and atomic.
 
-The names below load on first use, so `headfold.converter.recipes` (method names and the default)
-is importable without numpy or safetensors.
+`convert` and `supported_model_types` load on first use, so `headfold.converter.recipes` (method
+names and the default) is importable without numpy or safetensors, and `import headfold` stays cheap.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from headfold.converter.recipes import METHODS
 
 __all__ = ["convert", "METHODS", "supported_model_types"]
 
@@ -16,10 +18,6 @@ def __getattr__(name: str) -> Any:
         from headfold.converter.conversion import convert
 
         return convert
-    if name == "METHODS":
-        from headfold.converter.recipes import METHODS
-
-        return METHODS
     if name == "supported_model_types":
         from headfold.converter.spec import supported_model_types
 

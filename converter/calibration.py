@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from headfold.converter import layerwise
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.methods import compute_device
+from headfold.converter.modeling import load_model, parameter_names
 from headfold.converter.tokens import load_tokenizer
 from headfold.ground.errors import BadInput
 
@@ -91,8 +92,6 @@ def local_runs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, sequen
 def _seq2seq_runs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool, blocks: bool) -> Iterator[layerwise.LayerRun]:
     """Every attention block after one pass of the whole model: its K/V projections' input (on the CPU) and, with
     `blocks`, the block's arguments and output (on the compute device, as the model)."""
-    from headfold.converter.modeling import load_model, parameter_names
-
     device = compute_device()
     model = load_model(ckpt.facts, dtype=torch.float32).to(device)
     names = parameter_names(model, ckpt.facts)

@@ -30,9 +30,14 @@ from headfold.converter.spec import ArchitectureSpec, AttentionKind, ConfigKeys,
 from headfold.converter.support import common_keys, export_blocker, unconverted_kind, unsupported
 from headfold.ground import inputs
 from headfold.ground.errors import BadInput
+from headfold.ground.lazy import lazy_import
 
-if TYPE_CHECKING:  # torch is imported only where tensors are made: a mean/first conversion runs without it
+if TYPE_CHECKING:
     import torch
+else:  # torch loads where tensors are made: a mean/first conversion runs without it
+    torch = lazy_import("torch")
+# transformers' activation table imports torch: checked when a model is built, never in read()
+activations = lazy_import("transformers.activations")
 
 # safetensors dtype code -> (torch dtype name, bytes per element)
 SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
@@ -98,8 +103,6 @@ def dtype_code(dtype: Any) -> str:
 
 
 def torch_dtype(code: str) -> torch.dtype:
-    import torch
-
     return getattr(torch, SAFETENSORS_DTYPES[code][0])
 
 
@@ -455,11 +458,9 @@ class CheckpointFacts:
     def check_activations(self) -> None:
         """BadInput for an activation transformers does not know. Checked when a model is built, not
         in read(): transformers' activation table imports torch, which a mean conversion never loads."""
-        from transformers.activations import ACT2FN
-
         for key in ACTIVATION_KEYS:
-            if isinstance(name := self.config.get(key), str) and name not in ACT2FN:
-                raise BadInput(f"config.json: {key!r} is {inputs.shown(name)}, which transformers does not know; use one of {', '.join(sorted(ACT2FN)[:8])}, …")
+            if isinstance(name := self.config.get(key), str) and name not in activations.ACT2FN:
+                raise BadInput(f"config.json: {key!r} is {inputs.shown(name)}, which transformers does not know; use one of {', '.join(sorted(activations.ACT2FN)[:8])}, …")
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -498,8 +499,6 @@ class CheckpointFacts:
 def read_tensor(info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
     """One safetensors tensor, read with a plain positioned read: no mmap, so memory holds only what is in use.
     Into `out` (uint8, info.nbytes long) when given: a buffer the caller reuses."""
-    import torch
-
     buffer = torch.empty(info.nbytes, dtype=torch.uint8) if out is None else out
     with open(info.file, "rb") as f:
         f.seek(info.offset)
@@ -617,8 +616,6 @@ def _pickle_code(file: Path, name: str, tensor: torch.Tensor) -> str:
 
 
 def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
-    import torch
-
     try:  # mmap: tensors are paged in only when read
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch raises many types for a bad pickle

@@ -30,12 +30,15 @@ from headfold.ground.artifacts import MANIFEST
 from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import copy_hashed, sha256_file, versions
+from headfold.ground.lazy import lazy_import
 from headfold.ground.manifest import Conversion, Manifest, ManifestSource, load_raw
 from headfold.ground.manifest import load as load_manifest
 from headfold.ground.units import parse_size, whole
 
 if TYPE_CHECKING:
     import torch
+else:  # torch loads where tensors are made: a mean/first conversion runs without it
+    torch = lazy_import("torch")
 
 log = logging.getLogger(__name__)
 SKIPPED_DIRS = {".git", ".cache", "__pycache__"}
@@ -79,7 +82,7 @@ def convert(
     source = checkpoint_folder(source, revision=revision, allow_pickle=allow_pickle)
     steps = local_step_budget(get_method(method), local_steps)
     if get_method(method).data_aware:
-        from headfold.converter.calibration import check_settings  # torch: data-aware methods only
+        from headfold.converter.calibration import check_settings  # torch and transformers: data-aware methods only
 
         check_settings()  # a bad $HEADFOLD_DEVICE or $HEADFOLD_CALIBRATION_RAM fails before the slow calibration
     with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
@@ -303,7 +306,7 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, recipe:
     not returned: the writer copies them unchanged. mean/first read the source dtype (mean
     accumulates in fp32 itself); the data-aware maths get fp32 copies. The torch path: every
     data-aware method, and mean/first of a pickle source (rawpool does the others)."""
-    import torch
+    from headfold.converter.methods import convert_attention  # the torch maths: a mean/first conversion never loads them
 
     layer = ckpt.attention.layers[index]
     codec = AttentionCodec(ckpt.spec, ckpt.layer_shapes[index])
@@ -314,7 +317,7 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, recipe:
             return torch.empty(ckpt.tensors[name].shape, device="meta")
         return ckpt.get(name).float() if recipe.data_aware else ckpt.get(name)
 
-    result = recipe(codec.decode({s: read(s, n) for s, n in layer.items()}), target.kv_heads, ctx)
+    result = convert_attention(recipe, codec.decode({s: read(s, n) for s, n in layer.items()}), target.kv_heads, ctx)
     tensors = {layer[s]: t.to(ckpt.tensors[layer[s]].dtype) for s, t in codec.encode(result.attn).items() if s not in kept}
     return tensors, result.groups
 

@@ -29,6 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.modeling import empty_model
 from headfold.ground.errors import BadInput
 from headfold.ground.units import parse_size
 
@@ -106,8 +107,6 @@ class LayerwiseModel:
     """A checkpoint's model whose parts hold weights only while they run."""
 
     def __init__(self, ckpt: SourceCheckpoint, device: torch.device) -> None:
-        from headfold.converter.modeling import empty_model  # transformers: only when calibrating, never for mean/first
-
         self.ckpt, self.device = ckpt, device
         self.model, self.sources = empty_model(ckpt.facts, {n: t.shape for n, t in ckpt.tensors.items()})
         self.names = {m: name for name, m in self.model.named_modules()}

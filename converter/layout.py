@@ -17,9 +17,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from headfold.converter.spec import ArchitectureSpec, FusedQKV
+from headfold.ground.lazy import lazy_import
 
 if TYPE_CHECKING:
     import torch
+else:  # torch loads where tensors are made: a mean/first conversion runs without it
+    torch = lazy_import("torch")
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,6 @@ def _stack(parts: list):
     """torch.stack or np.stack, whichever the parts are."""
     if isinstance(parts[0], np.ndarray):
         return np.stack(parts)
-    import torch
 
     return torch.stack(parts)
 
@@ -71,7 +73,6 @@ def _concatenate(parts: list, axis: int = 0):
     """torch.cat or np.concatenate, whichever the parts are (torch is loaded when they are tensors)."""
     if isinstance(parts[0], np.ndarray):
         return np.concatenate(parts, axis=axis)
-    import torch
 
     return torch.cat(parts, dim=axis)
 

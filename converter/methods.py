@@ -48,7 +48,9 @@ class LayerResult:
 
 
 def convert_attention(recipe: Recipe, attn: AttentionWeights, kv_heads: int, ctx: LayerContext = LayerContext()) -> LayerResult:
-    """Pool `attn` to `kv_heads`; data-aware recipes compute on the GPU when there is one."""
+    """Pool `attn` (canonical torch weights) to `kv_heads`; data-aware recipes compute on the GPU when there is one."""
+    if recipe.local:
+        raise BadInput(f"{recipe.name}: local fits a layer while calibration runs it (headfold convert), not one layer's weights alone; drop local here")
     device = compute_device() if recipe.data_aware else torch.device("cpu")
     if device.type == "cpu":
         return _convert(recipe, attn, kv_heads, ctx)

@@ -34,7 +34,6 @@ from typing import ClassVar
 
 import torch
 import transformers
-from accelerate import init_empty_weights
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from torch import nn
@@ -66,7 +65,11 @@ from headfold.converter.layout import HeadShape, head_axis_sizes
 from headfold.converter.per_layer import KV_HEADS_PER_LAYER
 from headfold.converter.spec import HEAD, spec_for, supported_model_types
 from headfold.converter.support import builtin_class
-from headfold.ground.errors import BadInput, first_line, read_json_object
+from headfold.ground.errors import BadInput, first_line
+from headfold.ground.inputs import read_json_object
+from headfold.ground.lazy import lazy_import
+
+accelerate = lazy_import("accelerate")
 
 __all__ = ["load_model", "empty_model", "hollow_model", "resolve_dtype", "parameter_names", "check_loadable", "GQA_ATTENTION"]
 
@@ -744,7 +747,7 @@ def hollow_model(facts: CheckpointFacts, dtype: torch.dtype) -> tuple[transforme
     config = _read_config(facts)
     _generation_config(facts.folder)
     cls = _model_class(config)
-    with init_empty_weights(include_buffers=False):
+    with accelerate.init_empty_weights(include_buffers=False):
         model = _build(cls, config, facts, _gqa_class(config, facts.heads, facts.kv_heads), dtype, device="cpu")
     model.tie_weights()  # again: init_empty_weights wraps every parameter assigned under it in a new one
     plan = _plan(model, facts, _tensor_meta(facts)[0], converters_ok=False)

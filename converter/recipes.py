@@ -4,13 +4,9 @@ conversion (which never calls the torch maths) starts without importing torch.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from headfold.ground.errors import BadInput
-
-if TYPE_CHECKING:
-    from headfold.converter.layout import AttentionWeights
-    from headfold.converter.methods import LayerResult
 
 POOLS = ("mean", "first")
 MODIFIERS = ("aligned", "grouped", "scored", "refit", "local")  # a method's name lists them in this order
@@ -50,14 +46,6 @@ class Recipe:
     @property
     def data_aware(self) -> bool:
         return self.grouped or self.scored or self.aligned or self.refit or self.local
-
-    def __call__(self, attn: AttentionWeights, kv_heads: int, ctx: LayerContext = LayerContext()) -> LayerResult:
-        """Pool `attn` (canonical torch weights) to `kv_heads`; see methods.convert_attention."""
-        if self.local:
-            raise BadInput(f"{self.name}: local fits a layer while calibration runs it (headfold convert), not one layer's weights alone; drop local here")
-        from headfold.converter.methods import convert_attention  # the torch maths, imported only when used
-
-        return convert_attention(self, attn, kv_heads, ctx)
 
 
 def contiguous_groups(kv_heads: int, target: int) -> list[list[int]]:

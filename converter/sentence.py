@@ -17,18 +17,15 @@ from typing import Any
 
 from headfold.converter.modeling import load_model
 from headfold.ground.errors import BadInput
+from headfold.ground.lazy import lazy_import
+
+# an optional library (the range pyproject pins; its Transformer module is where 6.2 put it)
+sentence_transformers = lazy_import("sentence_transformers")
+transformer = lazy_import("sentence_transformers.base.modules.transformer")
 
 __all__ = ["sentence_transformer"]
 
 MODULES = "modules.json"
-
-
-def _transformer_base() -> type:
-    try:
-        from sentence_transformers.base.modules.transformer import Transformer
-    except ImportError:
-        raise BadInput("sentence-transformers >= 6.2 is not installed; pip install 'sentence-transformers>=6.2'") from None
-    return Transformer
 
 
 def _headfold_transformer(base: type) -> type:
@@ -69,8 +66,7 @@ def sentence_transformer(path: str | os.PathLike, **options: Any):
     """`SentenceTransformer` for the checkpoint folder at `path` (converted or not): its modules as saved,
     the transformer's weights loaded by `headfold.load_model`. `options` go to SentenceTransformer
     (device, model_kwargs={"dtype": ...}, ...); loading stays local and runs no checkpoint code."""
-    base = _transformer_base()
-    from sentence_transformers import SentenceTransformer
+    base = transformer.Transformer
 
     folder = Path(path)
     if not folder.is_dir():
@@ -80,4 +76,4 @@ def sentence_transformer(path: str | os.PathLike, **options: Any):
     if not classes:
         raise BadInput(f"{folder / MODULES} lists no sentence-transformers Transformer module; load the model with headfold.load_model")
     options = {"local_files_only": True, "trust_remote_code": False, **options}
-    return SentenceTransformer._load_with_module_classes(str(folder), classes, **options)
+    return sentence_transformers.SentenceTransformer._load_with_module_classes(str(folder), classes, **options)

@@ -31,6 +31,14 @@ from pathlib import Path
 
 from headfold.ground import inputs
 from headfold.ground.errors import BadInput, first_line
+from headfold.ground.lazy import lazy_import
+
+# huggingface_hub loads for a hub id only: a local folder (and `headfold --help`) never imports it
+huggingface_hub = lazy_import("huggingface_hub")
+constants = lazy_import("huggingface_hub.constants")
+file_download = lazy_import("huggingface_hub.file_download")
+hub = lazy_import("huggingface_hub.errors")
+hub_utils = lazy_import("huggingface_hub.utils")
 
 _SNAPSHOT = re.compile(r"models--(?P<repo>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})")
 CONFIGS = ["config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json"]
@@ -102,11 +110,9 @@ def _under_local_folder(text: str) -> bool:
 
 def _invalid_id(text: str) -> str | None:
     """Why huggingface_hub refuses `text` as a repo id, or None when it takes it."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     try:
-        validate_repo_id(text)
-    except HFValidationError as err:
+        hub_utils.validate_repo_id(text)
+    except hub.HFValidationError as err:
         return first_line(err).replace(f": '{text}'", "").rstrip(".")  # the id once in the line is enough
     return None
 
@@ -124,12 +130,9 @@ def _near(text: str) -> str:
 
 # -- the hub cache ------------------------------------------------------------------------------
 def _snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub import errors as hub
-
     _stay_inside_cache(repo_id, revision)
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        folder = Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except hub.LocalEntryNotFoundError as err:  # offline, unreachable, or an incomplete copy: what the cache has decides
         raise BadInput(_not_in_cache(repo_id, revision, err)) from None
     except hub.GatedRepoError:
@@ -150,23 +153,20 @@ def _stay_inside_cache(repo_id: str, revision: str | None) -> None:
     """Refuse, before huggingface_hub reads them, a revision that is a path, and the cache entries it
     would follow (refs/REVISION, snapshots/COMMIT, trees/COMMIT.json) when one leads outside the cache
     or a ref is not a plain file naming a commit."""
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
-
     if revision is not None and (revision.startswith(("/", "~")) or "\\" in revision or ".." in revision or "" in revision.split("/")):
         raise BadInput(f"--revision {revision} is a path, not a branch, tag or commit; pass one of those")
     cache = Path(constants.HF_HUB_CACHE)
-    repo = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    repo = cache / file_download.repo_folder_name(repo_id=repo_id, repo_type="model")
     roots = (cache.resolve(),)
     fix = f"delete {repo} and download it again"
     commit = revision or "main"
     ref = repo / "refs" / commit
-    if not REGEX_COMMIT_HASH.fullmatch(commit) and os.path.lexists(ref):
+    if not file_download.REGEX_COMMIT_HASH.fullmatch(commit) and os.path.lexists(ref):
         if ref.is_symlink() or not ref.is_file() or inputs.outside(ref, roots):
             raise BadInput(f"{ref} is not a plain file inside the Hugging Face cache ({cache}); a ref is a file naming a commit: {fix}")
         with open(ref, encoding="utf-8", errors="replace") as file:
             commit = file.read(64)
-        if not REGEX_COMMIT_HASH.fullmatch(commit):
+        if not file_download.REGEX_COMMIT_HASH.fullmatch(commit):
             raise BadInput(f"{ref} names {inputs.printable(commit[:48])!r}, not a commit; {fix}")
     for entry in (repo / "snapshots" / commit, repo / "trees" / f"{commit}.json"):
         if os.path.lexists(entry) and inputs.outside(entry, roots):
@@ -175,9 +175,6 @@ def _stay_inside_cache(repo_id: str, revision: str | None) -> None:
 
 def _not_in_cache(repo_id: str, revision: str | None, err: Exception) -> str:
     """The one line for an id the cache cannot serve: what the cache has, then why nothing was fetched."""
-    from huggingface_hub import constants
-    from huggingface_hub import errors as hub
-
     at, cache = _at(repo_id, revision), constants.HF_HUB_CACHE
     if isinstance(err, getattr(hub, "IncompleteSnapshotError", ())):  # huggingface_hub 2 on
         what = f"the Hugging Face cache ({cache}) holds an incomplete copy of {at}"
@@ -193,10 +190,7 @@ def _not_in_cache(repo_id: str, revision: str | None, err: Exception) -> str:
 
 def _cached_refs(repo_id: str) -> list[str]:
     """The branch and tag names the cache has for `repo_id` (names only: nothing is read)."""
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import repo_folder_name
-
-    refs = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs"
+    refs = Path(constants.HF_HUB_CACHE) / file_download.repo_folder_name(repo_id=repo_id, repo_type="model") / "refs"
     return sorted(Path(parent, name).relative_to(refs).as_posix() for parent, _, names in os.walk(refs) for name in names)
 
 

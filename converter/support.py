@@ -13,6 +13,12 @@ from typing import Any, Literal
 from headfold.converter.spec import ConfigKeys, supported_model_types
 from headfold.ground import inputs
 from headfold.ground.errors import BadInput
+from headfold.ground.lazy import lazy_import
+
+# transformers' tables, read where a family has no spec or a model is built: a mean conversion never loads them
+transformers = lazy_import("transformers")
+configuration_auto = lazy_import("transformers.models.auto.configuration_auto")
+modeling_auto = lazy_import("transformers.models.auto.modeling_auto")
 
 COMMON_KEYS = ConfigKeys("num_attention_heads", "hidden_size", "num_hidden_layers")  # families without a spec
 
@@ -26,10 +32,8 @@ def common_keys(model_type: Any) -> ConfigKeys:
 
 def unconverted_kind(config: dict[str, Any]) -> Literal["decoder", "encoder"]:
     """A family without a spec exports as a decoder when its class is a causal LM, else as an encoder."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     architecture = (config.get("architectures") or [None])[0]
-    return "decoder" if architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else "encoder"
+    return "decoder" if architecture in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else "encoder"
 
 
 def export_blocker(config: dict[str, Any]) -> str | None:
@@ -63,13 +67,10 @@ def unsupported(config: dict[str, Any]) -> BadInput:
 
 def builtin_class(name: Any) -> type | None:
     """The transformers model class called `name` (config.json's architectures[0]); None for any other name."""
-    import transformers
-
     found = getattr(transformers, name, None) if isinstance(name, str) else None
     return found if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel) and found.config_class else None
 
 
 def _config_class(model_type: Any) -> type | None:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    return CONFIG_MAPPING[model_type] if isinstance(model_type, str) and model_type in CONFIG_MAPPING else None
+    mapping = configuration_auto.CONFIG_MAPPING
+    return mapping[model_type] if isinstance(model_type, str) and model_type in mapping else None

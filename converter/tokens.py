@@ -17,6 +17,9 @@ from typing import Any
 
 from headfold.converter.checkpoint import TOKENIZER_FILES, CheckpointFacts, check_links, tokenizer_location
 from headfold.ground.errors import BadInput, first_line, is_panic, quiet_panics
+from headfold.ground.lazy import lazy_import
+
+transformers = lazy_import("transformers")  # where a tokenizer is read: a mean conversion never loads it
 
 BYTE_VOCAB = 256  # a byte-level model: token = UTF-8 byte
 MAX_TEXT_BYTES = 64 << 20  # far more text than any check or calibration uses; /dev/zero is not text
@@ -76,11 +79,9 @@ def tokenizer_errors(folder: Path, doing: str = "load") -> Iterator[None]:
 def auto_tokenizer(folder: Path) -> Any:
     """transformers' AutoTokenizer for the tokenizer files in `folder`: offline, none of the folder's
     code, no file linked from outside it; BadInput for files the tokenizer library cannot load."""
-    from transformers import AutoTokenizer
-
     check_links(folder)
     with tokenizer_errors(folder):
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
 
 
 def _transformers_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer:

@@ -32,6 +32,9 @@ import numpy as np
 
 from headfold.converter.checkpoint import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, FileRange, dtype_code
 from headfold.ground.hashing import update_from_file
+from headfold.ground.lazy import lazy_import
+
+torch = lazy_import("torch")  # loaded already wherever a tensor is written: `tensor` is one
 
 DTYPE_SIZES = {code: size for code, (_, size) in SAFETENSORS_DTYPES.items()}
 
@@ -154,8 +157,6 @@ class ShardedWriter:
 
     def write(self, name: str, tensor: Any) -> None:
         """Queue the next planned tensor (a torch tensor)."""
-        import torch  # loaded already: `tensor` is one
-
         self._check(name, tensor.dtype, tuple(tensor.shape))
         self._submit(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
 

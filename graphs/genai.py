@@ -23,7 +23,7 @@ from headfold.graphs.seq2seq import AUDIO_INPUT, ENCODER_OUTPUT
 from headfold.ground.artifacts import DECODER_GRAPH, ENCODER_GRAPH
 from headfold.ground.artifacts import GENAI_CONFIG
 from headfold.ground.cache_names import CROSS_HALF, PAST, PRESENT, SELF_HALF, name_template
-from headfold.ground.errors import read_json_object
+from headfold.ground.inputs import read_json_object
 
 __all__ = ["TOKENIZER_FILES", "copy_tokenizer", "genai_config", "write_model_folder", "whisper_genai_config", "seq2seq_genai_blocker", "GENAI_WHISPER_FRAMES"]
 

@@ -27,7 +27,7 @@ import torch
 
 from headfold.converter.conversion import target_shape
 from headfold.converter.layout import AttentionWeights, HeadShape, merge_heads, split_heads
-from headfold.converter.methods import Recipe, get_method
+from headfold.converter.methods import Recipe, convert_attention, get_method
 from headfold.converter.per_layer import collapse, expand
 from headfold.graphs.onnx_files import external_data_files, load_graph
 from headfold.graphs.rewrite import attention_nodes, check_attention, is_attention_node
@@ -139,7 +139,7 @@ def _convert_attention(node: ir.Node, kv_heads: int, recipe: Recipe, layer: int 
         k_bias=split_heads(k.bias.read(), 0, source_kv) if k.bias else None,
         v_bias=split_heads(v.bias.read(), 0, source_kv) if v.bias else None,
     )
-    pooled = recipe(attn, target.kv_heads).attn
+    pooled = convert_attention(recipe, attn, target.kv_heads).attn
     _write(
         [(k.weight, merge_heads(pooled.k, k.weight.axis)), (v.weight, merge_heads(pooled.v, v.weight.axis))]
         + ([(k.bias, merge_heads(pooled.k_bias, 0))] if k.bias else [])

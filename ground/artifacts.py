@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from headfold.ground import VERSION
-from headfold.ground.errors import BadInput, read_json_object
+from headfold.ground.errors import BadInput
+from headfold.ground.inputs import read_json_object
 
 MANIFEST = "headfold.json"  # headfold convert / distill: how a checkpoint was made
 EXPORT_SUMMARY = "export.json"  # headfold export: graphs, layout, dtype and the source checkpoint

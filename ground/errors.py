@@ -9,8 +9,6 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
 
 
 class HeadfoldError(Exception):
@@ -85,11 +83,3 @@ def first_line(err: BaseException) -> str:
     """The first line of an exception's message, or its type's name when it has none."""
     return next(iter(str(err).strip().splitlines()), type(err).__name__)
 
-
-def read_json_object(path: Path, fix: str) -> dict[str, Any]:
-    """A JSON object headfold wrote (headfold.json, export.json, sidecars); BadInput naming `path` and
-    `fix` when it is corrupt, too large or too deep (ground/inputs.py, the one reader). OS errors
-    pass through: the CLI names them with their own fix."""
-    from headfold.ground.inputs import read_json_object as read
-
-    return read(Path(path), fix)

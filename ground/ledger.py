@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from headfold.ground.artifacts import LEDGER, Malformed, Record, keep_unknown, mark, optional
-from headfold.ground.errors import BadInput, read_json_object
+from headfold.ground.errors import BadInput
+from headfold.ground.inputs import read_json_object
 
 FORMAT = 1
 

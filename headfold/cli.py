@@ -23,7 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from headfold.ground.atomic import library_scratch
+from headfold.converter.recipes import get_method
+from headfold.converter.seq2seq import KIND_NAMES
+from headfold.converter.sources import checkpoint_folders
+from headfold.ground import manifest
+from headfold.ground.atomic import check_outputs, library_scratch
 from headfold.ground.errors import HeadfoldError, first_line, is_panic
 from headfold.ground.inputs import printable
 from headfold.options import (
@@ -44,6 +48,7 @@ from headfold.options import (
     DISTILL_EVALUATION,
     DISTILL_TOKENS,
     DISTILL_TRAINING,
+    Fraction,
     export_options,
     given,
     input_options,
@@ -74,8 +79,6 @@ def _kv_text(kv_heads: int | tuple[int, ...]) -> str:
 def _local(*sources: str | Path, revision: str | None, allow_pickle: bool = False) -> list[Path]:
     """Each checkpoint argument as a local folder: hub ids (ORG/NAME) resolved through the Hugging Face
     cache before any heavy import, so a wrong id fails in a second; other paths as they are."""
-    from headfold.converter.sources import checkpoint_folders
-
     return checkpoint_folders(*sources, revision=revision, allow_pickle=allow_pickle)
 
 
@@ -130,24 +133,20 @@ def convert(
         line = f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})"
         output.emit(line, {"output": str(out), "method": method, **summary}, [src])
         return
-    from headfold.converter.recipes import get_method
 
     (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
     reads = [src, *([] if calibration.text in (None, "weights") else [Path(calibration.text)])]
     output.check(reads, [out])
     if not get_method(method).data_aware:
         refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only aligned, grouped, scored, refit and local calibrate)")
-    from headfold import corpus
+    from headfold import corpus  # the built-in text (pydoc's topics) and tqdm: not loaded for `headfold --help`
     from headfold.converter import convert as run_convert
-    from headfold.ground import manifest
 
     result = run_convert(
         src, out, kv_heads, method, overwrite=output.overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle,
         progress=output.progress, builtin_text=corpus.calibration_text(), pool=pool, local_steps=local_steps, **calibration.kwargs(),
     )  # fmt: skip
     from headfold.converter.conversion import load_hint
-
-    from headfold.converter.seq2seq import KIND_NAMES
 
     record = manifest.load(result)
     pooled = [KIND_NAMES[kind] for kind, entry in (record.conversion.attentions or {}).items() if entry["pooled"]]  # an encoder-decoder's
@@ -249,7 +248,6 @@ def verify_cmd(reference: str, candidate: str, check: str, inputs: InputSpec, th
     fidelity-decode. Conversion loss: original vs converted (perplexity increase, KL, top-1;
     encoders: cosine). --json (alias --report) is the whole report.
     """
-    from headfold.ground.atomic import check_outputs
     from headfold.verification.api import files_read, verify
 
     reference, candidate = _local(reference, candidate, revision=revision)
@@ -334,7 +332,6 @@ def distill_cmd(teacher: str, student: str, out: Path, revision: str | None, out
     from headfold.distillation import distill
     from headfold.distillation.sharding import main_process
     from headfold.distillation.state import state_folder
-    from headfold.ground import manifest
 
     teacher, student = _local(teacher, student, revision=revision)
     reads = [teacher, student, *(Path(options[k]) for k in ("data", "eval_data") if options.get(k) is not None)]
@@ -355,8 +352,6 @@ class KvBudget(click.ParamType):
     name = "FRACTION|TOTAL"
 
     def convert(self, value, param, ctx):
-        from headfold.options import Fraction
-
         return int(value) if isinstance(value, str) and value.strip().isdigit() else Fraction().convert(value, param, ctx)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -39,13 +40,20 @@ from headfold.converter.conversion import calibration_text, layer_contexts, meth
 from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.converter.sources import checkpoint_folder
 from headfold.converter.layout import AttentionCodec, AttentionWeights
-from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, expand_kv, get_method, head_activations
+from headfold.converter.modeling import load_model, parameter_names
+from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, convert_attention, expand_kv, get_method, head_activations
 from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
 from headfold.ground import VERSION
 from headfold.ground.artifacts import CREATED_BY, MARK, created_by
 from headfold.ground.atomic import atomic_outputs, check_outputs
 from headfold.ground.errors import BadInput
+from headfold.ground.lazy import lazy_import
 from headfold.verification.metrics import log_probs
+
+figure = lazy_import("matplotlib.figure")  # the heatmap only; no pyplot: no global state, Agg canvas
+colors = lazy_import("matplotlib.colors")
+patches = lazy_import("matplotlib.patches")
+ticker = lazy_import("matplotlib.ticker")
 
 METRICS = {
     "decoder": "KL(original ‖ converted) of next-token distributions, nats per token",
@@ -111,8 +119,6 @@ class LiveAttention:
     """Writes converted attention tensors into the loaded model's parameters, then puts the originals back."""
 
     def __init__(self, model: torch.nn.Module, ckpt: SourceCheckpoint) -> None:
-        from headfold.converter.modeling import parameter_names
-
         names, state = parameter_names(model, ckpt.facts), model.state_dict()  # state shares the parameters' storage
         unmapped = [n for layer in ckpt.attention.layers for n in layer.values() if n not in names]
         if unmapped:
@@ -146,7 +152,7 @@ class LayerConverter:
         return self.codec.decode({s: self.ckpt.get(n).float() for s, n in self.ckpt.attention.layers[index].items()})
 
     def convert(self, index: int, kv_heads: int, source: AttentionWeights | None = None) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-        result = self.recipe(source if source is not None else self.decode(index), kv_heads, self.contexts[index])
+        result = convert_attention(self.recipe, source if source is not None else self.decode(index), kv_heads, self.contexts[index])
         names = self.ckpt.attention.layers[index]
         encoded = self.codec.encode(expand_kv(result.attn, self.ckpt.shape.kv_heads))
         return {s: t.to(self.ckpt.tensors[names[s]].dtype).float() for s, t in encoded.items()}, result.groups
@@ -399,8 +405,6 @@ def cache_inspection(ckpt: SourceCheckpoint, candidates: str | None, kv_budget: 
 def _measure(
     ckpt: SourceCheckpoint, recipe: Recipe, candidates: list[int], calibration: str | Path | None, tokens: int, seed: int, budget: int | None, progress: bool
 ) -> Inspection:
-    from headfold.converter.modeling import load_model
-
     model = load_model(ckpt.facts, dtype=torch.float32)  # the facts and tensor index convert read
     fit_text = calibration_text(calibration, corpus.calibration_text())  # None under --calibration weights: methods see weights only
     ids = token_ids(ckpt.folder, fit_text if fit_text is not None else corpus.calibration_text(), ckpt.facts.vocab_size)
@@ -464,13 +468,10 @@ def heatmap_figure(report: Inspection):
 
     The plan's choice is outlined in every layer; a layer it keeps whole gets a column of its own
     ("kept", no loss). Colour bars sit under their panels, so no label reaches the next panel."""
-    import numpy as np
-    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas
-
     columns = _loss_columns(report)
     sim = np.array([r.similarity.nearest.numpy() for r in report.layers])
     widths = [sim.shape[1], 1.5 * max(len(columns), 3)]  # loss cells carry numbers: wider than similarity cells
-    fig = Figure(figsize=(2 + 0.45 * sum(widths), 2.6 + 0.4 * len(report.layers)), layout="constrained")
+    fig = figure.Figure(figsize=(2 + 0.45 * sum(widths), 2.6 + 0.4 * len(report.layers)), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=widths)
     image = left.imshow(sim, cmap="viridis", vmin=min(0.0, float(sim.min())), vmax=1.0, aspect="auto")
     fig.colorbar(image, ax=left, location="bottom", shrink=0.8, label="similarity to the nearest other head")
@@ -481,19 +482,15 @@ def heatmap_figure(report: Inspection):
 
 def _loss_panel(fig, axes, report: Inspection, columns: list[int]) -> None:
     """Predicted loss per layer and kv-head count on a log scale, the values written in, the plan outlined."""
-    import numpy as np
-    from matplotlib.colors import LogNorm
-    from matplotlib.ticker import NullFormatter
-
     loss = np.array([[r.loss.get(k, 0.0) for k in columns] for r in report.layers])
     positive = loss[loss > 0]
     floor = positive.min() if positive.size else 1e-12
-    norm = LogNorm(floor, max(floor * 10, float(loss.max())))
+    norm = colors.LogNorm(floor, max(floor * 10, float(loss.max())))
     image = axes.imshow(np.maximum(loss, floor), cmap="magma_r", norm=norm, aspect="auto")
     bar = fig.colorbar(image, ax=axes, location="bottom", shrink=0.8, label=f"predicted {report.metric}, one layer converted")
     ticks = np.geomspace(norm.vmin, norm.vmax, 4)  # a log bar labels its minor ticks too, into each other
     bar.set_ticks(ticks, labels=[f"{t:.2g}" for t in ticks])
-    bar.ax.xaxis.set_minor_formatter(NullFormatter())
+    bar.ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     labels = [f"{k} (kept)" if k == report.kv_heads else str(k) for k in columns]
     axes.set(title=f"predicted loss\n{report.method}", xlabel="kv heads", xticks=range(len(columns)), xticklabels=labels, yticks=range(len(report.layers)))
     for (y, x), value in np.ndenumerate(loss):
@@ -511,6 +508,4 @@ def _loss_columns(report: Inspection) -> list[int]:
 
 
 def _outline(x: int, y: int):
-    from matplotlib.patches import Rectangle
-
-    return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="deepskyblue", linewidth=3)  # visible on light and dark cells alike
+    return patches.Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="deepskyblue", linewidth=3)  # visible on light and dark cells alike

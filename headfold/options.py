@@ -24,9 +24,11 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from headfold.converter.per_layer import parse_kv_heads
 from headfold.converter.recipes import DEFAULT_LOCAL_STEPS, DEFAULT_METHOD
 from headfold.converter.seq2seq import DEFAULT_POOL, POOL_CHOICES
 from headfold.ground.artifacts import CREATED_BY, created_by
+from headfold.ground.atomic import atomic_output, check_outputs
 from headfold.ground.errors import BadInput, BadOption, HeadfoldError
 from headfold.ground.inputs import printable
 from headfold.ground.units import INT4, PRECISIONS, parse_fraction
@@ -88,8 +90,6 @@ class KvHeads(click.ParamType):
     name = "N[,N...]"
 
     def convert(self, value, param, ctx):
-        from headfold.converter.per_layer import parse_kv_heads
-
         # BadInput passes through: main() prints it as one line and exits 2, like a bad list length
         return parse_kv_heads(value) if isinstance(value, str) else value
 
@@ -253,8 +253,6 @@ class Output:
         """Refuse a --json FILE the policy would refuse (a link, an input, one of yours, the command's
         own outputs `writes` or a path inside one), before the work."""
         if self.json_path is not None and not self.json_to_stdout:
-            from headfold.ground.atomic import check_outputs
-
             check_outputs([(self.json_path, False)], overwrite=self.overwrite, sources=sources, beside=writes)
 
     def emit(self, table: str, result: dict[str, Any] | str, sources: Iterable[Path] = (), *, written: bool = False) -> None:
@@ -266,8 +264,6 @@ class Output:
             click.echo(text.replace("\x7f", "\\u007f"), nl=not text.endswith("\n"))  # json.dumps escapes every control but DEL
             return
         if self.json_path is not None and not written:
-            from headfold.ground.atomic import atomic_output
-
             with atomic_output(self.json_path, is_dir=False, overwrite=self.overwrite, sources=sources) as tmp:
                 tmp.write_text(text)
         click.echo(printable(table, lines=True, styles=True))
@@ -305,7 +301,7 @@ class Calibration:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from headfold.converter.conversion import check_options
+        from headfold.converter.conversion import check_options  # tqdm and the writer: not loaded for `headfold --help`
 
         check_options(None, self.tokens)  # convert's own domain, checked as the options are parsed
 

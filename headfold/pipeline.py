@@ -20,18 +20,31 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from headfold.converter.checkpoint import CheckpointFacts
-from headfold.converter.recipes import DEFAULT_METHOD
+import torch
+
+from headfold import corpus
+from headfold.converter import convert
+from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
+from headfold.converter.conversion import check_options as check_conversion
+from headfold.converter.conversion import method_for, target_shapes
+from headfold.converter.recipes import DEFAULT_METHOD, get_method
 from headfold.converter.modeling import check_loadable
+from headfold.converter.sources import checkpoint_folder
+from headfold.engines.build import build_export
 from headfold.engines.env import engine_support
+from headfold.engines.plan import Unparsable, parse_range, parse_workspace
+from headfold.graphs.export import check_options as check_export
+from headfold.graphs.export import checkpoint_dtype, export
 from headfold.ground import VERSION
 from headfold.ground.artifacts import LEDGER, REPORT
 from headfold.ground.atomic import atomic_output, check_disjoint, output_lock, output_path, refuse_link
 from headfold.ground.errors import BadInput, BadOption
 from headfold.ground.hashing import sha256_file
+from headfold.ground.lazy import lazy_import
 from headfold.ground.ledger import RunLedger, StageEntry
 from headfold.ground.ledger import load as load_ledger
 from headfold.ground.units import PRECISIONS
+from headfold.verification.api import run_artifact_checks
 from headfold.verification.artifacts import resolve
 from headfold.verification.budget import Thresholds
 from headfold.verification.inputs import InputSpec, make_inputs, read_text
@@ -40,6 +53,7 @@ from headfold.verification.report import Report
 if TYPE_CHECKING:
     from headfold.distillation.stage import DistillStage
 
+tensorrt = lazy_import("tensorrt")  # the build stage's, where engine_support() finds it and a GPU
 REPORT_FILES = {"json": REPORT, "markdown": "report.md", "junit": "junit.xml"}
 log = logging.getLogger(__name__)
 
@@ -121,8 +135,6 @@ def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work
 
 
 def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: str, engines: Path | None = None, progress: bool = False) -> Report:
-    from headfold.verification.api import run_artifact_checks
-
     original, conversion, graph = resolve(src), resolve(converted), resolve(onnx_dir)
     inputs = make_inputs(src, spec)
     checks = [
@@ -167,8 +179,6 @@ def run(
     workspace, timing_cache), `inputs` and `thresholds` as verify's. `out_dir` must be new, empty or a
     run folder (its ledger); `overwrite` also accepts a folder of other files, which stay: run only
     ever replaces the stage folders its ledger records. `progress` shows each stage's own progress."""
-    from headfold.converter.sources import checkpoint_folder
-
     src = checkpoint_folder(src, revision=revision, allow_pickle=allow_pickle).resolve()
     out = output_path(Path(out_dir))
     refuse_link(out)
@@ -198,8 +208,6 @@ def run(
 def verifiable_dtype(src: Path) -> str:
     """The export dtype run picks: the checkpoint's own, except bf16, which the verify stage's ONNX
     Runtime (CPU) has no kernels for: then fp32, said in a line."""
-    from headfold.graphs.export import checkpoint_dtype
-
     dtype = checkpoint_dtype(CheckpointFacts.read(src))
     if dtype == "bf16":
         log.info("the checkpoint is bf16: run exports fp32, which its verify stage runs in ONNX Runtime on CPU (no bf16 kernels there); pass --dtype bf16 for bf16 weights")
@@ -209,10 +217,6 @@ def verifiable_dtype(src: Path) -> str:
 
 def check_convertible(src: Path, kv_heads: int | Sequence[int], method: str, allow_pickle: bool) -> None:
     """What the convert stage would refuse (method, weights and their index, kv heads), before any stage writes."""
-    from headfold.converter.checkpoint import SourceCheckpoint
-    from headfold.converter.conversion import method_for, target_shapes
-    from headfold.converter.recipes import get_method
-
     get_method(method)
     with SourceCheckpoint(src, allow_pickle=allow_pickle) as ckpt:
         target_shapes(ckpt, kv_heads)
@@ -250,10 +254,6 @@ class Settings:
     def check(self, src: Path) -> None:
         """What each stage would refuse in its options (the distill stage: in its data too), before the
         first one writes. The inputs and thresholds check themselves as they are built."""
-        from headfold.converter.conversion import check_options as check_conversion
-        from headfold.engines.plan import parse_range, parse_workspace
-        from headfold.graphs.export import check_options as check_export
-
         check_conversion(self.shard_size, self.calibration.get("calibration_tokens"))
         if self.distill is not None:
             self.distill.check(src)
@@ -278,10 +278,6 @@ class Settings:
 
 
 def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budgets: dict[str, Any], text: str) -> Report:
-    from headfold import corpus
-    from headfold.converter import convert
-    from headfold.graphs.export import export
-
     stages: dict[str, str] = {}
     total = 4 + (settings.distill is not None)
 
@@ -335,13 +331,8 @@ def _build_stage(
     ledger: Ledger, exp_digest: str, onnx_dir: Path, engines: Path, profile: dict[str, Any], step: str, seq2seq: bool = False
 ) -> tuple[str | None, str]:
     """(engines' sha256, status) when the engines are current, else (None, "skipped: why they were not built")."""
-    from headfold.engines.build import build_export
-    from headfold.engines.plan import Unparsable
-
     why_not = "headfold build takes decoder and encoder exports; an encoder-decoder's graphs run in ONNX Runtime" if seq2seq else engine_support()
     if why_not is None:
-        import tensorrt
-
         inputs = {"export": exp_digest, "tensorrt": tensorrt.__version__, "gpu": _gpu_name(), **{k: v for k, v in profile.items() if v is not None}}
         try:
             digest, done = _stage(ledger, "build", inputs, engines, lambda: build_export(onnx_dir, engines, **profile), step)
@@ -353,8 +344,6 @@ def _build_stage(
 
 
 def _gpu_name() -> str:
-    import torch
-
     return torch.cuda.get_device_name()
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import WhisperFeatureExtractor
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.distillation.data import ABSENT, AUDIO_FIELD, TEXT_FIELD, Encoder, encoder_for, shuffled
@@ -107,8 +108,6 @@ class Features:
 
 def features_for(facts: CheckpointFacts) -> Features:
     """The checkpoint's WhisperFeatureExtractor (its preprocessor_config.json), or one built from num_mel_bins."""
-    from transformers import WhisperFeatureExtractor
-
     folder, bins = facts.folder, facts.mel_bins
     fix = f"restore {PREPROCESSOR} from the original checkpoint"
     if (path := folder / PREPROCESSOR).is_file():

@@ -28,6 +28,9 @@ from headfold.converter.checkpoint import tokenizer_location
 from headfold.converter.tokens import TOKENIZER_FILES, auto_tokenizer, in_vocabulary, tokenizer_errors
 from headfold.ground.errors import BadInput, BadOption, HeadfoldError, first_line
 from headfold.ground.inputs import check_links, contained, read_json_object
+from headfold.ground.lazy import lazy_import
+
+datasets = lazy_import("datasets")  # by a data file or folder; the built-in text needs none
 
 TEXT_FIELD = "text"
 AUDIO_FIELD = "audio"  # Whisper's rows (audio.py): refused here, so their transcripts never pass for text
@@ -86,8 +89,6 @@ def file_source(path: Path, option: str = "--data", pairs: bool = False) -> Text
     options = {"keep_linebreaks": True} if builder == "text" else {}
 
     def docs() -> Iterator[str]:
-        import datasets
-
         with _read_errors(path, option, f"cannot be read as {builder}"):
             stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
             yield from _texts(stream, path, option, pairs)
@@ -99,7 +100,7 @@ def file_source(path: Path, option: str = "--data", pairs: bool = False) -> Text
 def _read_errors(path: Path, option: str, problem: str) -> Iterator[None]:
     """datasets / pyarrow / codecs each raise their own types for a bad file: one BadInput naming it
     (datasets' own logged error would be a second line)."""
-    library = logging.getLogger("datasets")
+    library = datasets.logging.get_logger("datasets")  # imports datasets first: its import resets this level
     level = library.level
     library.setLevel(logging.CRITICAL + 1)
     try:
@@ -126,8 +127,6 @@ def _check_dataset_folder(folder: Path, option: str) -> None:
 
 
 def _disk_source(folder: Path, option: str, pairs: bool) -> TextSource:
-    import datasets
-
     _check_dataset_folder(folder, option)
     with _read_errors(folder, option, "is not a datasets save_to_disk folder"):
         loaded = datasets.load_from_disk(str(folder))

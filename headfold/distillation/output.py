@@ -22,6 +22,10 @@ from headfold.converter.conversion import copy_other_files, default_shard_bytes
 from headfold.converter.writer import PlannedTensor, ShardedWriter
 from headfold.ground.manifest import Manifest
 from headfold.ground.hashing import sha256_file, versions
+from headfold.ground.lazy import lazy_import
+
+figure = lazy_import("matplotlib.figure")  # no pyplot: no global state, Agg canvas, safe in worker processes
+ticker = lazy_import("matplotlib.ticker")
 
 LOG_FILE, PLOT_FILE = "distill-log.json", "distill-curve.png"
 PACKAGES = ("headfold", "torch", "transformers", "safetensors", "accelerate", "datasets", "peft")
@@ -61,10 +65,7 @@ def write_log(folder: Path, log: dict[str, list], metric: str) -> None:
 
 def curve_figure(log: dict[str, list], metric: str):
     """Training loss and the held-out metric against training tokens."""
-    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas, safe in worker processes
-    from matplotlib.ticker import EngFormatter, MaxNLocator
-
-    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    fig = figure.Figure(figsize=(10, 3.8), layout="constrained")
     left, right = fig.subplots(1, 2)
     losses = [r["loss"] for r in log["train"]]
     left.plot([r["tokens"] for r in log["train"]], losses, lw=1)
@@ -73,6 +74,6 @@ def curve_figure(log: dict[str, list], metric: str):
     right.set(xlabel="training tokens", ylabel=f"held-out {metric}", title=f"held-out {metric}")
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))  # token counts run to millions:
-        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, 1.5M, not 200000 running into its neighbour
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=6, integer=True))  # token counts run to millions:
+        ax.xaxis.set_major_formatter(ticker.EngFormatter(sep=""))  # 200k, 1.5M, not 200000 running into its neighbour
     return fig

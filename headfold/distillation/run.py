@@ -38,9 +38,11 @@ from headfold.ground.artifacts import MANIFEST
 from headfold.ground.atomic import atomic_output, check_disjoint, check_output, cleanup_on_sigterm
 from headfold.ground.errors import BadInput, BadOption
 from headfold.ground.hashing import sha256_file
+from headfold.ground.lazy import lazy_import
 from headfold.ground.units import finite, whole
 
 log = logging.getLogger(__name__)
+accelerate = lazy_import("accelerate")
 
 DEFAULT_STEPS = 40
 LOSSES = ("kl", "kl+ce")
@@ -146,13 +148,11 @@ def distill(
     plan = window_plan(teacher, student_ckpt, data, eval_data, opts, encoder_model)
     plan.check()
 
-    from accelerate import Accelerator, DistributedDataParallelKwargs
-
     gpu = torch.cuda.is_available()  # cpu=True: Accelerate's only way to data-parallel CPU processes (gloo)
     # an encoder's pooler never reaches the hidden-state loss: DDP must be told, or it waits for its gradients
-    unused = DistributedDataParallelKwargs(find_unused_parameters=encoder_model)
+    unused = accelerate.DistributedDataParallelKwargs(find_unused_parameters=encoder_model)
     sharding.check_request(save_every, resume)
-    accelerator = Accelerator(cpu=not gpu, mixed_precision="bf16" if gpu else "no", kwargs_handlers=[unused])
+    accelerator = accelerate.Accelerator(cpu=not gpu, mixed_precision="bf16" if gpu else "no", kwargs_handlers=[unused])
     sharding.shard_cpu_processes(accelerator)
     opts = resolve_defaults(opts, encoder_model, accelerator.num_processes)
     steps = total_steps(opts, accelerator.num_processes)

@@ -20,21 +20,20 @@ from __future__ import annotations
 import os
 
 from headfold.ground.errors import BadInput
+from headfold.ground.lazy import lazy_import
+
+accelerate = lazy_import("accelerate")
 
 
 def main_process() -> bool:
     """Whether this process wrote the output and reports it, as Accelerate decided (the launcher's
     process group): a stray RANK=1 in a single process is still the main one."""
-    from accelerate import PartialState
-
-    return PartialState().is_main_process
+    return accelerate.PartialState().is_main_process
 
 
 def check_request(save_every: int | None, resume: bool) -> None:
     """Before Accelerator() reads it: BadInput for an FSDP request headfold does not run (FSDP1, checkpoints)."""
-    from accelerate.utils import parse_flag_from_env
-
-    if not parse_flag_from_env("ACCELERATE_USE_FSDP"):
+    if not accelerate.utils.parse_flag_from_env("ACCELERATE_USE_FSDP"):
         return
     if os.environ.get("FSDP_VERSION", "1") != "2":  # Accelerate's own default is 1
         raise BadInput("headfold distill shards with FSDP2 only (FSDP1 cannot run on CPU, so it is untested); pass --fsdp_version 2 to accelerate launch (or fsdp_version: 2 in its config)")
@@ -44,13 +43,11 @@ def check_request(save_every: int | None, resume: bool) -> None:
 
 def shard_cpu_processes(accelerator) -> None:
     """Give CPU processes the FSDP their launcher asked for (Accelerate does so only on GPUs and the like)."""
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
-
-    if accelerator.distributed_type == DistributedType.MULTI_CPU and parse_flag_from_env("ACCELERATE_USE_FSDP"):
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from FSDP_*, as Accelerator() builds it
+    utils = accelerate.utils
+    if accelerator.distributed_type == utils.DistributedType.MULTI_CPU and utils.parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        accelerator.state.fsdp_plugin = utils.FullyShardedDataParallelPlugin()  # from FSDP_*, as Accelerator() builds it
         # both states, as AcceleratorState.__init__ ends on GPUs (every later AcceleratorState() copies PartialState's)
-        accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+        accelerator.state.distributed_type = accelerate.PartialState().distributed_type = utils.DistributedType.FSDP
 
 
 def one_module_per_tied_embedding(model) -> None:

@@ -13,6 +13,9 @@ from transformers.pytorch_utils import Conv1D
 
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.ground.errors import BadInput
+from headfold.ground.lazy import lazy_import
+
+peft = lazy_import("peft")  # --train lora only
 
 TRAIN_MODES = ("kv", "attention", "all", "lora")
 LORA_RANK = 16
@@ -46,8 +49,6 @@ def select(model: nn.Module, ckpt: SourceCheckpoint, names: dict[str, str], mode
 
 
 def _lora(model: nn.Module, attention: set[str]) -> tuple[nn.Module, set[str]]:
-    import peft
-
     projections = (nn.Linear, Conv1D)  # what LoRA adapts: not the per-head norms (StableLM) among attention tensors
     weights = sorted(n for n in attention if n.endswith(".weight") and isinstance(model.get_submodule(n.removesuffix(".weight")), projections))
     config = peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0, target_modules=[w.removesuffix(".weight") for w in weights])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.distillation import sharding, state
@@ -155,8 +156,6 @@ class Trainer:
 def _checkpoint_layers(model: torch.nn.Module) -> None:
     """Recompute each layer in the backward pass. transformers checkpoints only layers in training
     mode; the model stays in eval mode (dropout off, as in the teacher) and only the layers claim it."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):

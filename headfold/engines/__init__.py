@@ -1,7 +1,7 @@
 """TensorRT engines: a pure build plan (CPU), the build through Polygraphy's loaders, the sidecar.
 
-Only `plan` is imported eagerly; `build` imports TensorRT and Polygraphy's TRT backend
-inside their functions, so everything here loads on machines without TensorRT or a GPU.
+Only `plan` is imported eagerly; `build` loads TensorRT on first use (ground/lazy.py), so
+everything here imports on machines without TensorRT or a GPU.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 NetworkFromOnnxPath (strongly typed as planned) → CreateConfig (one profile per graph, precision
 flags, workspace, timing cache, DETAILED profiling verbosity so the inspector names layers and
-tactics) → EngineFromNetwork (saves the timing cache) → SaveEngine. TensorRT and Polygraphy's TRT
-backend are imported inside the functions. Outputs are atomic: a failed or unfused
-(--require-fused-attention) build leaves nothing at OUT.
+tactics) → EngineFromNetwork (saves the timing cache) → SaveEngine. A real build (`headfold build`,
+run's build stage) imports this module; TensorRT itself loads on first use. Outputs are atomic: a
+failed or unfused (--require-fused-attention) build leaves nothing at OUT.
 """
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import onnx_ir as ir
+import torch
+from polygraphy.backend.trt import CreateConfig, EngineFromNetwork, NetworkFromOnnxPath, Profile, SaveEngine
+from polygraphy.exception import PolygraphyException
+from polygraphy.logger import G_LOGGER
+
+from headfold import plugins as custom_ops
 from headfold.engines.env import Target, engine_support
 from headfold.engines.plan import BuildPlan, GraphPlan, make_plan
 from headfold.engines.plan import sidecar_path
@@ -29,8 +36,10 @@ from headfold.engines.sidecar import EngineSidecar, make_sidecar
 from headfold.graphs.onnx_files import load_graph
 from headfold.ground.atomic import atomic_output, atomic_outputs, check_outputs, scratch_dir
 from headfold.ground.errors import BadInput, CheckFailed
+from headfold.ground.lazy import lazy_import
 
 log = logging.getLogger(__name__)
+trt = lazy_import("tensorrt")
 
 # How the engine inspector (DETAILED) shows attention. Fused kernels are named after their tactic
 # (Myelin "kgen" kernels such as _gemm_mha_v2_*, fmha, flash, xqa; NVIDIA/TensorRT#4397) or are
@@ -77,8 +86,6 @@ def _name(layer: dict[str, Any] | str) -> str:
 
 def config_arguments(plan: BuildPlan, graph: GraphPlan, trt: ModuleType) -> dict[str, Any]:
     """Keyword arguments for Polygraphy's CreateConfig; `trt` is the tensorrt module (passed in for the enums)."""
-    from polygraphy.backend.trt import Profile
-
     profile = Profile()
     for name, (low, opt, high) in graph.profile.items():
         profile.add(name, min=low, opt=opt, max=high)
@@ -101,8 +108,6 @@ def config_arguments(plan: BuildPlan, graph: GraphPlan, trt: ModuleType) -> dict
 
 
 def gpu_info() -> dict[str, str]:
-    import torch
-
     major, minor = torch.cuda.get_device_capability()
     return {"name": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}"}
 
@@ -113,10 +118,6 @@ def graph_for_tensorrt(graph: GraphPlan, target: Target) -> Iterator[Path]:
     if not graph.plugins:
         yield graph.onnx
         return
-    import onnx_ir as ir
-
-    from headfold import plugins as custom_ops
-
     with scratch_dir("headfold-emit") as tmp:
         model, _ = custom_ops.emit(load_graph(graph.onnx), target.version)
         path = Path(tmp) / graph.onnx.name
@@ -131,9 +132,6 @@ def _last_line(err: Exception) -> str:
 
 
 def _parse(path: Path, graph: GraphPlan, strongly_typed: bool) -> tuple:
-    from polygraphy.backend.trt import NetworkFromOnnxPath
-    from polygraphy.exception import PolygraphyException
-
     try:
         return NetworkFromOnnxPath(str(path), strongly_typed=strongly_typed)()
     except PolygraphyException as err:
@@ -141,10 +139,6 @@ def _parse(path: Path, graph: GraphPlan, strongly_typed: bool) -> tuple:
 
 
 def _engine(network: tuple, plan: BuildPlan, graph: GraphPlan) -> Any:
-    import tensorrt as trt
-    from polygraphy.backend.trt import CreateConfig, EngineFromNetwork
-    from polygraphy.exception import PolygraphyException
-
     config = CreateConfig(**config_arguments(plan, graph, trt))
     cache = str(plan.timing_cache) if plan.timing_cache else None  # build() points it at a scratch copy
     try:
@@ -155,16 +149,12 @@ def _engine(network: tuple, plan: BuildPlan, graph: GraphPlan) -> Any:
 
 def engine_layers(engine: Any) -> list[dict[str, Any] | str]:
     """The inspector's per-layer JSON (IEngineInspector, LayerInformationFormat.JSON)."""
-    import tensorrt as trt
-
     inspector = engine.create_engine_inspector()
     return json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON)).get("Layers", [])
 
 
 def build_graph(plan: BuildPlan, graph: GraphPlan, dest: Path, *, require_fused: bool) -> EngineSidecar:
     """Build, save and inspect one engine at `dest`; its sidecar."""
-    from polygraphy.backend.trt import SaveEngine
-
     start = time.perf_counter()
     with graph_for_tensorrt(graph, plan.target) as onnx_path:
         network = _parse(onnx_path, graph, plan.precision.strongly_typed)
@@ -180,8 +170,6 @@ def build_graph(plan: BuildPlan, graph: GraphPlan, dest: Path, *, require_fused:
 
 
 def _quiet_polygraphy() -> None:
-    from polygraphy.logger import G_LOGGER
-
     G_LOGGER.module_severity = G_LOGGER.WARNING  # its INFO lines (TF32 notice, per-step banners) drown the summary
 
 
@@ -199,8 +187,6 @@ def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: 
     if plan.timing_cache:
         check_outputs([(plan.timing_cache, False)], overwrite=True, sources=reads, ours=True)  # updated by design; TensorRT's format carries no mark
     if plan.plugins:
-        from headfold import plugins as custom_ops
-
         custom_ops.register_tensorrt(plan.plugins)
     _quiet_polygraphy()
     with scratch_dir("headfold-build") as scratch, atomic_outputs(plan.outputs, overwrite=overwrite, sources=plan.reads) as staged:

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from headfold.graphs.trt_lint import RULE_SETS, rule_set
 from headfold.ground.errors import BadInput
+from headfold.ground.lazy import lazy_import
+
+trt = lazy_import("tensorrt")
+torch = lazy_import("torch")  # only where TensorRT is installed: a dry run plans without it
 
 ASSUMED = "dry run: features assumed for this release"
 
@@ -40,8 +44,6 @@ class Target:
     @classmethod
     def installed(cls) -> Target:
         """The installed TensorRT's features (imports tensorrt; needs no GPU)."""
-        import tensorrt as trt
-
         return cls(
             trt.__version__,
             strongly_typed=hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"),
@@ -63,8 +65,6 @@ def engine_support() -> str | None:
         return "TensorRT is not installed"
     if _missing("polygraphy"):
         return "Polygraphy is not installed (a headfold dependency: pip install polygraphy)"
-    import torch
-
     if not torch.cuda.is_available():
         return "no NVIDIA GPU is visible (torch.cuda.is_available() is False)"
     return None

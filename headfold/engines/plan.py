@@ -23,6 +23,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from headfold import plugins as custom_ops
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.engines.env import Target
 from headfold.graphs.onnx_files import external_data_files, load_graph
@@ -178,8 +179,6 @@ def uses(model: ir.Model, option: str) -> bool:
 
 def lint_graph(model: ir.Model, path: Path, target: Target) -> tuple[LintReport, list[str]]:
     """Lint the graph as TensorRT will see it: after the plugin emitter when it needs plugins."""
-    from headfold import plugins as custom_ops
-
     names = custom_ops.plan_plugins(model, target.version)
     if not names:
         return lint(model, target.version), []

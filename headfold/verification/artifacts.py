@@ -23,6 +23,7 @@ from typing import Any
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.per_layer import collapse
 from headfold.converter.seq2seq import cache_bytes_per_token
+from headfold.engines.sidecar import load_sidecar, source_onnx
 from headfold.graphs.onnx_files import load_graph
 from headfold.ground import export_summary, manifest
 from headfold.ground.artifacts import DECODE_GRAPH, DECODER_GRAPH, ENCODER_GRAPH, ENGINE_SUFFIXES, MODEL_GRAPH, PREFILL_GRAPH, engine_name
@@ -31,6 +32,8 @@ from headfold.ground.hashing import sha256_file
 from headfold.ground.inputs import check_links
 from headfold.ground.units import INT4, PRECISIONS
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
+from headfold.verification.seq2seq import Seq2SeqOnnxRunner
+from headfold.verification.tensorrt_runner import TensorRTRunner
 
 GRAPHS = (PREFILL_GRAPH, MODEL_GRAPH)  # the full-sequence graph of a decoder / an encoder
 PREFILL_ENGINE, DECODE_ENGINE = engine_name(PREFILL_GRAPH), engine_name(DECODE_GRAPH)  # the pair after `headfold build`
@@ -57,8 +60,6 @@ class Artifact:
     def runner(self, decode_steps: int = 0) -> BaseRunner:
         """Its runner; an encoder-decoder export's feeds its target's last `decode_steps` tokens one at a time."""
         if self.pair is not None:
-            from headfold.verification.seq2seq import Seq2SeqOnnxRunner
-
             return Seq2SeqOnnxRunner(self.path, self.pair, decode_steps)
         return _runner(self.kind, self.path)
 
@@ -88,8 +89,6 @@ class Artifact:
         if self.model is not None:
             info |= attention_info(self.model, self.precision)
         if self.kind == "engine":
-            from headfold.engines.sidecar import load_sidecar
-
             info["engine"] = load_sidecar(self.path).summary()
         if self.is_conversion:
             info["conversion"] = conversion_manifest(self.model).conversion.to_dict()
@@ -98,8 +97,6 @@ class Artifact:
 
 def _runner(kind: str, path: Path) -> BaseRunner:
     if kind == "engine":
-        from headfold.verification.tensorrt_runner import TensorRTRunner
-
         return TensorRTRunner(path)
     return TorchRunner(path) if kind == "checkpoint" else OnnxRuntimeRunner(path)
 
@@ -154,8 +151,6 @@ def _onnx_artifact(graph: Path) -> Artifact:
 
 def _engine_artifact(engine: Path) -> Artifact:
     """An engine's model is its source graph's; its precision the one it was built in."""
-    from headfold.engines.sidecar import load_sidecar, source_onnx
-
     info = load_sidecar(engine)
     graph = source_onnx(engine, info)
     decode = engine.with_name(DECODE_ENGINE)  # `headfold build` writes the pair side by side

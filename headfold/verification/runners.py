@@ -27,11 +27,13 @@ from polygraphy.datatype import DataType
 from polygraphy.exception import PolygraphyException
 from polygraphy.logger import G_LOGGER
 
+from headfold.converter.checkpoint import CheckpointFacts
+from headfold.converter.modeling import load_model
 from headfold.ground.cache_names import PAST, CacheName, is_cache
 from headfold.ground.errors import BadInput, first_line
 from headfold.verification.inputs import wants_token_type_ids
 from headfold.verification.seq2seq import token_metadata as pair_metadata
-from headfold.verification.sessions import SessionFromGraph
+from headfold.verification.sessions import SessionFromGraph, ort
 
 Runner = BaseRunner  # what verify runs: headfold's runners below, or any of Polygraphy's own
 _ORT_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
@@ -65,9 +67,6 @@ class TorchRunner(BaseRunner):
         self.facts, self.model = None, None
 
     def activate_impl(self) -> None:
-        from headfold.converter.checkpoint import CheckpointFacts
-        from headfold.converter.modeling import load_model
-
         self.facts = CheckpointFacts.read(self.checkpoint)
         self.model = load_model(self.facts)
 
@@ -127,8 +126,6 @@ class OnnxRuntimeRunner(OnnxrtRunner):
         return {i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), _ORT_FLOATS[i.type]) for i in missing}
 
     def describe(self) -> dict[str, str]:
-        import onnxruntime as ort
-
         providers = self.session.get_providers() if self.session is not None else list(self.providers or ())
         return {"runner": self.name, "backend": f"onnxruntime {ort.__version__}", "providers": ",".join(providers)}
 
@@ -146,8 +143,6 @@ class SharedKvCache:
     def __init__(self, session: Any, batch: int, length: int, head_size: int | None = None) -> None:
         """`session`: the graph's onnxruntime.InferenceSession (an OnnxRuntimeRunner's `session`);
         `head_size` where its past inputs leave it symbolic (onnxruntime-genai's builder's graphs)."""
-        import onnxruntime as ort
-
         self.session = session
         device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         self.buffers = {

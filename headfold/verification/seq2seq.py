@@ -30,7 +30,7 @@ from headfold.converter.seq2seq import SYNTHESIZED_AUDIO
 from headfold.graphs.seq2seq import AUDIO_INPUT, ENCODER_MASK
 from headfold.ground.cache_names import PAST, PRESENT, SELF_HALF, CacheName, is_cache
 from headfold.ground.errors import BadInput
-from headfold.verification.sessions import SessionFromGraph
+from headfold.verification.sessions import SessionFromGraph, ort
 
 DECODER_IDS, DECODER_MASK = "decoder_input_ids", "decoder_attention_mask"
 _FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # what ORT names the graph's float types
@@ -130,8 +130,6 @@ class Seq2SeqOnnxRunner(BaseRunner):
         return {"logits": np.concatenate(logits, axis=1)}
 
     def describe(self) -> dict[str, str]:
-        import onnxruntime as ort
-
         providers = self.sessions[1].get_providers() if self.sessions else []
         return {"runner": self.name, "backend": f"onnxruntime {ort.__version__}", "providers": ",".join(providers), "decode_steps": str(self.decode_steps)}
 

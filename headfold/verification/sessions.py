@@ -9,6 +9,9 @@ from typing import Any
 from polygraphy.backend.base import BaseLoader
 
 from headfold.ground.errors import BadInput, first_line
+from headfold.ground.lazy import lazy_import
+
+ort = lazy_import("onnxruntime")  # loaded when the first session is made
 
 # Preferred ONNX Runtime providers, best first; those the installed build lacks are skipped.
 ORT_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
@@ -24,8 +27,6 @@ class SessionFromGraph(BaseLoader):
         self.graph, self.providers = Path(graph), providers
 
     def call_impl(self) -> Any:
-        import onnxruntime as ort
-
         available = set(ort.get_available_providers())
         providers = [p for p in (self.providers or ORT_PROVIDERS) if p in available] or ["CPUExecutionProvider"]
         options = ort.SessionOptions()

@@ -7,7 +7,7 @@ min/max admit the input shapes (Polygraphy keeps whichever is set); with `timed_
 many more executions of the same bindings between CUDA events (torch's, on Polygraphy's stream),
 the median going into `describe()` and so into the verify report; outputs as numpy copies
 (Polygraphy reuses its host buffers between calls, and a shared prefill runner is called again
-before its outputs are compared). TensorRT and torch's CUDA are imported on activation only.
+before its outputs are compared). TensorRT loads on activation only.
 """
 
 from __future__ import annotations
@@ -18,11 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from polygraphy.backend.trt import TrtRunner
+import torch
+from polygraphy.backend.trt import EngineFromPath, TrtRunner
 from polygraphy.datatype import DataType
 
+from headfold import plugins as custom_ops
+from headfold.engines import env
+from headfold.engines.sidecar import load_sidecar
 from headfold.ground.errors import BadInput
+from headfold.ground.lazy import lazy_import
 from headfold.verification.runners import polygraphy_errors
+
+trt = lazy_import("tensorrt")  # on activation, once engine_support() found it and a GPU
 
 Shape = tuple[int, ...]
 ProfileShapes = dict[str, tuple[Shape, Shape]]  # input -> (min, max)
@@ -53,14 +60,9 @@ class TensorRTRunner(TrtRunner):
 
     def _load_engine(self) -> Any:
         """Polygraphy's loader, called on activation: TensorRT and a GPU checked first, plugins registered."""
-        from headfold.engines.env import engine_support
-
-        why_not = engine_support()
+        why_not = env.engine_support()
         if why_not:
             raise BadInput(f"cannot run the TensorRT engine {self.engine_path}: {why_not}")
-        import tensorrt as trt
-        import torch
-        from polygraphy.backend.trt import EngineFromPath
 
         self._register_plugins()
         self._backend = {"backend": f"tensorrt {trt.__version__}", "device": torch.cuda.get_device_name()}
@@ -69,12 +71,8 @@ class TensorRTRunner(TrtRunner):
 
     def _register_plugins(self) -> None:
         if self.plugins is None:
-            from headfold.engines.sidecar import load_sidecar
-
             self.plugins = load_sidecar(self.engine_path).plugins
         if self.plugins:
-            from headfold import plugins as custom_ops
-
             custom_ops.register_tensorrt(self.plugins)
 
     def infer(self, feed_dict: Mapping[str, np.ndarray], check_inputs: bool = True, *args: Any, **kwargs: Any) -> dict[str, np.ndarray]:
@@ -94,8 +92,6 @@ class TensorRTRunner(TrtRunner):
 
     def engine_feed(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """The engine's inputs as torch CPU tensors of its dtypes (bf16 too, which numpy lacks); other keys dropped."""
-        import torch
-
         meta = self.get_input_metadata(use_numpy_dtypes=False)
         missing = [name for name in meta if name not in feed_dict]
         if missing:
@@ -122,8 +118,6 @@ class TensorRTRunner(TrtRunner):
 
     def _time(self) -> float:
         """Median milliseconds of `timed_runs` executions of the current bindings (CUDA events)."""
-        import torch
-
         stream = torch.cuda.ExternalStream(self.stream.ptr)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.timed_runs)]
         for start, end in events:
@@ -146,8 +140,6 @@ class TensorRTRunner(TrtRunner):
 
 def _to_numpy(tensor: Any) -> np.ndarray:
     """A numpy copy of an output tensor (bf16 as fp32: numpy has no bfloat16)."""
-    import torch
-
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.float()
     return tensor.numpy().copy()

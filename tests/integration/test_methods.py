@@ -16,7 +16,7 @@ from support.tiny_models import HEADS
 from headfold import convert
 from headfold.converter import alignment
 from headfold.converter.layout import AttentionWeights
-from headfold.converter.methods import LayerContext, align, get_method, head_activations, pairs_as_halves, permute
+from headfold.converter.methods import LayerContext, align, convert_attention, get_method, head_activations, pairs_as_halves, permute
 from headfold.ground.errors import BadInput
 
 # RoPE (full and partial rotary), RoPE with q/k norms, no RoPE with fused QKV, encoder with biases;
@@ -145,7 +145,7 @@ def test_bad_compute_device_is_bad_input(value: str, message: str, monkeypatch) 
     monkeypatch.setenv("HEADFOLD_DEVICE", value)
     attn, ctx = _random_layer()
     with pytest.raises(BadInput, match=message):
-        get_method("refit")(attn, 2, ctx)
+        convert_attention(get_method("refit"), attn, 2, ctx)
 
 
 @pytest.mark.gpu
@@ -156,7 +156,7 @@ def test_gpu_refit_matches_cpu(monkeypatch) -> None:
     results = {}
     for device in ("cpu", "cuda"):
         monkeypatch.setenv("HEADFOLD_DEVICE", device)
-        results[device] = get_method("aligned+grouped+refit")(attn, 2, ctx)
+        results[device] = convert_attention(get_method("aligned+grouped+refit"), attn, 2, ctx)
     cpu, gpu = results["cpu"], results["cuda"]
     assert cpu.groups == gpu.groups and gpu.attn.q.device.type == "cpu"
     for name in ("q", "k", "v", "o"):

@@ -8,6 +8,7 @@ checked on a copy laid out as `pip install .` lays the package out (following py
 from __future__ import annotations
 
 import ast
+import graphlib
 import os
 import shutil
 import subprocess
@@ -64,3 +65,23 @@ def test_no_private_name_crosses_rooms() -> None:
                 if private and _room(imported) != _room(module):
                     crossings.append(f"{path.relative_to(ROOT)}:{line} imports {' '.join(private)} from {imported}")
     assert not crossings, "private names imported across rooms:\n" + "\n".join(crossings)
+
+
+def test_no_files_import_each_other_in_a_loop() -> None:
+    """No circle, not even one broken by an import inside a function (import-linter's layers see
+    only the rooms): a name two files need lives in the one that the other imports."""
+    modules: dict[str, Path] = {}
+    for package, folder in _package_dirs().items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            modules[".".join((package, *parts))] = path
+    graph = {module: set() for module in modules}
+    for module, path in modules.items():
+        for _, imported, name in _imports(path):
+            target = f"{imported}.{name}" if f"{imported}.{name}" in modules else imported
+            if target in modules and target != module:
+                graph[module].add(target)
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as err:
+        raise AssertionError(f"files import each other in a loop: {' -> '.join(err.args[1])}") from None
