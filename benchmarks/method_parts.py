@@ -33,12 +33,12 @@ import torch
 from headfold import corpus
 from headfold.converter import conversion, convert, local
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.converter.recipes import DEFAULT_METHOD, get_method
+from headfold.converter.recipes import get_method
 from headfold.converter.modeling import load_model
 from headfold.demo import default_model_path
 from headfold.verification.metrics import compare, log_probs, windows
 
-METHODS = ("mean", "default", "local", "default+local")  # default: DEFAULT_METHOD as the family allows it
+METHODS = ("mean", "aligned+grouped+refit", "aligned+scored+refit", "local", "aligned+grouped+refit+local", "aligned+scored+refit+local")
 TRAINED_HERE = ("gptj", "bloom", "stablelm", "t5")  # benchmarks/added_families.py's families and seq2seq_recovery.py's T5
 CACHE = Path.home() / ".cache" / "headfold-method-parts"
 EXCERPT = 512 * 1024  # bytes of a zoo model's training split to calibrate on
@@ -105,13 +105,12 @@ def model(name: str) -> Model:
 
 
 def resolved(source: Path, method: str) -> str | None:
-    """`method` with `default` spelled out as the family allows it (as convert does for its default), or None
-    when the family refuses one of its parts."""
+    """`method` without the parts the family refuses (as convert runs its default there), or None when
+    nothing of it is left."""
     with SourceCheckpoint(source) as ckpt:
         refused = set(conversion.refused_modifiers(ckpt))
-    default = "+".join(p for p in DEFAULT_METHOD.split("+") if p not in refused)
-    parts = [q for p in method.split("+") for q in (default.split("+") if p == "default" else [p])]
-    return None if set(parts) & refused else get_method("+".join(parts)).name
+    parts = [p for p in method.split("+") if p not in refused]
+    return get_method("+".join(parts)).name if parts else None
 
 
 def kv_counts(spec: str, heads: int) -> list[int]:
@@ -219,7 +218,7 @@ def scored_rows(threads: int, heads: int = 32, head_dim: int = 128, hidden: int 
 WHAT = (
     "Training-free conversion of several trained models (the embedded decoder, the quality zoo's, small ones of the added families "
     "trained by benchmarks/added_families.py's recipe): KL(original ‖ converted) per token, perplexity and top-1 on each model's held-out "
-    "windows, at kv = h/2, h/4 and MQA, for mean pooling, the default and the parts `local` adds; convert seconds on a shared 2-core machine "
+    "windows, at kv = h/2, h/4 and MQA, for mean pooling and combinations of the method parts, `local` among them (each as the family allows it); convert seconds on a shared 2-core machine "
     "(CPU seconds are the robust figure)"
 )
 

@@ -274,7 +274,7 @@ def zoo_quality(data: dict) -> str:
     c = data["corpus"]
     corpus = (f"*corpus of the trained members*: {c['source']}; {c['files']} files, {c['heldout_files']} of them held out ({c['split']}); "
               f"{c['train_bytes']} training and {c['heldout_bytes']} held-out bytes, sha256 `{c['sha256']}`")  # fmt: skip
-    parts = [about(data, "what", "machine"), corpus, zoo_models_table(data), zoo_table(data), zoo_summary(data)]
+    parts = [about(data, "what", "machine"), corpus, zoo_models_table(data), zoo_table(data), zoo_choice(data), zoo_summary(data)]
     for key, name in (("ppl_increase", "perplexity increase"), ("top1", "top-1 agreement"), ("convert_s", "conversion wall seconds")):
         show = (lambda r, k=key: pct(r[k])) if key == "ppl_increase" else (lambda r, k=key: f"{r[k]:.1%}") if key == "top1" else (lambda r, k=key: fmt(r[k]))
         parts.append(f"**{name.capitalize()}**\n\n" + zoo_grid(data, show, decoders_only=key != "convert_s"))
@@ -296,21 +296,21 @@ def zoo_grid(data: dict, show: Callable, decoders_only: bool = False) -> str:
     rows = [r for r in data["rows"] if not decoders_only or "kl" in r]
     methods = list(dict.fromkeys(r["method"] for r in rows if r["calibration"] == "built-in"))
     cell = {(r["model"], r["kv"], r["method"], r["calibration"]): r for r in rows}
-    own = data["default_method"], "training split"
+    own = list(dict.fromkeys(r["method"] for r in rows if r["calibration"] == "training split"))  # the default when it was measured
     body = []
     for model, kv, heads in dict.fromkeys((r["model"], r["kv"], r["kv_heads"]) for r in rows):
-        here = [cell.get((model, kv, m, "built-in")) for m in methods] + [cell.get((model, kv, *own))]
+        here = [cell.get((model, kv, m, "built-in")) for m in methods] + [cell.get((model, kv, m, "training split")) for m in own]
         body.append([model, f"{kv} ({heads})", *(show(r) + ("†" if "ran_as" in r else "") if r else "" for r in here)])
-    ran_as = sorted({f"`{r['ran_as']}`" for r in rows if "ran_as" in r})
-    note = f"\n\n† ran as {' or '.join(ran_as)}: the family refuses a part of the default (as `headfold convert` does)." if ran_as else ""
-    return table(["model", "kv", *(f"`{m}`" for m in methods), f"`{own[0]}`, own text"], body) + note
+    ran_as = sorted({f"`{r['method']}` as `{r['ran_as']}`" for r in rows if "ran_as" in r})
+    note = f"\n\n† the family refuses a part of the method, which ran without it (as `headfold convert` runs the default): {', '.join(ran_as)}." if ran_as else ""
+    return table(["model", "kv", *(f"`{m}`" for m in methods), *(f"`{m}`, own text" for m in own)], body) + note
 
 
 def zoo_table(data: dict) -> str:
     """The main grid: KL per token for the decoders, 1 − cosine for the encoder (lower is better)."""
     show = lambda r: f"{r['kl']:.3g}" if "kl" in r else f"{1 - r['cosine']:.3g} (1−cos)"  # noqa: E731
     intro = ("**KL(original ‖ converted) per token** on each model's held-out text (all-MiniLM-L6-v2: 1 − sentence-embedding cosine), "
-             "calibrated on the built-in text; *own text*: the default method calibrated on the model's training split (the embedded model's is the "
+             "calibrated on the built-in text; *own text*: a method calibrated on the model's training split (the embedded model's is the "
              "built-in text; MiniLM's is not ours). Lower is better.")  # fmt: skip
     return intro + "\n\n" + zoo_grid(data, show)
 
@@ -325,7 +325,43 @@ def zoo_summary(data: dict) -> str:
             ratio = lambda r: f"{_zoo_loss(mean) / _zoo_loss(r):.2f}×" if r else ""  # noqa: E731
             body.append([m["model"], f"{_zoo_loss(mean):.3g}", f"{_zoo_loss(best):.3g}", ratio(best), f"{_zoo_loss(own):.3g}" if own else "", ratio(own)])
     intro = f"**At h/4: `mean` against the default `{default}`** (KL, or 1 − cosine for the encoder; ratio: `mean`'s over the default's, the goal is 3× or more)"
-    return intro + "\n\n" + table(["model", "`mean`", "default", "ratio", "default, own text", "ratio"], body)
+    header = ["model", "`mean`", "default", "ratio", "default, own text", "ratio"]
+    if not any(row[4] for row in body):  # the default not measured on own text (yet): no empty columns
+        header, body = header[:4], [row[:4] for row in body]
+    return intro + "\n\n" + table(header, body)
+
+
+def zoo_ranks(data: dict, kv: str = "h/4") -> dict[str, tuple[float, float]]:
+    """Each method measured on every zoo model at `kv` (calibrated on the built-in text), ranked per model
+    by its loss (1 = least; ties share the mean of their ranks) → (mean rank over the models, its largest
+    loss over the best loss on a model), best first: by mean rank, a tie by the second."""
+    models = [m["model"] for m in data["models"]]
+    loss = {(r["model"], r["method"]): _zoo_loss(r) for r in data["rows"] if r["kv"] == kv and r["calibration"] == "built-in"}
+    methods = [m for m in dict.fromkeys(method for _, method in loss) if all((model, m) in loss for model in models)]
+    ranks: dict[str, list[float]] = {m: [] for m in methods}
+    worst: dict[str, float] = dict.fromkeys(methods, 1.0)
+    for model in models:
+        here = {m: loss[model, m] for m in methods}
+        for m, value in here.items():
+            ranks[m].append(1 + sum(v < value for v in here.values()) + (sum(v == value for v in here.values()) - 1) / 2)
+            worst[m] = max(worst[m], value / min(here.values()))
+    scores = {m: (sum(ranks[m]) / len(models), worst[m]) for m in methods}
+    return dict(sorted(scores.items(), key=lambda item: item[1]))
+
+
+def zoo_choice(data: dict) -> str:
+    """The rule that chooses the default method, the ranks it reads, and whether the file's default is its choice."""
+    ranks, default = zoo_ranks(data), data["default_method"]
+    chosen = next(iter(ranks), None)
+    everywhere = [m for m, (_, worst) in ranks.items() if worst <= 1.05]
+    verdict = (f"Chosen: `{chosen}`" + (", within 5 % of the best on every model" if chosen in everywhere else "")
+               + (f"; the default, `{default}`, is that method." if chosen == default else f"; the default is `{default}`."))  # fmt: skip
+    body = [[f"`{m}`" + (" (default)" if m == default else ""), f"{rank:.2f}", f"{worst:.3f}"] for m, (rank, worst) in ranks.items()]
+    intro = ("**How the default is chosen**: at h/4 the methods measured on every zoo model are ranked on each model by their loss "
+             "(1 = least; ties share a rank). The default is the method with the lowest mean rank, a tie going to the one whose loss "
+             "stays closest to the best on its worst model (a method within 5 % of the best on every model would be chosen as well). "
+             + verdict)  # fmt: skip
+    return intro + "\n\n" + table(["method", "mean rank", "largest loss over the best"], body)
 
 
 def standard(data: dict) -> str:
@@ -454,7 +490,7 @@ def method_parts_h4() -> str:
         cell = lambda r: f"{r['kl']:.3g} ({mean / r['kl']:.1f}×)" if r["label"] != "mean" else f"{r['kl']:.3g}"  # noqa: E731
         body.append([f"{model} ({first['family']}, {first['heads']} heads of {first['head_dim']})", *(cell(at[label]) if label in at else "" for label in labels)])
     note = (f"From [`method_parts.json`](../benchmarks/results/method_parts.json) (`benchmarks/method_parts.py`): KL at kv = h/4 and how many times less "
-            f"than `mean`'s; `default` is today's default method as the family allows it (benchmarks.md names it per model), local ran {budget} steps:")
+            f"than `mean`'s; each method as the family allows it (BLOOM: without `grouped` and `scored`; benchmarks.md names what ran), local ran {budget} steps:")
     return note + "\n\n" + table(["model", *(f"`{label}`" for label in labels)], body)
 
 
@@ -462,7 +498,7 @@ def zoo_methods() -> str:
     """docs/methods.md: the zoo's KL grid and the default against `mean` at h/4."""
     data = _load("zoo_quality.json")
     note = "From [`zoo_quality.json`](benchmarks.md#zoo_qualityjson) (`benchmarks/zoo.py quality`; the models, their perplexity, top-1 and conversion times are there):"
-    return "\n\n".join([note, zoo_table(data), zoo_summary(data)])
+    return "\n\n".join([note, zoo_table(data), zoo_choice(data), zoo_summary(data)])
 
 
 SNIPPETS: dict[str, Callable[[], str]] = {

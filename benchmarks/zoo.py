@@ -178,14 +178,13 @@ def kv_counts(spec: str, heads: int) -> dict[str, int]:
 
 
 def ran_as(folder: Path, method: str) -> str | None:
-    """The method the model's maths allows `method` to run as: the default leaves out what the family
-    refuses (BLOOM, T5: grouped), as `headfold convert` does; None: another method that needs a refused part."""
+    """The method the model's maths allows `method` to run as: without the parts the family refuses
+    (BLOOM, T5: grouped and scored), as `headfold convert` runs the default there, so that every
+    candidate has a row on every model; None when nothing of it is left."""
     with SourceCheckpoint(folder) as ckpt:
         refused = refused_modifiers(ckpt)
-    parts = method.split("+")
-    if not set(parts) & set(refused):
-        return method
-    return "+".join(p for p in parts if p not in refused) if method == DEFAULT_METHOD else None
+    kept = [p for p in method.split("+") if p not in refused]
+    return "+".join(kept) if kept else None
 
 
 def own_excerpt(text: str, pieces: int = 64, size: int = 8192) -> str:
@@ -202,26 +201,30 @@ def quality_rows(s: Subject, methods: list[str], kv_spec: str, tmp: Path, log: C
     if s.own_text is not None:
         own = tmp / f"{s.name}-train.txt"
         own.write_text(own_excerpt(s.own_text))
-    rows = []
+    rows, measured = [], {}  # (kv, method it runs as, calibration) → scores: BLOOM's and T5's candidates often run alike
     for label, kv in kv_counts(kv_spec, s.facts["heads"]).items():
         for method in methods:
             if not (runs := ran_as(s.folder, method)):
-                log(f"{s.name}: {method} left out: the family refuses a part of it")
+                log(f"{s.name}: {method} left out: the family refuses all of it")
                 continue
             for calibration in (BUILTIN, OWN) if own and method == DEFAULT_METHOD and label == "h/4" else (BUILTIN,):
-                rows.append(measure(s, score, label, kv, method, calibration, own, tmp) | ({"ran_as": runs} if runs != method else {}))
+                if (key := (kv, runs, calibration)) not in measured:
+                    measured[key] = measure(s, score, kv, runs, calibration, own, tmp)
+                row = {"model": s.name, "kv": label, "kv_heads": kv, "method": method, "calibration": calibration, **measured[key]}
+                rows.append(row | ({"ran_as": runs} if runs != method else {}))
                 log(line(rows[-1]))
     return rows
 
 
-def measure(s: Subject, score: Scorer, label: str, kv: int, method: str, calibration: str, own: Path | None, tmp: Path) -> dict:
+def measure(s: Subject, score: Scorer, kv: int, method: str, calibration: str, own: Path | None, tmp: Path) -> dict:
+    """One conversion's scores and wall time."""
     out = tmp / f"{s.name}-{kv}-{method}-{calibration.replace(' ', '-')}"
     start = time.perf_counter()
     headfold.convert(s.folder, out, kv, method, calibration=own if calibration == OWN else None, progress=False)
     seconds = time.perf_counter() - start
     scores = score(out)
     shutil.rmtree(out)
-    return {"model": s.name, "kv": label, "kv_heads": kv, "method": method, "calibration": calibration, **scores, "convert_s": round(seconds, 2)}
+    return {**scores, "convert_s": round(seconds, 2)}
 
 
 def line(row: dict) -> str:

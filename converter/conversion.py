@@ -97,9 +97,9 @@ def convert(
             text = audio_calibration(calibration)
         else:
             text = calibration_text(calibration, builtin_text if can_tokenize(ckpt.facts) else None) if recipe.data_aware and pools else None
+        if recipe.local and pools and text is None:
+            recipe = without_local(recipe, method)
         fit = recipe.local and pools
-        if fit and text is None:
-            raise BadInput("local fits each layer's attention output on calibration text: pass --calibration TEXT_FILE (a checkpoint with tokenizer files), not the weights alone")
         contexts = layer_contexts(ckpt, None if fit else text, calibration_tokens, seed, progress)
         fitted = fitted_layers(ckpt, targets, recipe, text, calibration_tokens, seed, contexts, steps, progress) if fit else {}
         errors = {str(i): [layer.start, layer.end] for i, layer in sorted(fitted.items())}  # each layer's relative attention-output error, before and after the fit
@@ -219,6 +219,16 @@ def method_for(ckpt: SourceCheckpoint, method: str) -> Recipe:
         return kept
     allowed = [m for m in ("mean", "first", "aligned", "grouped", "refit", "aligned+refit") if not set(m.split("+")) & set(refused)]
     raise BadInput(f"{reasons}; use {', '.join(allowed)}")
+
+
+def without_local(recipe: Recipe, method: str) -> Recipe:
+    """The default method where there is no calibration text (the weights alone): its other parts, with a
+    warning; any other method with local is BadInput (local fits attention outputs on text)."""
+    if method != DEFAULT_METHOD:
+        raise BadInput("local fits each layer's attention output on calibration text: pass --calibration TEXT_FILE (a checkpoint with tokenizer files), not the weights alone")
+    kept = replace(recipe, local=False)
+    log.warning(f"headfold: the default method is {kept.name} here, without local: local fits each layer's attention output on calibration text, and this conversion has the weights alone")
+    return kept
 
 
 def retarget_for(ckpt: SourceCheckpoint, targets: list[HeadShape]) -> Retarget | None:

@@ -14,10 +14,11 @@ METHODS = (
     "mean", "first", "aligned", "grouped", "scored", "refit", "local", "aligned+grouped", "aligned+grouped+refit", "aligned+scored+refit",
     "aligned+grouped+refit+local", "aligned+scored+refit+local",
 )  # fmt: skip
-# The one default of every command and of the Python API: the best training-free start measured
-# (benchmarks/results/conversion_quality.json, distill_recovery.json; docs/methods.md). It calibrates
-# on the built-in text, or on the weights alone when a checkpoint has no tokenizer to read text with.
-DEFAULT_METHOD = "aligned+grouped+refit"
+# The one default of every command and of the Python API: the lowest mean rank of KL at h/4 over the
+# quality zoo (benchmarks/results/zoo_quality.json; docs/methods.md has the rule and the ranks). It
+# calibrates on the built-in text; a checkpoint without tokenizer files (or --calibration weights) gets
+# it without local, which fits on text (conversion.without_local).
+DEFAULT_METHOD = "aligned+scored+refit+local"
 DEFAULT_LOCAL_STEPS = 100  # Adam steps per layer of `local` (--local-steps; converter/local.py, docs/methods.md)
 
 

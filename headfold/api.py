@@ -54,7 +54,7 @@ def convert(
         output: the folder to write; it appears only when complete.
         kv_heads: one count for every layer (1 = MQA), or one per layer; each divides the heads.
         method: mean, first, or data-aware modifiers joined by "+": aligned, grouped, scored, refit, local
-            (docs/methods.md); the default is the best training-free method measured.
+            (docs/methods.md); the default ranks best over the quality zoo, without local when there is no text.
         revision: branch, tag or commit of a hub id.
         calibration: text file the data-aware methods fit on; None: the built-in offline text (the
             weights alone for a checkpoint without tokenizer files); "weights": the weights alone.

@@ -27,7 +27,7 @@ def default_model_path() -> Path:
 
 
 def demo_budget() -> Path:
-    """Reference gates for the embedded model at 4 kv heads, best training-free method, then DEMO_DISTILL."""
+    """Reference gates for the embedded model at 4 kv heads, the default method, then DEMO_DISTILL."""
     return default_model_path() / "demo-budget.toml"
 
 

@@ -337,7 +337,9 @@ def _inspect(
         raise BadInput(f"{source} already has per-layer kv heads; inspect the checkpoint it was converted from")
     ckpt.facts.require_positions(WINDOW, f"inspect (it measures the loss on windows of {WINDOW} tokens)", "inspect a model that takes them", table_only=True)
     recipe = method_for(ckpt, method)  # ALiBi refuses grouped, clip_qkv rotations: as convert does
-    if recipe.local:
+    if recipe.local and method == DEFAULT_METHOD:  # the default's pooling: its local part fits while convert runs the layers
+        recipe = replace(recipe, local=False)
+    elif recipe.local:
         raise BadInput(f"inspect predicts each layer's loss without fitting it; inspect {replace(recipe, local=False).name} (local fits while convert runs the layers)")
     cands = parse_candidates(candidates, ckpt.shape.kv_heads)
     if ckpt.spec.mqa_only:  # gpt_bigcode: 1 kv head in every layer, or none pooled

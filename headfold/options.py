@@ -135,8 +135,8 @@ METHOD_HELP = (
     "How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
     "or combine with '+': aligned (rotate heads to a common basis first, function-preserving), grouped (pick groups "
     "by activation similarity), scored (pick groups by the loss they predict), refit (least-squares fit of W_Q/W_O to the pooled K/V), "
-    "local (fit each layer's attention output by gradient descent). The default is the best "
-    "training-free method measured; an ONNX source pools with mean."
+    "local (fit each layer's attention output by gradient descent). The default ranks best over the quality zoo "
+    "(docs/methods.md); without calibration text it leaves local out, and an ONNX source pools with mean."
 )
 
 

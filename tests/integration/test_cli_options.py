@@ -205,15 +205,15 @@ def test_one_default_method_everywhere() -> None:
         assert f"[default: {DEFAULT_METHOD}]" in " ".join(CliRunner().invoke(cli, [command, "-h"]).output.split()), command
     for function in (headfold.convert, converter_convert, inspect_checkpoint, run, demo):
         assert inspect.signature(function).parameters["method"].default == DEFAULT_METHOD, function
-    assert get_method(DEFAULT_METHOD).name == DEFAULT_METHOD == "aligned+grouped+refit"  # named back as it is written
+    assert get_method(DEFAULT_METHOD).name == DEFAULT_METHOD == "aligned+scored+refit+local"  # named back as it is written
 
 
 def test_the_default_calibrates_on_the_weights_when_there_is_no_tokenizer(tiny_checkpoint, tmp_path: Path, capsys) -> None:
     assert main(["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "--json", "-"]) == 0
     out, err = capsys.readouterr()
     result = json.loads(out)  # --json -: stdout is the JSON alone
-    assert result["conversion"]["method"] == "aligned+grouped+refit" and result["conversion"]["calibration"]["text"] == "weights"
-    assert "no tokenizer files" in err and "--calibration TEXT_FILE" in err
+    assert result["conversion"]["method"] == "aligned+scored+refit" and result["conversion"]["calibration"]["text"] == "weights"
+    assert "no tokenizer files" in err and "--calibration TEXT_FILE" in err and "the default method is aligned+scored+refit here, without local" in err
 
 
 @pytest.fixture(scope="module")

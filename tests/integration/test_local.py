@@ -5,6 +5,7 @@ what it cannot do in one line, and keeps calibration's memory bound (one layer l
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from headfold.converter.layerwise import layer_runs
 from headfold.converter.layout import AttentionCodec
 from headfold.converter.methods import expand_kv
 from headfold.converter.modeling import load_model, parameter_names
+from headfold.converter.recipes import DEFAULT_METHOD, get_method
 from headfold.ground.errors import BadInput
 
 BYTES = 256  # a byte-level vocabulary: the tiny models calibrate on the built-in text as bytes
@@ -140,7 +142,7 @@ def test_an_exact_start_is_left_untouched(family: str, tiny_checkpoint) -> None:
             assert result.attn is start and result.start == result.end <= local.EXACT
 
 
-@pytest.mark.parametrize("method", ["local", "aligned+grouped+refit+local"])
+@pytest.mark.parametrize("method", list(dict.fromkeys(["local", "aligned+grouped+refit+local", DEFAULT_METHOD])))
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "bert"])
 def test_identical_heads_stay_lossless(family: str, method: str, tiny_checkpoint, tmp_path: Path) -> None:
     src = edit_attention(calibrated(family, tiny_checkpoint), tmp_path / "src", identical_heads(HEADS // 2))
@@ -151,7 +153,7 @@ def test_identical_heads_stay_lossless(family: str, method: str, tiny_checkpoint
 
 def test_identity_is_byte_identical(tiny_checkpoint, tmp_path: Path) -> None:
     src = calibrated("llama", tiny_checkpoint)
-    out = local_convert(src, tmp_path / "out", method="aligned+grouped+refit+local", kv=HEADS)
+    out = local_convert(src, tmp_path / "out", method=DEFAULT_METHOD, kv=HEADS)
     assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
 
@@ -198,6 +200,21 @@ def test_inspect_refuses_local(tiny_checkpoint) -> None:
 
     with pytest.raises(BadInput, match="inspect aligned"):
         inspect(calibrated("llama", tiny_checkpoint), method="aligned+local", progress=False)
+
+
+def test_the_default_without_text_leaves_local_out(tiny_checkpoint, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The weights alone give local nothing to fit: the default runs its other parts and says so (inspect
+    predicts with those parts too); a method that names local is refused instead (above)."""
+    from headfold import inspect
+
+    src = calibrated("llama", tiny_checkpoint)
+    with caplog.at_level(logging.WARNING, logger="headfold"):
+        out = convert(src, tmp_path / "out", kv_heads=2, calibration="weights", progress=False)
+    without = get_method(DEFAULT_METHOD).name.replace("+local", "")
+    conversion = json.loads((out / "headfold.json").read_text())["conversion"]
+    assert conversion["method"] == without and "local" not in conversion["calibration"]
+    assert f"the default method is {without} here, without local" in caplog.text
+    assert inspect(src, candidates="2", calibration_tokens=TOKENS, progress=False).method == without
 
 
 # A Llama layout larger than the bound below; its conversion with local in a fresh process. The peak comes

@@ -24,6 +24,7 @@ from headfold.verification.inputs import cut_rows
 
 EMBEDDED = default_model_path()
 ROWS = InputSpec(max_rows=32)  # ~6k held-out bytes: enough for stable numbers, quick on 2 cores
+METHOD = "aligned+grouped+refit"  # these tests are about the stages; the demo's runs the default method, local's fit included
 
 
 @contextlib.contextmanager
@@ -52,7 +53,7 @@ def unnumbered(line: str) -> str:
 def first_run(tmp_path_factory) -> tuple[Path, list[str], object]:
     out = tmp_path_factory.mktemp("run") / "out"
     with stage_lines() as log:
-        report = run(EMBEDDED, out, 4, inputs=ROWS)
+        report = run(EMBEDDED, out, 4, method=METHOD, inputs=ROWS)
     return out, log, report
 
 
@@ -106,13 +107,13 @@ def test_run_end_to_end(first_run) -> None:
 def test_second_run_skips_stage_by_stage(first_run) -> None:
     out, _, first = first_run
     with stage_lines() as log:
-        again = run(EMBEDDED, out, 4, inputs=ROWS)
+        again = run(EMBEDDED, out, 4, method=METHOD, inputs=ROWS)
     assert [unnumbered(line).split(":")[0] for line in log if "unchanged, skipped" in line] == ["convert", "export", "verify"]
     assert again.to_dict()["checks"] == first.to_dict()["checks"]
     assert again.stages["verify"] == "skipped"
 
     with stage_lines() as log:
-        looser = run(EMBEDDED, out, 4, inputs=ROWS, thresholds=Thresholds(max_kl=5.0))  # only the budget changed
+        looser = run(EMBEDDED, out, 4, method=METHOD, inputs=ROWS, thresholds=Thresholds(max_kl=5.0))  # only the budget changed
     assert [unnumbered(line).split(":")[0] for line in log if "unchanged, skipped" in line] == ["convert", "export"]
     assert looser.checks[0].budget["max_kl"] == 5.0
 

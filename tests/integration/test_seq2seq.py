@@ -110,7 +110,7 @@ def test_data_aware_default_on_the_weights_is_lossless_on_identical_heads(family
     src = identical(family, 2)
     out = convert(src, tmp_path / "out", kv_heads=4, calibration="weights", progress=False)
     conversion = json.loads((out / "headfold.json").read_text())["conversion"]
-    assert conversion["method"] == ("aligned+refit" if family == "t5" else "aligned+grouped+refit")
+    assert conversion["method"] == ("aligned+refit" if family == "t5" else "aligned+scored+refit")  # the default without local: no text
     assert conversion["calibration"]["text"] == "weights"
     diff = (logits(load_model(src)) - logits(load_model(out))).abs().max().item()
     assert diff <= 1e-4, f"{family}: max abs diff {diff}"
@@ -122,7 +122,8 @@ def test_calibration_runs_encoder_and_decoder(family: str, tiny_checkpoint, text
     see every attention's K/V input, and identical heads stay lossless."""
     src = edit_attention(tiny_checkpoint(family, **({} if family == "whisper" else BYTES)), tmp_path / "src", identical_heads(2))
     calibration = None if family == "whisper" else text_file
-    out = convert(src, tmp_path / "out", kv_heads=4, calibration=calibration, calibration_tokens=512, pool="all", progress=False)
+    # the default method; its fit (local) for two steps only: this test is about what calibration reads
+    out = convert(src, tmp_path / "out", kv_heads=4, calibration=calibration, calibration_tokens=512, pool="all", local_steps=2, progress=False)
     recorded = json.loads((out / "headfold.json").read_text())["conversion"]["calibration"]["text"]
     assert recorded == ("synthesized log-mel features" if family == "whisper" else str(text_file))
     weights_only = convert(src, tmp_path / "weights", kv_heads=4, calibration="weights", pool="all", progress=False)

@@ -70,3 +70,18 @@ def test_kv_counts_name_distinct_divisors(zoo) -> None:
     assert harness.kv_counts("h/2,h/4,1", 8) == {"h/2": 4, "h/4": 2, "MQA": 1}
     assert harness.kv_counts("h/2,h/4,1", 12) == {"h/2": 6, "h/4": 3, "MQA": 1}
     assert harness.kv_counts("h/2,h/4,1", 4) == {"h/2": 2, "MQA": 1}  # h/4 is MQA: counted once
+
+
+def test_the_default_is_chosen_by_mean_rank(zoo) -> None:
+    """Each method measured on every model is ranked per model by its loss (ties share a rank; an encoder's
+    loss is 1 − cosine); a method missing on one model is not ranked; equal mean ranks go to the method
+    closest to the best on its worst model."""
+    _, _, render = zoo
+    row = lambda model, method, loss: {"model": model, "kv": "h/4", "method": method, "calibration": "built-in", **loss}  # noqa: E731
+    rows = [row("a", "mean", {"kl": 2.0}), row("a", "x", {"kl": 0.5}), row("a", "y", {"kl": 0.55}), row("a", "z", {"kl": 0.1}),
+            row("b", "mean", {"kl": 1.0}), row("b", "x", {"kl": 0.3}), row("b", "y", {"kl": 0.2}),
+            row("enc", "mean", {"cosine": 0.5}), row("enc", "x", {"cosine": 0.9}), row("enc", "y", {"cosine": 0.9})]  # fmt: skip
+    data = {"models": [{"model": m} for m in ("a", "b", "enc")], "rows": rows, "default_method": "mean"}
+    assert render.zoo_ranks(data) == {"y": ((2 + 1 + 1.5) / 3, pytest.approx(1.1)), "x": ((1 + 2 + 1.5) / 3, pytest.approx(1.5)), "mean": (3.0, pytest.approx(5.0))}
+    assert list(render.zoo_ranks(data)) == ["y", "x", "mean"]  # x and y tie on mean rank: y stays within 10 % of the best, x within 50 %
+    assert "Chosen: `y`; the default is `mean`." in render.zoo_choice(data)
