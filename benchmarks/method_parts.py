@@ -228,7 +228,7 @@ COST = (
     "What each method costs on the generated 1.29 GB fp16 Llama layout (benchmarks/convert_throughput.py: 10 layers, hidden 2048, 16 heads "
     "of 128, random weights) converted to 4 kv heads on 4096 calibration tokens, one fresh process per row on a shared 2-core machine: "
     "wall and CPU seconds of the convert call (headfold imported, torch not yet), peak RSS; local at two step budgets, so that one step's cost is "
-    "their difference; and scored's grouping alone on one 7B-shaped layer"
+    "their difference; and (unless --no-scored-layer) scored's grouping alone on one 7B-shaped layer"
 )
 
 
@@ -245,13 +245,14 @@ def main() -> None:
     parser.add_argument("--layout", action="store_true", help="cost on the generated 1.29 GB Llama layout instead (default JSON method_parts_cost.json)")
     parser.add_argument("--layout-steps", default="1,3", help="--local-steps the layout's methods with local run at (the cost per step is their difference)")
     parser.add_argument("--keep", type=Path, help="make the layout once in this folder and reuse it")
+    parser.add_argument("--no-scored-layer", action="store_true", help="--layout: leave out scored's grouping on the 7B-shaped layer")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     local.RATE, local.SEQUENTIAL = args.rate, args.sequential
     if args.layout:
         path = args.json if args.json != DEFAULT_JSON else DEFAULT_JSON.with_name("method_parts_cost.json")
-        rows = scored_rows(args.threads) + layout_rows(args.methods.split(","), [int(x) for x in args.layout_steps.split(",")], args.threads, args.keep)
+        rows = ([] if args.no_scored_layer else scored_rows(args.threads)) + layout_rows(args.methods.split(","), [int(x) for x in args.layout_steps.split(",")], args.threads, args.keep)
         kept = [] if args.fresh or not path.is_file() else json.loads(path.read_text())["rows"]
         path.write_text(json.dumps({"what": COST, "rows": kept + rows}, indent=1) + "\n")
         return
