@@ -159,6 +159,71 @@ def distill_recipe_sweep(data: dict) -> str:
     return about(data, "what", "how", "machine") + "\n\n" + table(["run", "kv", "options", "steps", "KL", "perplexity", "increase", "CPU s"], body)
 
 
+def _zoo_cell(point: dict | None) -> str:
+    return f"{point['ppl_increase']:+.2%} / {point['kl']:.3g}" if point else ""  # two decimals: the goals are 2 and 3 %
+
+
+def _zoo_points(rows: list[dict], model: str, recipe: str) -> dict[str, dict]:
+    """One recipe's points on one model: "start", each budget's own run ("1%"), the longest run on the way ("1% on the way")."""
+    mine = sorted((r for r in rows if (r["model"], r["recipe"]) == (model, recipe)), key=lambda r: r["budget"])
+    points = {"start": mine[0]["points"][0]} if mine else {}
+    for r in mine:
+        points[f"{r['budget']:.1%}"] = r["points"][-1]
+    for p in mine[-1]["points"][1:-1] if mine else ():
+        points[f"{p['budget']:.1%} on the way"] = p
+    return points
+
+
+def distill_zoo_ranks(data: dict) -> list[tuple[str, dict[str, float], int]]:
+    """Each recipe's mean rank over the models by perplexity increase, at each budget's own run (1 = best;
+    a recipe is ranked among those run on the same model); best first, by the largest budget."""
+    rows, budgets = data["rows"], sorted({r["budget"] for r in data["rows"]})
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    ranks: dict[str, dict[str, list[int]]] = {rc: {} for rc in recipes}
+    for b in budgets:
+        for model in data["models"]:
+            at = sorted((r["points"][-1]["ppl_increase"], r["recipe"]) for r in rows if r["model"] == model and r["budget"] == b)
+            for i, (_, recipe) in enumerate(at):
+                ranks[recipe].setdefault(f"{b:.1%}", []).append(i + 1)
+    out = [(rc, {b: sum(v) / len(v) for b, v in by.items()}, max(map(len, by.values()))) for rc, by in ranks.items() if by]
+    last = f"{budgets[-1]:.1%}"
+    return sorted(out, key=lambda item: (item[1].get(last, float("inf")), item[0]))
+
+
+def distill_zoo(data: dict) -> str:
+    """Distillation recipes across the quality zoo: perplexity increase / KL on each model's held-out text."""
+    rows = data["rows"]
+    columns = ["start", "0.5%", "0.5% on the way", "1.0%", "1.0% on the way", "5.0%"]
+    body = []
+    for model, m in data["models"].items():
+        for recipe in dict.fromkeys(r["recipe"] for r in rows if r["model"] == model):
+            points = _zoo_points(rows, model, recipe)
+            last = max((r for r in rows if (r["model"], r["recipe"]) == (model, recipe)), key=lambda r: r["budget"])
+            body.append([f"{model} (kv {m['kv_heads']} of {m['heads']})", f"`{recipe}`", *(_zoo_cell(points.get(c)) for c in columns), f"{last['points'][-1]['top1']:.1%}", last["cpu_s"]])
+    header = ["model", "recipe", *(c.replace("%", " %") for c in columns), "top-1, last", "CPU s, last"]
+    base = "*base*: " + ", ".join(f"{k} {fmt(v)}" for k, v in data["base"].items())
+    return "\n\n".join([about(data, "what", "machine"), base, table(header, body), distill_zoo_summary(data)])
+
+
+def distill_zoo_summary(data: dict) -> str:
+    """The recipes' mean ranks, and the goals per model for the best one."""
+    ranked = distill_zoo_ranks(data)
+    budgets = sorted({r["budget"] for r in data["rows"]})
+    rank_table = table(["recipe", "models", *(f"mean rank, {b:.1%}" for b in budgets)], [[f"`{rc}`", n, *(f"{by[f'{b:.1%}']:.2f}" if f"{b:.1%}" in by else "" for b in budgets)] for rc, by, n in ranked])
+    best = ranked[0][0]
+    goals = {float(b): v for b, v in data["goals"].items()}
+    body = []
+    for model in data["models"]:
+        points = _zoo_points(data["rows"], model, best)
+        cells = []
+        for b, goal in sorted(goals.items()):
+            p = points.get(f"{b:.1%}")
+            cells.append(f"{p['ppl_increase']:+.2%}: {'met' if p['ppl_increase'] <= goal else 'missed'}" if p else "not run")
+        body.append([model, _zoo_cell(points.get("start")), *cells])
+    goal_table = table(["model", "start", *(f"{b:.0%} (goal ≤ {g:.0%})" for b, g in sorted(goals.items()))], body)
+    return f"**Mean rank** (perplexity increase of each budget's own run; 1 = best):\n\n{rank_table}\n\n**Goals with `{best}`**, perplexity increase over the original:\n\n{goal_table}"
+
+
 def generate_throughput(data: dict) -> str:
     """benchmarks/generate_throughput.py: onnxruntime-genai tokens/s, headfold's export against og's model builder."""
     args = data["args"]
@@ -299,6 +364,7 @@ RENDERERS: dict[str, Callable] = {
     "decode_latency": decode_latency,
     "distill_recovery": distill_recovery,
     "distill_recipe_sweep": distill_recipe_sweep,
+    "distill_zoo": distill_zoo,
     "generate_throughput": generate_throughput,
     "calibration": calibration_memory,  # calibration_memory.py --json …
     "method_parts": method_parts,
@@ -407,6 +473,12 @@ def method_parts_h4() -> str:
     return note + "\n\n" + table(["model", *(f"`{label}`" for label in labels)], body)
 
 
+def distill_zoo_recipes() -> str:
+    """docs/distill.md: the recipes' ranks over the zoo and the goals for the best one."""
+    note = "From [`distill_zoo.json`](benchmarks.md#distill_zoojson) (`benchmarks/distill_zoo.py`; every run's curve is there):"
+    return note + "\n\n" + distill_zoo_summary(_load("distill_zoo.json"))
+
+
 def zoo_methods() -> str:
     """docs/methods.md: the zoo's KL grid and the default against `mean` at h/4."""
     data = _load("zoo_quality.json")
@@ -416,7 +488,7 @@ def zoo_methods() -> str:
 
 SNIPPETS: dict[str, Callable[[], str]] = {
     "headline": headline, "scaling-plan": scaling_plan, "demo-reference": demo_reference, "method-parts-h4": method_parts_h4,
-    "zoo-quality": zoo_methods,
+    "zoo-quality": zoo_methods, "distill-zoo": distill_zoo_recipes,
 }  # fmt: skip
 MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 
