@@ -116,7 +116,7 @@ def one_run(subject: zoo.Subject, folder: Path, recipe: str, budget: float, on_t
 
 @contextmanager
 def locked(path: Path):
-    with open(path.with_suffix(".lock"), "w") as lock:
+    with open(Path(tempfile.gettempdir()) / f"{path.name}.lock", "w") as lock:  # outside the results folder, which holds results only
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 

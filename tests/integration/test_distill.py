@@ -55,7 +55,7 @@ def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: 
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["kl"] < 1e-6 and record(out)["final_eval"]["top1"] == 1.0
-    assert record(out)["options"]["lr"] == 1e-3 and record(out)["options"]["hidden_weight"] == 30.0  # a decoder's defaults
+    assert record(out)["options"]["lr"] == 1e-4 and record(out)["options"]["hidden_weight"] == 30.0  # a decoder's defaults
     before, after = weights(student), weights(out)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     matched = distill(teacher, student, tmp_path / "matched", data=text_file, steps=3, attention_weight=30.0, **FAST)  # each attention block's output too
