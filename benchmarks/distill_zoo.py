@@ -48,7 +48,7 @@ RESULTS = Path(__file__).parent / "results" / "distill_zoo.json"
 MODELS = ("llama-16h", "llama-hd64", "gpt2", "neox", "bloom")
 METHOD = "aligned+grouped+refit+local"
 BUDGETS = (0.005, 0.01, 0.05)
-EVAL_WINDOWS = 64  # every other one of the zoo's 128 held-out windows: still spread over the split, half the time per evaluation
+EVAL_WINDOWS = 64  # default --eval-windows: every other one of the zoo's 128 held-out windows, still spread over the split, half the time per evaluation
 GOALS = {0.01: 0.03, 0.05: 0.02}  # issue 34: perplexity increase at most this after this share of the pre-training tokens
 # A recipe is `base` with some options changed, named by the change ("lr=3e-4,hidden_weight=0");
 # rows record every option they ran with, so a changed default never changes what a row means.
@@ -67,7 +67,7 @@ def recipe_options(recipe: str) -> dict:
 
 WHAT = ("Distillation recipes on the zoo's trained models (benchmarks/distill_zoo.py): the student is each model at kv = h/4 converted with "
         f"`{METHOD}` (BLOOM without `grouped`), calibrated on the built-in text; it trains on the model's own training text and is scored "
-        f"on {EVAL_WINDOWS} of its own held-out windows of 256 bytes (every other one of the zoo's 128). Each budget (a share of the model's 1 048 576 pre-training tokens) is a run of its own "
+        "on its own held-out windows of 256 bytes (the zoo's 128, or every other one of them: each model's entry says how many). Each budget (a share of the model's 1 048 576 pre-training tokens) is a run of its own "
         "whose LR schedule ends there; the longest run is also read on the way.")  # fmt: skip
 
 
@@ -83,23 +83,23 @@ def student(model: str, subject: zoo.Subject, students: Path) -> tuple[Path, str
     return folder, method, kv
 
 
-def texts(subject: zoo.Subject, tmp: Path) -> tuple[Path, Path]:
+def texts(subject: zoo.Subject, tmp: Path, eval_windows: int) -> tuple[Path, Path]:
     """The model's training excerpt and held-out windows as one-document jsonl files (byte tokens: the
     held-out file's windows are the zoo's windows exactly)."""
     train, heldout = tmp / f"{subject.name}-train.jsonl", tmp / f"{subject.name}-heldout.jsonl"
     train.write_text(json.dumps({"text": zoo.own_excerpt(subject.own_text)}) + "\n")
-    heldout.write_text(json.dumps({"text": bytes(subject.heldout[::2][:EVAL_WINDOWS].flatten().tolist()).decode()}) + "\n")
+    heldout.write_text(json.dumps({"text": bytes(subject.heldout[:: len(subject.heldout) // eval_windows][:eval_windows].flatten().tolist()).decode()}) + "\n")
     return train, heldout
 
 
-def one_run(subject: zoo.Subject, folder: Path, recipe: str, budget: float, on_the_way: tuple[float, ...], data: Path, eval_data: Path, tmp: Path) -> dict:
+def one_run(subject: zoo.Subject, folder: Path, recipe: str, budget: float, on_the_way: tuple[float, ...], data: Path, eval_data: Path, eval_windows: int, tmp: Path) -> dict:
     """One distillation of `budget` × the pre-training tokens with `recipe`, read at `on_the_way` budgets too."""
     options = recipe_options(recipe)
     pretraining = subject.facts["pretraining_tokens"]
     tokens = round(budget * pretraining)
     per_step = options["seq_len"]  # batch 1: the default for every budget here (below MIN_STEPS steps of 8 windows)
     eval_at = tuple(round(b * pretraining) // per_step for b in on_the_way)
-    windows = EVAL_WINDOWS * subject.heldout.shape[1] // options["seq_len"]  # all the held-out file's bytes, whatever the window
+    windows = eval_windows * subject.heldout.shape[1] // options["seq_len"]  # all the held-out file's bytes, whatever the window
     out = tmp / f"{subject.name}-{recipe}-{budget}"
     began, cpu = time.perf_counter(), time.process_time()
     distill(subject.folder, folder, out, data=data, eval_data=eval_data, tokens=tokens, eval_every=tokens // per_step, eval_at=eval_at,
@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--recipes", default=";".join(RECIPES), help="`;`-separated: base, or base's options changed: lr=3e-4,hidden_weight=0")
     parser.add_argument("--budgets", type=lambda text: tuple(map(float, text.split(","))), default=BUDGETS, help="each a run of its own; the largest is also read on the way at the smaller of BUDGETS")
     parser.add_argument("--students", type=Path, default=Path(tempfile.gettempdir()) / "headfold-distill-zoo", help="where the converted students are kept between runs")
+    parser.add_argument("--eval-windows", type=int, choices=(32, 64, 128), default=EVAL_WINDOWS, help="of the zoo's 128 held-out windows, evenly spaced; one number per model across its rows")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -157,17 +158,17 @@ def main() -> None:
         subject = zoo.trained(model, zoo.zoo_models.CACHE)
         folder, method, kv = student(model, subject, args.students)
         entry = {"model": model, "heads": subject.facts["heads"], "head_dim": subject.facts["head_dim"], "kv_heads": kv, "method": method,
-                 "pretraining_tokens": subject.facts["pretraining_tokens"]}  # fmt: skip
+                 "pretraining_tokens": subject.facts["pretraining_tokens"], "eval_windows": args.eval_windows}  # fmt: skip
         save(args.results, entry, None)
         with tempfile.TemporaryDirectory(prefix="distill-zoo-") as tmp:
-            data, eval_data = texts(subject, Path(tmp))
+            data, eval_data = texts(subject, Path(tmp), args.eval_windows)
             for recipe in args.recipes.split(";"):
                 if recipe_options(recipe)["train"] == "kv" and SourceCheckpoint(folder).spec.fused_qkv is not None:
                     print(f"{model}: {recipe} left out: its Q, K and V are one tensor", flush=True)
                     continue
                 for budget in sorted(args.budgets):
                     on_the_way = tuple(b for b in BUDGETS if b < budget) if budget == max(args.budgets) else ()
-                    row = one_run(subject, folder, recipe, budget, on_the_way, data, eval_data, Path(tmp))
+                    row = one_run(subject, folder, recipe, budget, on_the_way, data, eval_data, args.eval_windows, Path(tmp))
                     save(args.results, entry, row)
                     print(line(row), flush=True)
     print(f"wrote {args.results}")

@@ -174,20 +174,21 @@ def _zoo_points(rows: list[dict], model: str, recipe: str) -> dict[str, dict]:
     return points
 
 
-def distill_zoo_ranks(data: dict) -> list[tuple[str, dict[str, float], int]]:
-    """Each recipe's mean rank over the models by perplexity increase, at each budget's own run (1 = best;
-    a recipe is ranked among those run on the same model); best first, by the largest budget."""
-    rows, budgets = data["rows"], sorted({r["budget"] for r in data["rows"]})
-    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
-    ranks: dict[str, dict[str, list[int]]] = {rc: {} for rc in recipes}
-    for b in budgets:
-        for model in data["models"]:
-            at = sorted((r["points"][-1]["ppl_increase"], r["recipe"]) for r in rows if r["model"] == model and r["budget"] == b)
-            for i, (_, recipe) in enumerate(at):
-                ranks[recipe].setdefault(f"{b:.1%}", []).append(i + 1)
-    out = [(rc, {b: sum(v) / len(v) for b, v in by.items()}, max(map(len, by.values()))) for rc, by in ranks.items() if by]
-    last = f"{budgets[-1]:.1%}"
-    return sorted(out, key=lambda item: (item[1].get(last, float("inf")), item[0]))
+def distill_zoo_ranks(data: dict) -> list[tuple[str, float, dict[str, float]]]:
+    """The recipes run on every model at every budget with a goal, best first: (recipe, mean rank over the
+    models and those budgets by perplexity increase, the mean increase per budget); a tie goes to the
+    lower mean increase."""
+    rows, models = data["rows"], list(data["models"])
+    budgets = sorted(map(float, data["goals"]))
+    final = {(r["model"], r["recipe"], r["budget"]): r["points"][-1]["ppl_increase"] for r in rows}
+    complete = [rc for rc in dict.fromkeys(r["recipe"] for r in rows) if all((m, rc, b) in final for m in models for b in budgets)]
+    ranks: dict[str, list[int]] = {rc: [] for rc in complete}
+    for m in models:
+        for b in budgets:
+            for i, rc in enumerate(sorted(complete, key=lambda rc: final[m, rc, b])):
+                ranks[rc].append(i + 1)
+    means = {rc: {f"{b:.1%}": sum(final[m, rc, b] for m in models) / len(models) for b in budgets} for rc in complete}
+    return sorted(((rc, sum(v) / len(v), means[rc]) for rc, v in ranks.items()), key=lambda item: (item[1], sum(item[2].values())))
 
 
 def distill_zoo(data: dict) -> str:
@@ -206,11 +207,19 @@ def distill_zoo(data: dict) -> str:
 
 
 def distill_zoo_summary(data: dict) -> str:
-    """The recipes' mean ranks, and the goals per model for the best one."""
+    """The recipes run everywhere ranked, the other changes against the recipe they change, and the goals per model for the best."""
     ranked = distill_zoo_ranks(data)
-    budgets = sorted({r["budget"] for r in data["rows"]})
-    rank_table = table(["recipe", "models", *(f"mean rank, {b:.1%}" for b in budgets)], [[f"`{rc}`", n, *(f"{by[f'{b:.1%}']:.2f}" if f"{b:.1%}" in by else "" for b in budgets)] for rc, by, n in ranked])
+    budgets = sorted(map(float, data["goals"]))
+    ranks = table(["recipe", "mean rank", *(f"mean increase, {b:.1%}" for b in budgets)], [[f"`{rc}`", f"{rank:.2f}", *(f"{v:+.2%}" for v in means.values())] for rc, rank, means in ranked])
     best = ranked[0][0]
+    others = []
+    for r in data["rows"]:
+        if r["recipe"] not in {rc for rc, _, _ in ranked} and r["budget"] == budgets[-1]:
+            points = _zoo_points(data["rows"], r["model"], r["recipe"])
+            changed = ",".join(part for part in r["recipe"].split(",") if part.startswith("lr="))  # the recipe this one changes
+            against = _zoo_points(data["rows"], r["model"], changed or "base")
+            others.append([r["model"], f"`{r['recipe']}`", *(f"{_zoo_cell(points.get(k))} ({_zoo_cell(against.get(k)).split(' /')[0]})" for k in ("1.0% on the way", f"{budgets[-1]:.1%}"))])
+    other_table = table(["model", "recipe", "1.0 % on the way", f"{budgets[-1]:.1%}"], others)
     goals = {float(b): v for b, v in data["goals"].items()}
     body = []
     for model in data["models"]:
@@ -221,7 +230,11 @@ def distill_zoo_summary(data: dict) -> str:
             cells.append(f"{p['ppl_increase']:+.2%}: {'met' if p['ppl_increase'] <= goal else 'missed'}" if p else "not run")
         body.append([model, _zoo_cell(points.get("start")), *cells])
     goal_table = table(["model", "start", *(f"{b:.0%} (goal ≤ {g:.0%})" for b, g in sorted(goals.items()))], body)
-    return f"**Mean rank** (perplexity increase of each budget's own run; 1 = best):\n\n{rank_table}\n\n**Goals with `{best}`**, perplexity increase over the original:\n\n{goal_table}"
+    return "\n\n".join([
+        f"**The recipes run on every model at every budget with a goal**, by mean rank over the models and budgets (perplexity increase of each budget's own run; 1 = best):", ranks,
+        "**One more change** (perplexity increase / KL; in brackets the recipe without that change):", other_table,
+        f"**Goals with `{best}`** (perplexity increase / KL over the original; each budget's own run):", goal_table,
+    ])  # fmt: skip
 
 
 def generate_throughput(data: dict) -> str:

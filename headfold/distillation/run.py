@@ -51,7 +51,7 @@ LOSSES = ("kl", "kl+ce")
 # Peak learning rate. Decoders: the lowest mean rank over four zoo decoders (GPT-NeoX, BLOOM, a head_dim-64
 # Llama, GPT-2) at 1 % and 5 % of their pre-training tokens, from the h/4 `+local` start
 # (benchmarks/results/distill_zoo.json): 1e-3 first undid that start (a higher KL than untrained after
-# 1 % on every one), 3e-4 on two of them; 1e-4 lowered the KL at every budget on all four. (From a
+# 1 % on every one), 3e-4 on two of them; 1e-4 lowered the KL at 1 % and 5 % on all four. (From a
 # far start, mean pooling or no `local`, 1e-3 recovered more: `decoder` rows of distill_recovery.json.)
 # Encoders: 1e-3 drove MiniLM's cosine down for the first steps from a good start, 1e-4 ended highest
 # (`encoder_lr_sweep`).
