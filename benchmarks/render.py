@@ -159,6 +159,84 @@ def distill_recipe_sweep(data: dict) -> str:
     return about(data, "what", "how", "machine") + "\n\n" + table(["run", "kv", "options", "steps", "KL", "perplexity", "increase", "CPU s"], body)
 
 
+def _zoo_cell(point: dict | None) -> str:
+    return f"{point['ppl_increase']:+.2%} / {point['kl']:.3g}" if point else ""  # two decimals: the goals are 2 and 3 %
+
+
+def _zoo_points(rows: list[dict], model: str, recipe: str) -> dict[str, dict]:
+    """One recipe's points on one model: "start", each budget's own run ("1%"), the longest run on the way ("1% on the way")."""
+    mine = sorted((r for r in rows if (r["model"], r["recipe"]) == (model, recipe)), key=lambda r: r["budget"])
+    points = {"start": mine[0]["points"][0]} if mine else {}
+    for r in mine:
+        points[f"{r['budget']:.1%}"] = r["points"][-1]
+    for p in mine[-1]["points"][1:-1] if mine else ():
+        points[f"{p['budget']:.1%} on the way"] = p
+    return points
+
+
+def distill_zoo_ranks(data: dict) -> list[tuple[str, float, dict[str, float]]]:
+    """The recipes run on every model at every budget with a goal, best first: (recipe, mean rank over the
+    models and those budgets by perplexity increase, the mean increase per budget); a tie goes to the
+    lower mean increase."""
+    rows, models = data["rows"], list(data["models"])
+    budgets = sorted(map(float, data["goals"]))
+    final = {(r["model"], r["recipe"], r["budget"]): r["points"][-1]["ppl_increase"] for r in rows}
+    complete = [rc for rc in dict.fromkeys(r["recipe"] for r in rows) if all((m, rc, b) in final for m in models for b in budgets)]
+    ranks: dict[str, list[int]] = {rc: [] for rc in complete}
+    for m in models:
+        for b in budgets:
+            for i, rc in enumerate(sorted(complete, key=lambda rc: final[m, rc, b])):
+                ranks[rc].append(i + 1)
+    means = {rc: {f"{b:.1%}": sum(final[m, rc, b] for m in models) / len(models) for b in budgets} for rc in complete}
+    return sorted(((rc, sum(v) / len(v), means[rc]) for rc, v in ranks.items()), key=lambda item: (item[1], sum(item[2].values())))
+
+
+def distill_zoo(data: dict) -> str:
+    """Distillation recipes across the quality zoo: perplexity increase / KL on each model's held-out text."""
+    rows = data["rows"]
+    columns = ["start", "0.5%", "0.5% on the way", "1.0%", "1.0% on the way", "5.0%"]
+    body = []
+    for model, m in data["models"].items():
+        for recipe in dict.fromkeys(r["recipe"] for r in rows if r["model"] == model):
+            points = _zoo_points(rows, model, recipe)
+            last = max((r for r in rows if (r["model"], r["recipe"]) == (model, recipe)), key=lambda r: r["budget"])
+            body.append([f"{model} (kv {m['kv_heads']} of {m['heads']})", f"`{recipe}`", *(_zoo_cell(points.get(c)) for c in columns), f"{last['points'][-1]['top1']:.1%}", last["cpu_s"]])
+    header = ["model", "recipe", *(c.replace("%", " %") for c in columns), "top-1, last", "CPU s, last"]
+    base = "*base*: " + ", ".join(f"{k} {fmt(v)}" for k, v in data["base"].items())
+    return "\n\n".join([about(data, "what", "machine"), base, table(header, body), distill_zoo_summary(data)])
+
+
+def distill_zoo_summary(data: dict) -> str:
+    """The recipes run everywhere ranked, the other changes against the recipe they change, and the goals per model for the best."""
+    ranked = distill_zoo_ranks(data)
+    budgets = sorted(map(float, data["goals"]))
+    ranks = table(["recipe", "mean rank", *(f"mean increase, {b:.1%}" for b in budgets)], [[f"`{rc}`", f"{rank:.2f}", *(f"{v:+.2%}" for v in means.values())] for rc, rank, means in ranked])
+    best = ranked[0][0]
+    others = []
+    for r in data["rows"]:
+        if r["recipe"] not in {rc for rc, _, _ in ranked} and r["budget"] == budgets[-1]:
+            points = _zoo_points(data["rows"], r["model"], r["recipe"])
+            changed = ",".join(part for part in r["recipe"].split(",") if part.startswith("lr="))  # the recipe this one changes
+            against = _zoo_points(data["rows"], r["model"], changed or "base")
+            others.append([r["model"], f"`{r['recipe']}`", *(f"{_zoo_cell(points.get(k))} ({_zoo_cell(against.get(k)).split(' /')[0]})" for k in ("1.0% on the way", f"{budgets[-1]:.1%}"))])
+    other_table = table(["model", "recipe", "1.0 % on the way", f"{budgets[-1]:.1%}"], others)
+    goals = {float(b): v for b, v in data["goals"].items()}
+    body = []
+    for model in data["models"]:
+        points = _zoo_points(data["rows"], model, best)
+        cells = []
+        for b, goal in sorted(goals.items()):
+            p = points.get(f"{b:.1%}")
+            cells.append(f"{p['ppl_increase']:+.2%}: {'met' if p['ppl_increase'] <= goal else 'missed'}" if p else "not run")
+        body.append([model, _zoo_cell(points.get("start")), *cells])
+    goal_table = table(["model", "start", *(f"{b:.0%} (goal ≤ {g:.0%})" for b, g in sorted(goals.items()))], body)
+    return "\n\n".join([
+        f"**The recipes run on every model at every budget with a goal**, by mean rank over the models and budgets (perplexity increase of each budget's own run; 1 = best):", ranks,
+        "**One more change** (perplexity increase / KL; in brackets the recipe without that change):", other_table,
+        f"**Goals with `{best}`** (perplexity increase / KL over the original; each budget's own run):", goal_table,
+    ])  # fmt: skip
+
+
 def generate_throughput(data: dict) -> str:
     """benchmarks/generate_throughput.py: onnxruntime-genai tokens/s, headfold's export against og's model builder."""
     args = data["args"]
@@ -379,6 +457,7 @@ RENDERERS: dict[str, Callable] = {
     "decode_latency": decode_latency,
     "distill_recovery": distill_recovery,
     "distill_recipe_sweep": distill_recipe_sweep,
+    "distill_zoo": distill_zoo,
     "generate_throughput": generate_throughput,
     "side_by_side": side_by_side,
     "calibration": calibration_memory,  # calibration_memory.py --json …
@@ -494,6 +573,12 @@ def method_parts_h4() -> str:
     return note + "\n\n" + table(["model", *(f"`{label}`" for label in labels)], body)
 
 
+def distill_zoo_recipes() -> str:
+    """docs/distill.md: the recipes' ranks over the zoo and the goals for the best one."""
+    note = "From [`distill_zoo.json`](benchmarks.md#distill_zoojson) (`benchmarks/distill_zoo.py`; every run's curve is there):"
+    return note + "\n\n" + distill_zoo_summary(_load("distill_zoo.json"))
+
+
 def zoo_methods() -> str:
     """docs/methods.md: the zoo's KL grid and the default against `mean` at h/4."""
     data = _load("zoo_quality.json")
@@ -503,7 +588,7 @@ def zoo_methods() -> str:
 
 SNIPPETS: dict[str, Callable[[], str]] = {
     "headline": headline, "scaling-plan": scaling_plan, "demo-reference": demo_reference, "method-parts-h4": method_parts_h4,
-    "zoo-quality": zoo_methods, "side-by-side": deployed_speed,
+    "zoo-quality": zoo_methods, "side-by-side": deployed_speed, "distill-zoo": distill_zoo_recipes,
 }  # fmt: skip
 MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 

@@ -138,6 +138,7 @@ def distill(
     loss: str = "kl",
     temperature: float = 1.0,
     hidden_weight: float | None = None,
+    attention_weight: float | None = None,
     warmup: float = 0.1,
     gradient_checkpointing: bool = False,
     seed: int = 0,
@@ -174,6 +175,7 @@ def distill(
         loss: decoders: "kl" or "kl+ce"; encoders always match hidden states and embeddings.
         temperature: softmax temperature of the KL (the loss is scaled by T²).
         hidden_weight: weight of the per-layer hidden-state match; 0 turns it off.
+        attention_weight: weight of the per-layer attention-output match; 0 turns it off.
         warmup: fraction of the steps with a linear learning-rate ramp.
         gradient_checkpointing: recompute activations in the backward pass (less memory).
         seed: seed of the training-window shuffle.
@@ -192,7 +194,7 @@ def distill(
     return run_distill(
         teacher, student, output, revision=revision, data=data, eval_data=eval_data, save_every=save_every, resume=resume, overwrite=overwrite, progress=progress,
         tokens=tokens, steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, train=train, loss=loss, temperature=temperature,
-        hidden_weight=hidden_weight, warmup=warmup, gradient_checkpointing=gradient_checkpointing, seed=seed, eval_every=eval_every,
+        hidden_weight=hidden_weight, attention_weight=attention_weight, warmup=warmup, gradient_checkpointing=gradient_checkpointing, seed=seed, eval_every=eval_every,
         eval_windows=eval_windows, until_kl=until_kl, until_ppl_increase=increase,
     )  # fmt: skip
 

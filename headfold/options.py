@@ -454,6 +454,7 @@ DISTILL_TRAINING = (
     spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
     spec("--temperature", type=FINITE, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
     spec("--hidden-weight", type=FINITE, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: by the student's kind, docs/distill.md]"),
+    spec("--attention-weight", type=FINITE, default=None, help="Weight of the per-layer attention-output match added to the loss: the same distance between each layer's attention block outputs; 0 turns it off. [default: docs/distill.md]"),
     spec("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, slower."),
     SEED,
 )  # fmt: skip

@@ -11,13 +11,17 @@ masked out of the encoder's attention and of the loss and scores. Encoders: MSE 
 Both may add `hidden_weight` × the per-layer hidden-state match (hidden_distance): it tells every
 layer what its output should be, not only the last one, and on the recovery benchmark it lowered the
 decoder's held-out KL for the same tokens at every kv and start (`decoder_kl_only` against
-`decoder_hw10_batch8` in benchmarks/results/distill_recovery.json).
+`decoder_hw10_batch8` in benchmarks/results/distill_recovery.json). And `attention_weight` × the same
+distance between each attention block's outputs (the module the spec's layer prefix names, as the
+`local` conversion part fits it), read by forward hooks: the part of each layer that pooling changed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,7 @@ from headfold.distillation.audio import AudioBatch
 class Outputs:
     final: torch.Tensor  # logits (decoders) or last hidden states (encoders)
     layers: tuple[torch.Tensor, ...] = ()  # every layer's output hidden states, when they are matched
+    attention: tuple[torch.Tensor, ...] = ()  # every attention block's output, when they are matched
 
 
 @dataclass(frozen=True)
@@ -37,11 +42,17 @@ class Objective:
     loss: str = "kl"  # "kl" | "kl+ce"
     temperature: float = 1.0
     hidden_weight: float = 0.0
+    attention_weight: float = 0.0
     decoder_start: int | None = None  # encoder-decoders: the decoder's start token; None for decoders and encoders
 
-    def outputs(self, model: torch.nn.Module, ids: torch.Tensor, *, layers: bool = True) -> Outputs:
-        """Of full windows (no padding, no mask); each layer's output too when the loss matches them."""
-        layers = layers and self.hidden_weight > 0
+    def outputs(self, model: torch.nn.Module, ids: torch.Tensor, *, layers: bool = True, blocks: Sequence[torch.nn.Module] = ()) -> Outputs:
+        """Of full windows (no padding, no mask); each layer's output too when the loss matches them, and
+        the output of each of `blocks` (the model's attention blocks) when the loss matches those."""
+        with _block_outputs(blocks if layers and self.attention_weight > 0 else ()) as attention:
+            outputs = self._outputs(model, ids, layers and self.hidden_weight > 0)
+        return replace(outputs, attention=tuple(attention))
+
+    def _outputs(self, model: torch.nn.Module, ids: torch.Tensor, layers: bool) -> Outputs:
         if self.decoder_start is not None:
             return self._seq2seq_outputs(model, ids, layers)
         out = model(input_ids=ids, output_hidden_states=layers)
@@ -81,6 +92,8 @@ class Objective:
         loss = self._final(student.final, teacher.final, ids)
         if self.hidden_weight > 0:
             loss = loss + self.hidden_weight * hidden_distance(student.layers, teacher.layers)
+        if self.attention_weight > 0:
+            loss = loss + self.attention_weight * hidden_distance(student.attention, teacher.attention)
         return loss
 
     def _final(self, student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -93,6 +106,20 @@ class Objective:
             logits, targets = self.predicted(student, ids)
             loss = loss + F.cross_entropy(kept(logits).flatten(0, -2).float(), kept(targets).flatten())
         return loss
+
+
+@contextmanager
+def _block_outputs(blocks: Sequence[torch.nn.Module]):
+    """The outputs of `blocks` in the order they run, collected while the context is open (the hooks are
+    gone before the backward pass, so recomputed layers add nothing)."""
+    outputs: list[torch.Tensor] = []
+    keep = lambda module, args, out: outputs.append(out[0] if isinstance(out, tuple) else out)  # noqa: E731
+    hooks = [block.register_forward_hook(keep) for block in blocks]
+    try:
+        yield outputs
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def hidden_distance(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]) -> torch.Tensor:

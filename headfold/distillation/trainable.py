@@ -33,6 +33,16 @@ def attention_parameters(ckpt: SourceCheckpoint, names: dict[str, str], roles: t
     return {names[t] for layer in ckpt.attention.layers for s, t in layer.items() if s in suffixes and t in names}
 
 
+def attention_blocks(model: nn.Module, ckpt: SourceCheckpoint, names: dict[str, str]) -> list[nn.Module]:
+    """The model's attention blocks in the checkpoint's layer order: the module each layer's spec prefix
+    names (the owner of its attention tensors), found through one of its tensors' parameter name."""
+    blocks = []
+    for layer in ckpt.attention.layers:
+        suffix, tensor = next((s, t) for s, t in layer.items() if t in names)
+        blocks.append(model.get_submodule(names[tensor].removesuffix(suffix).rstrip(".")))
+    return blocks
+
+
 def select(model: nn.Module, ckpt: SourceCheckpoint, names: dict[str, str], mode: str) -> tuple[nn.Module, set[str]]:
     """Freeze all but `mode`'s parameters (wrapping in LoRA for `lora`); (model, checkpoint-visible names that change)."""
     if mode not in TRAIN_MODES:

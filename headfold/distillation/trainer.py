@@ -15,7 +15,7 @@ from headfold.distillation import sharding, state
 from headfold.distillation.audio import AudioPlan
 from headfold.distillation.data import WindowPlan
 from headfold.distillation.objective import Objective, evaluate
-from headfold.distillation.trainable import merged, select, trainable_state
+from headfold.distillation.trainable import attention_blocks, merged, select, trainable_state
 from headfold.converter.modeling import load_model, parameter_names
 from headfold.ground.atomic import raise_if_signalled
 from headfold.ground.errors import BadInput, first_line
@@ -34,6 +34,9 @@ class Trainer:
         self.names = parameter_names(model, student.folder)  # checkpoint tensor → parameter
         if opts.gradient_checkpointing:
             _checkpoint_layers(model)
+        # the attention blocks whose outputs the loss matches, found before LoRA wraps the model (they stay the same modules)
+        matched = objective.attention_weight > 0
+        self.teacher_blocks, self.student_blocks = ([attention_blocks(m, student, self.names) for m in (self.teacher, model)] if matched else ([], []))
         model, self.changed = select(model, student, self.names, opts.train)
         if accelerator.is_fsdp2:
             sharding.one_module_per_tied_embedding(model)
@@ -128,8 +131,8 @@ class Trainer:
         acc, objective = self.accelerator, self.objective
         with acc.autocast():
             with torch.no_grad():
-                target = objective.outputs(self.teacher, ids)
-            loss = objective(objective.outputs(self.model, ids), target, ids)
+                target = objective.outputs(self.teacher, ids, blocks=self.teacher_blocks)
+            loss = objective(objective.outputs(self.model, ids, blocks=self.student_blocks), target, ids)
         acc.backward(loss)
         acc.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], MAX_GRAD_NORM)
         self.optimizer.step()

@@ -55,9 +55,35 @@ def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: 
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["kl"] < 1e-6 and record(out)["final_eval"]["top1"] == 1.0
-    assert record(out)["options"]["lr"] == 1e-3 and record(out)["options"]["hidden_weight"] == 30.0  # a decoder's defaults
+    assert record(out)["options"]["lr"] == 1e-4 and record(out)["options"]["hidden_weight"] == 30.0  # a decoder's defaults
     before, after = weights(student), weights(out)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    matched = distill(teacher, student, tmp_path / "matched", data=text_file, steps=3, attention_weight=30.0, **FAST)  # each attention block's output too
+    assert all(torch.equal(before[k], t) for k, t in weights(matched).items())
+
+
+def test_attention_blocks_are_the_modules_the_layer_prefix_names(tiny_checkpoint) -> None:
+    from headfold.converter.checkpoint import SourceCheckpoint
+    from headfold.converter.modeling import load_model, parameter_names
+    from headfold.distillation.trainable import attention_blocks
+
+    for family, expected in (("llama", "model.layers.{}.self_attn"), ("gpt2", "transformer.h.{}.attn"), ("bloom", "transformer.h.{}.self_attention")):
+        folder = tiny_checkpoint(family, **TINY)
+        model = load_model(folder, dtype=torch.float32)
+        found = attention_blocks(model, SourceCheckpoint(folder), parameter_names(model, folder))
+        names = {m: n for n, m in model.named_modules()}
+        assert [names[b] for b in found] == [expected.format(i) for i in range(len(found))] and len(found) == model.config.num_hidden_layers
+
+
+def test_the_attention_output_match_adds_to_the_first_steps_loss(teacher: Path, text_file: Path, tmp_path: Path) -> None:
+    """A pooled student's attention blocks differ from the teacher's: the first step's loss (before any
+    update) is the KL plus the weight times that distance, and training lowers the held-out KL."""
+    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
+    runs = {w: distill(teacher, student, tmp_path / f"aw{w}", data=text_file, steps=3, hidden_weight=0.0, attention_weight=w, lr=1e-2, **FAST) for w in (0.0, 30.0)}
+    first = {w: json.loads((out / "distill-log.json").read_text())["train"][0]["loss"] for w, out in runs.items()}
+    assert first[30.0] > first[0.0] + 1e-3
+    assert record(runs[30.0])["options"]["attention_weight"] == 30.0
+    assert record(runs[30.0])["final_eval"]["kl"] < record(runs[30.0])["initial_eval"]["kl"]
 
 
 def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, text_file: Path, tmp_path: Path) -> None:

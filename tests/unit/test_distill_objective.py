@@ -39,6 +39,38 @@ def test_the_objective_adds_the_weighted_hidden_distance_to_the_logit_kl() -> No
     assert float(weighted) == pytest.approx(float(plain) + 10.0 * float(hidden_distance(hidden_s, hidden_t)), rel=1e-6)
 
 
+def test_the_objective_adds_the_weighted_attention_output_distance() -> None:
+    g = torch.Generator().manual_seed(7)
+    logits_s, logits_t = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
+    ids = torch.randint(0, 11, (2, 5), generator=g)
+    attn_s, attn_t, hidden_s, hidden_t = layers(8), layers(9), layers(10), layers(11)
+    plain = Objective(encoder=False)(Outputs(logits_s), Outputs(logits_t), ids)
+    both = Objective(encoder=False, hidden_weight=10.0, attention_weight=3.0)(Outputs(logits_s, hidden_s, attn_s), Outputs(logits_t, hidden_t, attn_t), ids)
+    expected = float(plain) + 10.0 * float(hidden_distance(hidden_s, hidden_t)) + 3.0 * float(hidden_distance(attn_s, attn_t))
+    assert float(both) == pytest.approx(expected, rel=1e-6)
+
+
+def test_outputs_collect_each_blocks_output_in_order_and_leave_no_hook() -> None:
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, output_hidden_states=False):
+            x = input_ids.float()
+            for block in blocks:
+                x = block(x) + 1
+            return type("Out", (), {"logits": x, "hidden_states": None})()
+
+    ids = torch.arange(8).reshape(2, 4)
+    out = Objective(encoder=False, attention_weight=1.0).outputs(Model(), ids, blocks=list(blocks))
+    x, expected = ids.float(), []
+    for block in blocks:
+        expected.append(block(x))
+        x = expected[-1] + 1
+    assert len(out.attention) == 3 and all(torch.equal(a, e) for a, e in zip(out.attention, expected))
+    assert not any(b._forward_hooks for b in blocks)
+    assert Objective(encoder=False).outputs(Model(), ids, blocks=list(blocks)).attention == ()  # weight 0: nothing collected
+
+
 def test_a_batch_scores_the_mean_of_its_halves() -> None:
     """What data-parallel processes rely on: averaging the halves' losses (and so gradients) gives the whole batch's."""
     student, teacher = layers(5), layers(6)
