@@ -98,7 +98,7 @@ def test_prediction_equals_a_real_conversion(tmp_path: Path) -> None:
     from headfold.converter.modeling import load_model
 
     src = default_model_path()
-    report = inspect_checkpoint(src, candidates="4", kv_budget=16, calibration_tokens=1024, progress=False)
+    report = inspect_checkpoint(src, candidates="4", method="aligned+grouped+refit", kv_budget=16, calibration_tokens=1024, progress=False)
     assert report.uniform.plan.kv_heads == (4,) * 4
     out = convert(src, tmp_path / "kv4", 4, "aligned+grouped+refit", calibration_tokens=1024, progress=False)
     windows = choose_windows(token_ids(src, corpus.calibration_text(), 256), 1024, 0, fit=True)

@@ -243,7 +243,7 @@ def test_peak_memory_is_one_layer(tmp_path: Path) -> None:
     model = layers * layer + 4 * vocab * hidden
     converted = layers * 4 * (2 * hidden * hidden + 2 * hidden * hidden // 4)  # Q, O and the pooled K, V in fp32
     activations = 512 * hidden * 4 * 6  # hidden states, the layer's attention input, its block's input and output, gradients
-    baseline = 700e6  # torch and transformers imported
+    baseline = 750e6  # torch, transformers and what a conversion imports on the way (tokenizers, safetensors, accelerate)
     done = subprocess.run([sys.executable, "-c", CHILD, src, tmp_path / "out"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     peak = json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_bytes"]

@@ -104,7 +104,9 @@ def test_the_teachers_transcripts_are_its_greedy_generation(whisper: Path, whisp
     from headfold.converter.checkpoint import CheckpointFacts
     from headfold.distillation.audio import audio_plan
 
-    plan = audio_plan(CheckpointFacts.read(whisper_students[2]), 256, audio["clips"], None, 16, 2, 0)
+    facts = CheckpointFacts.read(whisper_students[2])
+    config = facts.config
+    plan = audio_plan(facts, 256, audio["clips"], None, 16, 2, 0)
     teacher = load_model(whisper)
     batch = plan.complete(plan.eval_batch(), teacher, rows=1)
     generated = teacher.generate(input_features=batch.features, max_new_tokens=16, do_sample=False, return_dict_in_generate=True).sequences
