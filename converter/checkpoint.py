@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint folder: its facts read and checked once, its tensors read lazily.
 
 `CheckpointFacts` is what every stage (convert, load_model, export, verify, inspect, build) knows
-about a checkpoint: config and family spec, per-layer heads and kv heads, head_dim, rotary, dtype,
+about a checkpoint: config and family spec, per-layer heads and kv heads, head_dim, rotary, precision,
 position limit, tokenizer location and the tensor index of the weight files' headers. It is the
 one reader of config.json and of those headers, so a fault has one error message everywhere.
 
@@ -31,6 +31,7 @@ from headfold.converter.support import common_keys, export_blocker, unconverted_
 from headfold.ground import inputs
 from headfold.ground.errors import BadInput
 from headfold.ground.lazy import lazy_import
+from headfold.ground.precision import Precision
 
 if TYPE_CHECKING:
     import torch
@@ -466,6 +467,14 @@ class CheckpointFacts:
     def dtype(self) -> torch.dtype | None:
         """The dtype config.json declares (None when it declares none)."""
         return torch_dtype(self.dtype_code) if self.dtype_code else None
+
+    @property
+    def precision(self) -> Precision:
+        """The precision of the weights as from_pretrained's dtype="auto" loads them: config.json's
+        dtype, else the first floating tensor's (headers only); fp32 for fp64 and anything else. What
+        export keeps by default and verify budgets a checkpoint by: rooms ask this, not the config."""
+        code = self.dtype_code or next((t.code for t in self.tensor_index().tensors.values() if t.code in FLOAT_CODES), None)
+        return Precision.of(code) or Precision.FP32
 
     def head_terms(self) -> str:
         """The head shape as config.json names its values (for a message)."""

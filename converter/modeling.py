@@ -71,7 +71,7 @@ from headfold.ground.lazy import lazy_import
 
 accelerate = lazy_import("accelerate")
 
-__all__ = ["load_model", "empty_model", "hollow_model", "resolve_dtype", "parameter_names", "check_loadable", "GQA_ATTENTION"]
+__all__ = ["load_model", "empty_model", "hollow_model", "parameter_names", "check_loadable", "GQA_ATTENTION"]
 
 # The only attention implementation the GQA subclasses are wired for: transformers' SDPA
 # path repeats/groups K/V from `num_key_value_groups`; the families' own eager functions don't.
@@ -680,11 +680,6 @@ def _resolve_dtype(dtype: torch.dtype | None, facts: CheckpointFacts, meta: _Met
     """Like from_pretrained's dtype="auto": explicit, else config.json's dtype, else the weights' own."""
     stored = (d for _, d in meta.values() if d in _FLOATS)
     return next(d for d in (dtype, facts.dtype, *stored, torch.float32) if d is not None)
-
-
-def resolve_dtype(facts: CheckpointFacts) -> torch.dtype:
-    """The checkpoint's own dtype, as load_model picks it without one: config.json's, else the weights'."""
-    return _resolve_dtype(None, facts, _tensor_meta(facts)[0])
 
 
 def _facts(path: str | os.PathLike | CheckpointFacts) -> CheckpointFacts:

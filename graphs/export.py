@@ -34,7 +34,7 @@ from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
 from headfold.converter.checkpoint import CheckpointFacts, TensorInfo
-from headfold.converter.modeling import hollow_model, resolve_dtype
+from headfold.converter.modeling import hollow_model
 from headfold.converter.per_layer import collapse
 from headfold.converter.sources import checkpoint_folder
 from headfold.graphs import seq2seq as seq2seq_graphs
@@ -51,7 +51,7 @@ from headfold.ground.atomic import atomic_output, check_output
 from headfold.ground.cache_names import PAST, PRESENT, cache_names
 from headfold.ground.errors import BadInput, HeadfoldError, first_line
 from headfold.ground.export_summary import ExportSummary
-from headfold.ground.units import INT4  # MatMul weights in 4 bits (graphs.rewrite.int4), traced and everything else in fp32
+from headfold.ground.precision import Precision
 
 __all__ = [
     "export",
@@ -66,9 +66,6 @@ __all__ = [
     "check_opset",
     "check_options",
     "OPSETS",
-    "DTYPES",
-    "INT4",
-    "checkpoint_dtype",
     "ATTENTION_CHOICES",
     "OPTIMIZATIONS",
     "AttentionChoice",
@@ -80,7 +77,6 @@ log = logging.getLogger(__name__)
 # 23 is the first opset with Attention; torch 2.13 writes an invalid model (opset_import 18
 # next to an Attention node) for ≥ 26, see shared/notes/runtime-facts.md.
 OPSETS = (23, 24, 25)
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 WRAPPED = "model"  # the attribute the graph modules below keep the transformers model in: its parameters' prefix
 # Example sizes for tracing; all are dynamic in the graph. Avoid 0/1, which torch.export specialises.
@@ -338,25 +334,17 @@ def check_opset(opset: int) -> None:
         raise BadInput(f"opset {opset} is not supported: {why}; use --opset 23, 24 or 25")
 
 
-def checkpoint_dtype(facts: CheckpointFacts) -> str:
-    """The export dtype that keeps the checkpoint's own (fp64 weights export as fp32)."""
-    return next((name for name, d in DTYPES.items() if d == resolve_dtype(facts)), "fp32")
+def parse_dtype(dtype: Precision | str | None) -> Precision | None:
+    """--dtype as export takes it (None: the checkpoint's own); BadInput for a precision it does not know."""
+    return None if dtype is None else Precision.parse(dtype, "--dtype")
 
 
-def _torch_dtype(dtype: str) -> torch.dtype:
-    if dtype == INT4:
-        return torch.float32
-    if dtype not in DTYPES:
-        raise BadInput(f"unknown dtype {dtype!r}; use one of {', '.join([*DTYPES, INT4])}")
-    return DTYPES[dtype]
-
-
-def int4_settings(dtype: str | None, block_size: int | None, symmetric: bool | None, trt_version: str | None = None) -> Int4 | None:
+def int4_settings(dtype: Precision | None, block_size: int | None, symmetric: bool | None, trt_version: str | None = None) -> Int4 | None:
     """The int4 quantization `--dtype int4` asks for (defaults: Int4's); BadInput for settings without
     it, a block size MatMulNBits does not take, or a TensorRT target."""
-    if dtype == INT4 and trt_version:
+    if dtype == Precision.INT4 and trt_version:
         raise BadInput("--dtype int4 writes ONNX Runtime's MatMulNBits, which TensorRT cannot parse; drop --dtype int4 or --trt-version")
-    if dtype != INT4:
+    if dtype != Precision.INT4:
         if block_size is not None or symmetric is not None:
             raise BadInput("--int4-block-size and --int4-symmetric/--int4-asymmetric set up --dtype int4; add it or drop them")
         return None
@@ -594,11 +582,12 @@ def _export_all(
     return {file: summary | ({"traced_whole": why} if why else {}) for file, summary in summaries.items()}
 
 
-def _traceable_model(facts: CheckpointFacts, dtype: str) -> tuple[transformers.PreTrainedModel, dict[str, TensorInfo]]:
-    """The model to trace, hollow (fake parameters), and where each of its parameters' values lies in
-    the checkpoint, by its name in every graph module (they keep the model as `WRAPPED`): streamed
-    into .onnx.data as each graph is saved."""
-    model, plan = hollow_model(facts, _torch_dtype(dtype))
+def _traceable_model(facts: CheckpointFacts, dtype: Precision) -> tuple[transformers.PreTrainedModel, dict[str, TensorInfo]]:
+    """The model to trace in `dtype` (int4: fp32, its MatMul weights quantized as they are saved),
+    hollow (fake parameters), and where each of its parameters' values lies in the checkpoint, by its
+    name in every graph module (they keep the model as `WRAPPED`): streamed into .onnx.data as each
+    graph is saved."""
+    model, plan = hollow_model(facts, dtype.computed_in.torch_dtype)
     fake_parameters(model)
     index = facts.tensor_index().tensors
     return model, {f"{WRAPPED}.{name}": index[tensor] for name, tensor in plan.items()}
@@ -611,7 +600,7 @@ def graph_layout(graphs: str | None, trt_version: str | None) -> str:
 
 
 def check_options(
-    *, opset: int = 23, dtype: str | None = None, attention: str = "auto", trt_version: str | None = None, graphs: str | None = None,
+    *, opset: int = 23, dtype: Precision | str | None = None, attention: str = "auto", trt_version: str | None = None, graphs: str | None = None,
     optimize: str | None = "auto", explicit_positions: bool = False, int4_block_size: int | None = None, int4_symmetric: bool | None = None,
 ) -> None:
     """What export refuses in its options alone, before the checkpoint is read (run: before its first stage)."""
@@ -629,9 +618,7 @@ def check_options(
         rule_set(trt_version)  # an unknown version is bad input before the slow part
     if attention not in ATTENTION_CHOICES:
         raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_CHOICES)}")
-    if dtype is not None:
-        _torch_dtype(dtype)  # an unknown dtype is bad input before the checkpoint is read
-    int4_settings(dtype, int4_block_size, int4_symmetric, trt_version)
+    int4_settings(parse_dtype(dtype), int4_block_size, int4_symmetric, trt_version)  # an unknown dtype: before the checkpoint is read
 
 
 def export(
@@ -639,7 +626,7 @@ def export(
     out_dir: str | os.PathLike,
     *,
     opset: int = 23,
-    dtype: str | None = None,
+    dtype: Precision | str | None = None,
     attention: str = "auto",
     revision: str | None = None,
     overwrite: bool = False,
@@ -680,6 +667,7 @@ def export(
     CheckFailed when a graph does not end up with exactly one fused attention node per layer
     with K/V at kv-heads.
     """
+    dtype = parse_dtype(dtype)
     check_options(
         opset=opset, dtype=dtype, attention=attention, trt_version=trt_version, graphs=graphs, optimize=optimize,
         explicit_positions=explicit_positions, int4_block_size=int4_block_size, int4_symmetric=int4_symmetric,
@@ -694,7 +682,7 @@ def export(
         raise BadInput(f"--dtype int4 is for decoders (onnxruntime-genai's int4 folders); {src} is {'an encoder' if facts.kind == 'encoder' else 'an encoder-decoder'}")
     choice = choose_attention(facts, attention, layout=layout, trt_version=trt_version)
     optimize = choice.optimization(optimize)
-    dtype = dtype or checkpoint_dtype(facts)
+    dtype = dtype or facts.precision  # fp64 weights export as fp32
     model, weights = _traceable_model(facts, dtype)
     layers, heads, kv_heads = facts.layers, facts.heads, facts.kv_heads
     decoder = facts.kind == "decoder"

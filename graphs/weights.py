@@ -39,6 +39,7 @@ from headfold.converter.checkpoint import FileRange, TensorInfo, read_tensor
 from headfold.converter.writer import copy_range
 from headfold.ground.errors import BadInput
 from headfold.graphs.rewrite.values import is_lazy, never_fold_lazy
+from headfold.ground.precision import Precision
 
 __all__ = ["fake_parameters", "attach", "lazy_weight", "joined", "reused_buffers", "StreamedWeight", "optimize_like_torch", "EAGER_ELEMENTS", "SOURCE"]
 
@@ -48,7 +49,6 @@ EAGER_ELEMENTS = DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT
 # Value.meta key of a lazy weight: (parameter name in `sources`, permutation or None) — where its
 # values come from, so that graphs.template can give a copied layer its own.
 SOURCE = "headfold.source"
-_TORCH_DTYPES = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}
 
 
 def fake_parameters(model: nn.Module) -> None:
@@ -119,7 +119,7 @@ class StreamedWeight(ir.LazyTensor):
         return _as_ir(values if self.perm is None else values.permute(self.perm).contiguous())
 
     def tofile(self, file) -> None:
-        if self.perm is None and self.parts[0].dtype == _TORCH_DTYPES[self.dtype]:
+        if self.perm is None and self.parts[0].dtype == Precision.of(self.dtype).torch_dtype:
             self._copy(file)
             return
         buffers = _REUSED.get() or _Buffers()
@@ -136,7 +136,7 @@ class StreamedWeight(ir.LazyTensor):
     def _cast(self, buffers: _Buffers) -> torch.Tensor:
         """The parts read back to back and cast to the weight's dtype (as Tensor.to: a contiguous copy, the
         same rounding), not yet permuted; in buffers from `buffers`."""
-        dtype, source_dtype = _TORCH_DTYPES[self.dtype], self.parts[0].dtype
+        dtype, source_dtype = Precision.of(self.dtype).torch_dtype, self.parts[0].dtype
         raw, start = buffers.get("read", sum(part.nbytes for part in self.parts)), 0
         for part in self.parts:
             read_tensor(part, out=raw[start : start + part.nbytes])

@@ -1,5 +1,5 @@
 """The units headfold reads from users, parsed in one place: sizes (2GB, 500MiB), fractions (0.05,
-5%), counts (200000, 200k, 1.5M) and the precision names; and the domains of numeric options."""
+5%) and counts (200000, 200k, 1.5M); and the domains of numeric options. Precision names: ground.precision."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from typing import Any
 from headfold.ground.errors import BadOption
 from headfold.ground.inputs import shown
 
-PRECISIONS = ("fp32", "fp16", "bf16")  # what export writes, build builds and verify budgets key on; most to fewest mantissa bits
-INT4 = "int4"  # export's 4-bit MatMul weights: no engine precision, compared by its loss, not element by element
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", re.IGNORECASE)
 COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
 

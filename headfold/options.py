@@ -31,7 +31,8 @@ from headfold.ground.artifacts import CREATED_BY, created_by
 from headfold.ground.atomic import atomic_output, check_outputs
 from headfold.ground.errors import BadInput, BadOption, HeadfoldError
 from headfold.ground.inputs import printable
-from headfold.ground.units import INT4, PRECISIONS, parse_fraction
+from headfold.ground.precision import Precision
+from headfold.ground.units import parse_fraction
 
 log = logging.getLogger(__name__)
 OPTIONS = "Options"  # the heading of a command's own options, listed first
@@ -130,6 +131,16 @@ class Finite(click.ParamType):
 
 
 FINITE = Finite()
+
+
+class PrecisionChoice(click.Choice):
+    """A precision by its name (fp16), handed to the command as a Precision: parsed here, once."""
+
+    def __init__(self, choices: Iterable[Precision] = tuple(Precision)) -> None:
+        super().__init__([p.value for p in choices])  # click would list an Enum's member names (FP16)
+
+    def convert(self, value, param, ctx):
+        return value if isinstance(value, Precision) else Precision(super().convert(value, param, ctx))
 KV_HEADS_HELP = "one value for every layer, or one per layer comma-separated (8,4,4,2); each must divide the attention heads"
 METHOD_HELP = (
     "How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
@@ -162,7 +173,7 @@ JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"
 REVISION = spec("--revision", default=None, metavar="REV", help="Branch, tag or commit of the hub ids (ORG/NAME) given as checkpoints; they are read from the Hugging Face cache (HF_HOME), fetched when online.")
 TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")
 OPSET = spec("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25 (Attention exists from 23; torch writes invalid models above 25).")
-DTYPE = spec("--dtype", type=click.Choice((*PRECISIONS, INT4)), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
+DTYPE = spec("--dtype", type=PrecisionChoice(), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
 
 
 # -- groups: options under one heading that become one argument --------------------------------
@@ -500,7 +511,7 @@ profile_options = stacked(
     OptionGroup(
         TENSORRT,
         (
-            spec("--precision", type=click.Choice(PRECISIONS), default=None, help="Engine precision. Default: the graph's own. TensorRT 11 takes only that (re-export with --dtype); 10.x builds an fp32 graph in fp16/bf16 with builder flags."),
+            spec("--precision", type=PrecisionChoice(Precision.floats()), default=None, help="Engine precision. Default: the graph's own. TensorRT 11 takes only that (re-export with --dtype); 10.x builds an fp32 graph in fp16/bf16 with builder flags."),
             spec("--batch", default=None, metavar="MIN:OPT:MAX", help="Batch sizes of the optimization profile, e.g. 1:4:8 (one number: fixed). [default: 1:4:8]"),
             spec("--seq", default=None, metavar="MIN:OPT:MAX", help="Sequence lengths (prefill / encoder graphs). [default: 1:limit/2:limit, limit = the model's max positions]"),
             spec("--past", default=None, metavar="MIN:OPT:MAX", help="KV-cache lengths (decode graph). [default: 0:limit/2:limit-1]"),

@@ -34,16 +34,16 @@ from headfold.engines.build import build_export
 from headfold.engines.env import engine_support
 from headfold.engines.plan import Unparsable, parse_range, parse_workspace
 from headfold.graphs.export import check_options as check_export
-from headfold.graphs.export import checkpoint_dtype, export
+from headfold.graphs.export import export
 from headfold.ground import VERSION
 from headfold.ground.artifacts import LEDGER, REPORT
 from headfold.ground.atomic import atomic_output, check_disjoint, output_lock, output_path, refuse_link
-from headfold.ground.errors import BadInput, BadOption
+from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.ground.lazy import lazy_import
+from headfold.ground.precision import Precision
 from headfold.ground.ledger import RunLedger, StageEntry
 from headfold.ground.ledger import load as load_ledger
-from headfold.ground.units import PRECISIONS
 from headfold.verification.api import run_artifact_checks
 from headfold.verification.artifacts import resolve
 from headfold.verification.budget import Thresholds
@@ -134,7 +134,7 @@ def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work
     return digest, result
 
 
-def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: str, engines: Path | None = None, progress: bool = False) -> Report:
+def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: Precision, engines: Path | None = None, progress: bool = False) -> Report:
     original, conversion, graph = resolve(src), resolve(converted), resolve(onnx_dir)
     inputs = make_inputs(src, spec)
     checks = [
@@ -186,8 +186,10 @@ def run(
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
     check_convertible(src, kv_heads, method, allow_pickle)
     check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
-    export = {**(export or {}), "dtype": (export or {}).get("dtype") or verifiable_dtype(src)}
-    if export["dtype"] == "int4":  # its verify stage gates the export by fidelity, which int4 weights do not keep
+    export = {**(export or {}), "dtype": Precision.parse(dtype, "--dtype") if (dtype := (export or {}).get("dtype")) else verifiable_dtype(src)}
+    if build and build.get("precision") is not None:
+        build = {**build, "precision": Precision.parse(build["precision"], "--precision", Precision.floats())}
+    if export["dtype"] == Precision.INT4:  # its verify stage gates the export by fidelity, which int4 weights do not keep
         raise BadInput("headfold run checks its export's fidelity to the checkpoint; int4 weights are gated by their loss: run without --dtype int4, then headfold export --dtype int4 and headfold verify CHECKPOINT EXPORT")
     settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration or {}, distill, export, build or {}, inputs, thresholds, progress)
     check_disjoint(out, settings.reads(src))  # the run folder holds none of its inputs, nor lies inside one
@@ -205,13 +207,13 @@ def run(
             raise
 
 
-def verifiable_dtype(src: Path) -> str:
+def verifiable_dtype(src: Path) -> Precision:
     """The export dtype run picks: the checkpoint's own, except bf16, which the verify stage's ONNX
     Runtime (CPU) has no kernels for: then fp32, said in a line."""
-    dtype = checkpoint_dtype(CheckpointFacts.read(src))
-    if dtype == "bf16":
+    dtype = CheckpointFacts.read(src).precision
+    if dtype == Precision.BF16:
         log.info("the checkpoint is bf16: run exports fp32, which its verify stage runs in ONNX Runtime on CPU (no bf16 kernels there); pass --dtype bf16 for bf16 weights")
-        return "fp32"
+        return Precision.FP32
     return dtype
 
 
@@ -240,7 +242,7 @@ class Settings:
     progress: bool
 
     @property
-    def dtype(self) -> str:
+    def dtype(self) -> Precision:
         return self.export["dtype"]  # run resolves it (verifiable_dtype)
 
     def reads(self, src: Path) -> list[Path]:
@@ -262,8 +264,6 @@ class Settings:
             if self.build.get(name) is not None:
                 parse_range(self.build[name], name)
         parse_workspace(self.build.get("workspace"))
-        if self.build.get("precision") not in (None, *PRECISIONS):
-            raise BadOption("--precision", f"{self.build['precision']!r} is not one of {', '.join(PRECISIONS)}")
 
     def exporting(self, src: Path) -> dict[str, Any]:
         """The export stage's keywords: the options given, and the layout (TensorRT builds the split pair,

@@ -35,9 +35,8 @@ from headfold.ground.artifacts import CREATED_BY, ENGINE_SUFFIXES, EXPORT_SUMMAR
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.ground.inputs import check_links, contained
-from headfold.ground.units import PRECISIONS, parse_size
-
-_IR_PRECISION = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}
+from headfold.ground.precision import Precision
+from headfold.ground.units import parse_size
 
 # Option name -> the dimension names exporters give it (headfold's torch.export Dims first).
 DIMENSIONS: dict[str, tuple[str, ...]] = {
@@ -100,42 +99,40 @@ def derived_ranges(limit: int | None, **given: Range | None) -> dict[str, Range]
 
 
 @dataclass(frozen=True)
-class Precision:
-    name: str  # what the engine computes in
-    graph: str  # the graph's own weight precision
+class BuildPrecision:
+    name: Precision  # what the engine computes in
+    graph: Precision  # the graph's own weight precision
     strongly_typed: bool
     builder_flags: tuple[str, ...]  # trt.BuilderFlag names to set ("FP16", "BF16")
     how: str
 
 
-def decide_precision(requested: str | None, graph: str, target: Target) -> Precision:
+def decide_precision(requested: Precision | str | None, graph: Precision, target: Target) -> BuildPrecision:
     """Strongly typed wherever the graph fixes the precision; builder flags only for fp32 graphs on 10.x."""
-    requested = requested or graph
-    if requested not in PRECISIONS:
-        raise BadInput(f"--precision {requested!r}: use one of {', '.join(PRECISIONS)}")
-    if requested == graph and target.strongly_typed and (graph != "fp32" or not target.precision_flags):
-        return Precision(requested, graph, True, (), f"strongly typed: the graph's own {graph}")
+    requested = Precision.parse(requested or graph, "--precision", Precision.floats())
+    if requested == graph and target.strongly_typed and (graph != Precision.FP32 or not target.precision_flags):
+        return BuildPrecision(requested, graph, True, (), f"strongly typed: the graph's own {graph}")
     if requested == graph:
-        return Precision(requested, graph, False, (), "fp32 graph, no reduced-precision flag (TF32 off)")
+        return BuildPrecision(requested, graph, False, (), "fp32 graph, no reduced-precision flag (TF32 off)")
     if not target.precision_flags:
         raise BadInput(
             f"TensorRT {target.version} builds strongly typed (no FP16/BF16 builder flags): the precision comes from "
             f"the graph, which is {graph}; re-export with headfold export --dtype {requested}"
         )
-    if graph != "fp32":
+    if graph != Precision.FP32:
         raise BadInput(f"the graph is {graph}; TensorRT cannot build it as {requested}: re-export with headfold export --dtype {requested}")
     flag = requested.upper()
-    return Precision(requested, graph, False, (flag,), f"fp32 graph with BuilderFlag.{flag} (TensorRT picks per layer)")
+    return BuildPrecision(requested, graph, False, (flag,), f"fp32 graph with BuilderFlag.{flag} (TensorRT picks per layer)")
 
 
-def graph_precision(model: ir.Model) -> str:
+def graph_precision(model: ir.Model) -> Precision:
     """The floating type that holds most weight elements (norms may stay fp32 in an fp16 graph)."""
-    sizes: Counter[str] = Counter()
+    sizes: Counter[Precision] = Counter()
     for value in model.graph.initializers.values():
         tensor = value.const_value
-        if tensor is not None and tensor.dtype in _IR_PRECISION:
-            sizes[_IR_PRECISION[tensor.dtype]] += max(1, tensor.size)
-    return sizes.most_common(1)[0][0] if sizes else "fp32"
+        if tensor is not None and (precision := Precision.of(tensor.dtype)) is not None:
+            sizes[precision] += max(1, tensor.size)
+    return sizes.most_common(1)[0][0] if sizes else Precision.FP32
 
 
 # ---- profiles ---------------------------------------------------------------------------------
@@ -236,7 +233,7 @@ class BuildPlan:
     source: Path
     out: Path
     layout: str  # "file": OUT is the engine; "folder": OUT holds one engine per graph
-    precision: Precision
+    precision: BuildPrecision
     ranges: dict[str, Range]
     graphs: list[GraphPlan]
     workspace_bytes: int | None = None
@@ -387,7 +384,7 @@ def make_plan(
     out: Path,
     target: Target,
     *,
-    precision: str | None = None,
+    precision: Precision | str | None = None,
     batch: str | None = None,
     seq: str | None = None,
     past: str | None = None,

@@ -8,7 +8,7 @@ from pathlib import Path
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.sources import checkpoint_folders
 from headfold.ground.errors import BadInput
-from headfold.ground.units import INT4
+from headfold.ground.precision import Precision
 from headfold.verification.artifacts import Artifact, check_kind, loosest, resolve
 from headfold.verification.budget import FidelityBudget, LossBudget, Thresholds
 from headfold.verification.checks import CheckResult, CheckSpec, run_checks
@@ -126,9 +126,9 @@ def verify(
         check_same_kind(CheckpointFacts.read(ref.model), CheckpointFacts.read(cand.model), (ref.path, cand.path))
     kind = check_kind(ref, cand, check)
     precision = loosest(ref.precision, cand.precision)
-    if kind == "fidelity" and precision == INT4:
+    if kind == "fidelity" and precision == Precision.INT4:
         raise BadInput("int4 weights differ from their model by quantization, element by element: compare them by their loss (KL, perplexity, top-1), --check loss or auto")
     budget = thresholds.fidelity(precision, floors=True) if kind == "fidelity" else thresholds.loss(precision)
     feeds = make_inputs(ref.model or cand.model, inputs, allow_random=kind == "fidelity")
-    name = QUANTIZATION_LOSS if kind == "loss" and precision == INT4 and ref.model == cand.model else CHECK_NAMES[kind]
+    name = QUANTIZATION_LOSS if kind == "loss" and precision == Precision.INT4 and ref.model == cand.model else CHECK_NAMES[kind]
     return Report(run_artifact_checks([(name, kind, ref, cand, budget)], feeds, progress=progress), feeds.info)

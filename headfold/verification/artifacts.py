@@ -26,11 +26,11 @@ from headfold.converter.seq2seq import cache_bytes_per_token
 from headfold.engines.sidecar import load_sidecar, source_onnx
 from headfold.graphs.onnx_files import load_graph
 from headfold.ground import export_summary, manifest
-from headfold.ground.artifacts import DECODE_GRAPH, DECODER_GRAPH, ENCODER_GRAPH, ENGINE_SUFFIXES, MODEL_GRAPH, PREFILL_GRAPH, engine_name
+from headfold.ground.artifacts import DECODE_GRAPH, DECODER_GRAPH, ENCODER_GRAPH, ENGINE_SUFFIXES, EXPORT_SUMMARY, MODEL_GRAPH, PREFILL_GRAPH, engine_name
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.ground.inputs import check_links
-from headfold.ground.units import INT4, PRECISIONS
+from headfold.ground.precision import Precision
 from headfold.verification.runners import BaseRunner, OnnxRuntimeRunner, TorchRunner
 from headfold.verification.seq2seq import Seq2SeqOnnxRunner
 from headfold.verification.tensorrt_runner import TensorRTRunner
@@ -38,7 +38,6 @@ from headfold.verification.tensorrt_runner import TensorRTRunner
 GRAPHS = (PREFILL_GRAPH, MODEL_GRAPH)  # the full-sequence graph of a decoder / an encoder
 PREFILL_ENGINE, DECODE_ENGINE = engine_name(PREFILL_GRAPH), engine_name(DECODE_GRAPH)  # the pair after `headfold build`
 ENGINES = tuple(map(engine_name, GRAPHS))  # in a `headfold build` folder, like GRAPHS
-_TORCH_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class Artifact:
     path: Path
     kind: str  # "checkpoint" | "onnx" | "engine"
     model: Path | None  # the checkpoint folder of this model; None for an ONNX file of unknown origin
-    precision: str
+    precision: Precision
     decode: Path | None = None  # a decoder's decode graph or engine (KV cache), next to its prefill one
     graph: Path | None = None  # an engine's source graph
     pair: Path | None = None  # an encoder-decoder export's decoder.onnx, run after the encoder.onnx in `path`
@@ -101,20 +100,15 @@ def _runner(kind: str, path: Path) -> BaseRunner:
     return TorchRunner(path) if kind == "checkpoint" else OnnxRuntimeRunner(path)
 
 
-def attention_info(checkpoint: Path, precision: str) -> dict[str, Any]:
+def attention_info(checkpoint: Path, precision: Precision) -> dict[str, Any]:
     """Heads, kv heads (one count, or one per layer) and the KV-cache bytes per token they imply at `precision`."""
     facts = CheckpointFacts.read(checkpoint)
-    bytes_per_value = 4 if precision == "fp32" else 2
+    bytes_per_value = int(precision.computed_in.bytes)  # int4 weights keep their K/V cache in fp32
     info = {"heads": facts.heads, "kv_heads": collapse(facts.kv_heads)}
     if facts.blocks:  # an encoder-decoder: self-attention bytes per target token, cross per source token
         cache = cache_bytes_per_token([b.kind for b in facts.blocks], [b.shape for b in facts.blocks], bytes_per_value)
         return {**info, "kv_cache_bytes_per_token": cache["self"], "cross_cache_bytes_per_source_token": cache["cross"]}
     return {**info, "kv_cache_bytes_per_token": 2 * sum(facts.kv_heads) * facts.head_dim * bytes_per_value}  # K and V of every layer
-
-
-def _checkpoint_precision(folder: Path) -> str:
-    dtype = CheckpointFacts.read(folder).dtype
-    return _TORCH_PRECISION.get(str(dtype).removeprefix("torch.") if dtype else "float32", "fp32")
 
 
 def conversion_manifest(model: Path) -> manifest.Manifest:
@@ -135,18 +129,19 @@ def _decode_graph(graph: Path, summary: export_summary.ExportSummary) -> Path | 
 def _onnx_artifact(graph: Path) -> Artifact:
     load_graph(graph)  # empty, garbage, or weights outside its folder: one line, before ONNX Runtime sees it
     if not export_summary.exists(graph.parent):
-        return Artifact(graph, "onnx", None, "fp32")
+        return Artifact(graph, "onnx", None, Precision.FP32)
     summary = export_summary.load(graph.parent)
     model = export_summary.export_source(summary, graph.parent)
+    precision = Precision.parse(summary.dtype, f"{graph.parent / EXPORT_SUMMARY}: dtype")
     if summary.layout == "seq2seq":  # either graph stands for the pair
         encoder, decoder = graph.with_name(ENCODER_GRAPH), graph.with_name(DECODER_GRAPH)
         for part in (encoder, decoder):
             if part != graph:
                 load_graph(part)
-        return Artifact(encoder, "onnx", model, summary.dtype, pair=decoder)
+        return Artifact(encoder, "onnx", model, precision, pair=decoder)
     decode = _decode_graph(graph, summary)
     shared = decode == graph and summary.attention == "ort-gqa"  # genai_config.json's past_present_share_buffer
-    return Artifact(graph, "onnx", model, summary.dtype, decode, shared_cache=shared)
+    return Artifact(graph, "onnx", model, precision, decode, shared_cache=shared)
 
 
 def _engine_artifact(engine: Path) -> Artifact:
@@ -155,13 +150,14 @@ def _engine_artifact(engine: Path) -> Artifact:
     graph = source_onnx(engine, info)
     decode = engine.with_name(DECODE_ENGINE)  # `headfold build` writes the pair side by side
     paired = engine.name == PREFILL_ENGINE and decode.is_file()
-    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info.precision.name, decode if paired else None, graph)
+    precision = Precision.parse(info.precision.name, f"{engine}'s sidecar: precision", Precision.floats())
+    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, precision, decode if paired else None, graph)
 
 
 def resolve(path: Path) -> Artifact:
     """Classify a path; BadInput for anything headfold cannot run."""
     if path.is_dir() and (path / "config.json").is_file():
-        return Artifact(path.resolve(), "checkpoint", path.resolve(), _checkpoint_precision(path))
+        return Artifact(path.resolve(), "checkpoint", path.resolve(), CheckpointFacts.read(path).precision)
     if path.is_dir() and export_summary.exists(path):
         check_links(path, "export folder")
         graph = next((path / g for g in (*GRAPHS, ENCODER_GRAPH) if (path / g).is_file()), None)
@@ -180,8 +176,8 @@ def resolve(path: Path) -> Artifact:
     raise BadInput(f"{path} is not a checkpoint folder (config.json), an export folder (export.json), a .onnx file or a .engine")
 
 
-def loosest(a: str, b: str) -> str:
-    return max(a, b, key=(*PRECISIONS, INT4).index)  # from most to fewest mantissa bits
+def loosest(a: Precision, b: Precision) -> Precision:
+    return Precision.coarsest(a, b)
 
 
 def _converted_from(reference: Path, candidate: Path) -> bool:
@@ -196,7 +192,7 @@ def check_kind(reference: Artifact, candidate: Artifact, requested: str = "auto"
         return requested
     if reference.model == candidate.model or None in (reference.model, candidate.model):
         # an ONNX file of unknown origin is taken to be the other side's export
-        return "loss" if INT4 in (reference.precision, candidate.precision) else "fidelity"
+        return "loss" if Precision.INT4 in (reference.precision, candidate.precision) else "fidelity"
     if candidate.is_conversion and _converted_from(reference.model, candidate.model):
         return "loss"
     if candidate.is_conversion:

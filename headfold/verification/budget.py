@@ -14,17 +14,16 @@ from typing import Any
 
 from headfold.ground.errors import BadInput
 from headfold.ground.inputs import read_config_file, shown
-from headfold.ground.units import INT4, PRECISIONS, parse_fraction
-
-BUDGET_PRECISIONS = (*PRECISIONS, INT4)  # a budget file's per-precision sub-tables ([loss.int4]: int4 exports are gated by their loss)
+from headfold.ground.precision import Precision
+from headfold.ground.units import parse_fraction
 
 # atol/rtol follow Polygraphy: an element fails only when it exceeds both. The fp32 numbers
 # leave about two orders of magnitude over what ONNX Runtime and torch differ by on CPU (the export
 # tests' bounds); the half-precision ones follow NVIDIA's fp16 transformer recipe, bf16 has 3 fewer bits.
-_FIDELITY_DEFAULTS: dict[str, dict[str, float]] = {
-    "fp32": {"atol": 1e-4, "rtol": 1e-3, "min_top1": 0.999, "min_cosine": 0.99999},
-    "fp16": {"atol": 1e-2, "rtol": 1e-2, "min_top1": 0.99, "min_cosine": 0.999},
-    "bf16": {"atol": 5e-2, "rtol": 5e-2, "min_top1": 0.98, "min_cosine": 0.995},
+_FIDELITY_DEFAULTS: dict[Precision, dict[str, float]] = {
+    Precision.FP32: {"atol": 1e-4, "rtol": 1e-3, "min_top1": 0.999, "min_cosine": 0.99999},
+    Precision.FP16: {"atol": 1e-2, "rtol": 1e-2, "min_top1": 0.99, "min_cosine": 0.999},
+    Precision.BF16: {"atol": 5e-2, "rtol": 5e-2, "min_top1": 0.98, "min_cosine": 0.995},
 }
 # A deployment gate, not a description of what pooling without uptraining achieves: GQA/MQA
 # of a small model usually fails it; relax it per model in a budget file.
@@ -56,7 +55,7 @@ def _apply(budget, table: dict[str, Any], where: str):
     names = {f.name for f in fields(budget)}
     values = {}
     for key, value in table.items():
-        if isinstance(value, dict) and key in BUDGET_PRECISIONS:
+        if isinstance(value, dict) and key in tuple(Precision):  # a per-precision sub-table ([loss.int4]: int4 exports are gated by their loss)
             continue
         if key not in names:
             raise BadInput(f"unknown budget key {shown(key)} in {where}; known keys: {', '.join(sorted(names))}")
@@ -77,17 +76,16 @@ def load_budget_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def fidelity_budget(precision: str, file: dict[str, Any] | None = None, **options: float | None) -> FidelityBudget:
-    if precision not in PRECISIONS:
-        raise BadInput(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+def fidelity_budget(precision: Precision | str, file: dict[str, Any] | None = None, **options: float | None) -> FidelityBudget:
+    precision = Precision.parse(precision, "precision", Precision.floats())  # int4 has no element-wise budget: it is gated by its loss
     return _resolve(FidelityBudget(**_FIDELITY_DEFAULTS[precision]), "fidelity", precision, file, options)
 
 
-def loss_budget(precision: str = "fp32", file: dict[str, Any] | None = None, **options: float | None) -> LossBudget:
+def loss_budget(precision: Precision | str = Precision.FP32, file: dict[str, Any] | None = None, **options: float | None) -> LossBudget:
     return _resolve(LossBudget(**_LOSS_DEFAULTS), "loss", precision, file, options)
 
 
-def _resolve(budget, kind: str, precision: str, file: dict[str, Any] | None, options: dict[str, float | None]):
+def _resolve(budget, kind: str, precision: Precision | str, file: dict[str, Any] | None, options: dict[str, float | None]):
     table = (file or {}).get(kind, {})
     budget = _apply(budget, table, kind)
     budget = _apply(budget, table.get(precision, {}), f"{kind}.{precision}")
@@ -113,11 +111,11 @@ class Thresholds:
     def _file(self) -> dict[str, Any] | None:
         return load_budget_file(self.file) if self.file else None
 
-    def fidelity(self, precision: str, floors: bool = False) -> FidelityBudget:
+    def fidelity(self, precision: Precision | str, floors: bool = False) -> FidelityBudget:
         extra = {"min_top1": self.min_top1, "min_cosine": self.min_cosine} if floors else {}
         return fidelity_budget(precision, self._file(), atol=self.atol, rtol=self.rtol, **extra)
 
-    def loss(self, precision: str = "fp32") -> LossBudget:
+    def loss(self, precision: Precision | str = Precision.FP32) -> LossBudget:
         return loss_budget(
             precision, self._file(), max_ppl_increase=self.max_ppl_increase, max_kl=self.max_kl,
             min_top1=self.min_top1, min_cosine=self.min_cosine,

@@ -25,7 +25,7 @@ from support.tiny_models import ENCODERS, HEADS, MERGED_CASES, SEQ2SEQ, sample_b
 
 from headfold.cli import main
 from headfold.converter.checkpoint import CheckpointFacts
-from headfold.converter.modeling import load_model, resolve_dtype
+from headfold.converter.modeling import load_model
 from headfold.graphs import weights
 from headfold.graphs.export import decoder_graphs, encoder_decoder_graphs, encoder_graphs, export, export_graph, position_ids
 
@@ -57,7 +57,7 @@ def reference_export(checkpoint: Path, folder: Path, graphs: str = "merged", att
     """The graphs exported from the model loaded with its weights (the export before streaming);
     `attention` and `optimize` as the streamed export resolved them (its export.json)."""
     facts = CheckpointFacts.read(checkpoint)
-    model = load_model(facts, dtype=resolve_dtype(facts))
+    model = load_model(facts, dtype=facts.precision.torch_dtype)
     if facts.kind == "seq2seq":
         specs = encoder_decoder_graphs(model, facts)
     else:

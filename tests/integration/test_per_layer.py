@@ -26,6 +26,7 @@ from headfold.converter.per_layer import parse_kv_heads
 from headfold.graphs.export import export, position_ids
 from headfold.graphs.onnx_convert import convert_onnx
 from headfold.ground.errors import BadInput
+from headfold.ground.precision import Precision
 from headfold.verification.artifacts import attention_info
 
 MIXED = (4, 2)
@@ -123,7 +124,7 @@ def test_mixed_list_equals_per_layer_single_counts(family: str, method: str, tin
 def test_kv_cache_shrinks_as_predicted(tiny_checkpoint, tmp_path: Path) -> None:
     src = tiny_checkpoint("llama")
     out = convert(src, tmp_path / "out", MIXED, method="mean", progress=False)
-    before, after = attention_info(src, "fp32"), attention_info(out, "fp32")
+    before, after = attention_info(src, Precision.FP32), attention_info(out, Precision.FP32)
     assert before == {"heads": 8, "kv_heads": 8, "kv_cache_bytes_per_token": 2 * 2 * 8 * HEAD_DIM * 4}  # 1024
     assert after == {"heads": 8, "kv_heads": [4, 2], "kv_cache_bytes_per_token": 2 * (4 + 2) * HEAD_DIM * 4}  # 384
     model = load_model(out)

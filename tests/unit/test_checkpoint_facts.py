@@ -20,6 +20,7 @@ from support.tiny_models import FAMILIES, make_checkpoint
 from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 from headfold.converter.modeling import load_model
 from headfold.ground.errors import BadInput
+from headfold.ground.precision import Precision
 
 
 def _edit_config(folder: Path, **changes: object) -> None:
@@ -96,6 +97,19 @@ def test_dtype_and_tokenizer_location(tmp_path: Path) -> None:
     (folder / "vocab.json").write_text("{}")  # a GPT-2 tokenizer: vocab.json + merges.txt
     (folder / "merges.txt").write_text("#version: 0.2\n")
     assert CheckpointFacts.read(folder).tokenizer == folder
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16, torch.float64))
+def test_precision_is_the_dtype_from_pretrained_loads(dtype: torch.dtype, tmp_path: Path) -> None:
+    """config.json's dtype, else the weights' own (as dtype="auto"); fp64 weights are fp32 to headfold."""
+    folder = make_checkpoint("gpt2", tmp_path / "gpt2", dtype=dtype)
+    loaded = load_model(folder).dtype
+    expected = Precision.of(loaded) or Precision.FP32
+    assert CheckpointFacts.read(folder).precision is expected
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert load_model(folder).dtype == loaded and CheckpointFacts.read(folder).precision is expected
 
 
 READERS = {
