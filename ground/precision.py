@@ -13,11 +13,10 @@ from headfold.ground.errors import BadOption
 from headfold.ground.lazy import lazy_import
 
 if TYPE_CHECKING:
-    import onnx_ir as ir
     import torch
 else:  # `import headfold` stays free of torch and ONNX: they load when a dtype is first asked for
     torch = lazy_import("torch")
-    ir = lazy_import("onnx_ir")
+ir = lazy_import("onnx_ir")  # not even for type checking: the converter, which asks for precisions, imports no ONNX
 
 # member value → (mantissa bits, bytes per element, torch / onnx_ir / safetensors dtype name); int4
 # is weight-only: 4-bit MatMul codes with 3 bits of magnitude, the graph otherwise fp32.
@@ -65,8 +64,8 @@ class Precision(StrEnum):
         return _FACTS[self][0]
 
     @property
-    def bytes(self) -> float:
-        """Bytes per stored element (int4: half a byte, its block scales not counted)."""
+    def itemsize(self) -> float:
+        """Bytes per stored element, as torch and numpy name it (int4: half a byte, its block scales not counted)."""
         return _FACTS[self][1]
 
     @property

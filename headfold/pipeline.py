@@ -186,7 +186,8 @@ def run(
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
     check_convertible(src, kv_heads, method, allow_pickle)
     check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
-    export = {**(export or {}), "dtype": Precision.parse(dtype, "--dtype") if (dtype := (export or {}).get("dtype")) else verifiable_dtype(src)}
+    given = export or {}
+    export = {**given, "dtype": Precision.parse(given["dtype"], "--dtype") if given.get("dtype") else verifiable_dtype(src)}
     if build and build.get("precision") is not None:
         build = {**build, "precision": Precision.parse(build["precision"], "--precision", Precision.floats())}
     if export["dtype"] == Precision.INT4:  # its verify stage gates the export by fidelity, which int4 weights do not keep

@@ -9,7 +9,7 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.sources import checkpoint_folders
 from headfold.ground.errors import BadInput
 from headfold.ground.precision import Precision
-from headfold.verification.artifacts import Artifact, check_kind, loosest, resolve
+from headfold.verification.artifacts import Artifact, check_kind, resolve
 from headfold.verification.budget import FidelityBudget, LossBudget, Thresholds
 from headfold.verification.checks import CheckResult, CheckSpec, run_checks
 from headfold.verification.decoding import KvCacheRunner, decode_check
@@ -125,7 +125,7 @@ def verify(
     if ref.model is not None and cand.model is not None:
         check_same_kind(CheckpointFacts.read(ref.model), CheckpointFacts.read(cand.model), (ref.path, cand.path))
     kind = check_kind(ref, cand, check)
-    precision = loosest(ref.precision, cand.precision)
+    precision = Precision.coarsest(ref.precision, cand.precision)  # the budget of the coarser side
     if kind == "fidelity" and precision == Precision.INT4:
         raise BadInput("int4 weights differ from their model by quantization, element by element: compare them by their loss (KL, perplexity, top-1), --check loss or auto")
     budget = thresholds.fidelity(precision, floors=True) if kind == "fidelity" else thresholds.loss(precision)

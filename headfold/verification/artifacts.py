@@ -103,7 +103,7 @@ def _runner(kind: str, path: Path) -> BaseRunner:
 def attention_info(checkpoint: Path, precision: Precision) -> dict[str, Any]:
     """Heads, kv heads (one count, or one per layer) and the KV-cache bytes per token they imply at `precision`."""
     facts = CheckpointFacts.read(checkpoint)
-    bytes_per_value = int(precision.computed_in.bytes)  # int4 weights keep their K/V cache in fp32
+    bytes_per_value = int(precision.computed_in.itemsize)  # int4 weights keep their K/V cache in fp32
     info = {"heads": facts.heads, "kv_heads": collapse(facts.kv_heads)}
     if facts.blocks:  # an encoder-decoder: self-attention bytes per target token, cross per source token
         cache = cache_bytes_per_token([b.kind for b in facts.blocks], [b.shape for b in facts.blocks], bytes_per_value)
@@ -174,10 +174,6 @@ def resolve(path: Path) -> Artifact:
     if not path.exists():
         raise BadInput(f"{path} does not exist")
     raise BadInput(f"{path} is not a checkpoint folder (config.json), an export folder (export.json), a .onnx file or a .engine")
-
-
-def loosest(a: Precision, b: Precision) -> Precision:
-    return Precision.coarsest(a, b)
 
 
 def _converted_from(reference: Path, candidate: Path) -> bool:

@@ -45,13 +45,13 @@ def test_dtypes_round_trip(precision: Precision) -> None:
     torch_dtype, ir_dtype, code = FLOATS[precision]
     assert (precision.torch_dtype, precision.ir_dtype) == (torch_dtype, ir_dtype)
     assert Precision.of(torch_dtype) is Precision.of(ir_dtype) is Precision.of(code) is precision
-    assert precision.bytes == torch_dtype.itemsize == ir_dtype.itemsize
+    assert precision.itemsize == torch_dtype.itemsize == ir_dtype.itemsize
     assert precision.is_float and precision.computed_in is precision
 
 
 def test_int4_is_weight_only() -> None:
     assert Precision.floats() == (Precision.FP32, Precision.FP16, Precision.BF16)
-    assert not Precision.INT4.is_float and Precision.INT4.computed_in is Precision.FP32 and Precision.INT4.bytes == 0.5
+    assert not Precision.INT4.is_float and Precision.INT4.computed_in is Precision.FP32 and Precision.INT4.itemsize == 0.5
     with pytest.raises(ValueError, match="computed_in"):
         Precision.INT4.torch_dtype  # noqa: B018
 
