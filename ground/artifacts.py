@@ -10,6 +10,7 @@ dataclass with load/save in one module: the manifest (ground/manifest.py), expor
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import types
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 
 from headfold.ground import VERSION
 from headfold.ground.errors import BadInput
-from headfold.ground.inputs import read_json_object
+from headfold.ground.inputs import read_json_object, shown
 
 MANIFEST = "headfold.json"  # headfold convert / distill: how a checkpoint was made
 EXPORT_SUMMARY = "export.json"  # headfold export: graphs, layout, dtype and the source checkpoint
@@ -182,14 +183,21 @@ def plain(value: Any) -> Any:
 def typed(value: Any, hint: Any, name: str) -> Any:
     """`value` read as `hint` says (records built, in lists and dicts too); Malformed when it does not fit."""
     union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-    for option in typing.get_args(hint) if union else (hint,):
+    options = typing.get_args(hint) if union else (hint,)
+    for option in options:
         origin = typing.get_origin(option) or option
         if isinstance(origin, type) and issubclass(origin, Record) and isinstance(value, dict):
             return origin.from_dict(value)
         if origin is typing.Literal and value in typing.get_args(option):
             return value
-        if _fits(value, origin):
+        if isinstance(origin, type) and issubclass(origin, enum.Enum):
+            if value in [member.value for member in origin]:  # a name the file spells (a Precision: "fp16")
+                return origin(value)
+        elif _fits(value, origin):
             return _items(value, typing.get_args(option), name)
+    choices = [str(member.value) for option in options if isinstance(option, type) and issubclass(option, enum.Enum) for member in option]
+    if choices:
+        raise Malformed(f"{name!r} is {shown(value) if isinstance(value, str) else _json_type(value)}, not one of {', '.join(choices)}")
     raise Malformed(f"{name!r} is {_json_type(value)}")
 
 

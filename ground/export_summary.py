@@ -13,6 +13,7 @@ from typing import Any
 
 from headfold.ground.artifacts import EXPORT_SUMMARY, Record, keep_unknown, load_record, mark, optional
 from headfold.ground.inputs import contained
+from headfold.ground.precision import Precision
 
 FORMAT = 1
 
@@ -24,7 +25,7 @@ class ExportSummary(Record):
     source: str  # the checkpoint folder as it was given to export (relative to where export ran)
     model_type: str | None = None
     opset: int | None = None
-    dtype: str = "fp32"
+    dtype: Precision = Precision.FP32  # an unknown one: the file is corrupt
     attention: str | None = None  # onnx | ort-gqa
     layers: int | None = None
     heads: int | None = None

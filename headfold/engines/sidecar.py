@@ -19,6 +19,7 @@ from headfold.engines.plan import BuildPlan, GraphPlan, sidecar_path
 from headfold.ground import VERSION
 from headfold.ground.artifacts import Malformed, Record, keep_unknown
 from headfold.ground.errors import BadInput, first_line
+from headfold.ground.precision import Precision
 
 FORMAT = "headfold.engine/1"
 
@@ -29,8 +30,8 @@ class NotASidecar(Malformed):
 
 @dataclass(kw_only=True)
 class EnginePrecision(Record):
-    name: str  # what the engine computes in
-    graph: str  # the graph's own weight precision
+    name: Precision  # what the engine computes in
+    graph: Precision  # the graph's own weight precision
     strongly_typed: bool
     builder_flags: list[str]
 

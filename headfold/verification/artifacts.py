@@ -26,7 +26,7 @@ from headfold.converter.seq2seq import cache_bytes_per_token
 from headfold.engines.sidecar import load_sidecar, source_onnx
 from headfold.graphs.onnx_files import load_graph
 from headfold.ground import export_summary, manifest
-from headfold.ground.artifacts import DECODE_GRAPH, DECODER_GRAPH, ENCODER_GRAPH, ENGINE_SUFFIXES, EXPORT_SUMMARY, MODEL_GRAPH, PREFILL_GRAPH, engine_name
+from headfold.ground.artifacts import DECODE_GRAPH, DECODER_GRAPH, ENCODER_GRAPH, ENGINE_SUFFIXES, MODEL_GRAPH, PREFILL_GRAPH, engine_name
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.ground.inputs import check_links
@@ -132,16 +132,15 @@ def _onnx_artifact(graph: Path) -> Artifact:
         return Artifact(graph, "onnx", None, Precision.FP32)
     summary = export_summary.load(graph.parent)
     model = export_summary.export_source(summary, graph.parent)
-    precision = Precision.parse(summary.dtype, f"{graph.parent / EXPORT_SUMMARY}: dtype")
     if summary.layout == "seq2seq":  # either graph stands for the pair
         encoder, decoder = graph.with_name(ENCODER_GRAPH), graph.with_name(DECODER_GRAPH)
         for part in (encoder, decoder):
             if part != graph:
                 load_graph(part)
-        return Artifact(encoder, "onnx", model, precision, pair=decoder)
+        return Artifact(encoder, "onnx", model, summary.dtype, pair=decoder)
     decode = _decode_graph(graph, summary)
     shared = decode == graph and summary.attention == "ort-gqa"  # genai_config.json's past_present_share_buffer
-    return Artifact(graph, "onnx", model, precision, decode, shared_cache=shared)
+    return Artifact(graph, "onnx", model, summary.dtype, decode, shared_cache=shared)
 
 
 def _engine_artifact(engine: Path) -> Artifact:
@@ -150,8 +149,7 @@ def _engine_artifact(engine: Path) -> Artifact:
     graph = source_onnx(engine, info)
     decode = engine.with_name(DECODE_ENGINE)  # `headfold build` writes the pair side by side
     paired = engine.name == PREFILL_ENGINE and decode.is_file()
-    precision = Precision.parse(info.precision.name, f"{engine}'s sidecar: precision", Precision.floats())
-    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, precision, decode if paired else None, graph)
+    return Artifact(engine, "engine", _onnx_artifact(graph).model if graph else None, info.precision.name, decode if paired else None, graph)
 
 
 def resolve(path: Path) -> Artifact:

@@ -137,6 +137,7 @@ def test_old_ledger_of_stages_alone_loads(tmp_path: Path) -> None:
         (json.dumps({**EXPORT, "graphs": []}), "'graphs' is a list"),
         (json.dumps({k: v for k, v in EXPORT.items() if k != "source"}), "no 'source'"),
         (json.dumps({**EXPORT, "format": 2}), "format 2 is newer"),
+        (json.dumps({**EXPORT, "dtype": "fp64"}), "'dtype' is 'fp64', not one of fp32, fp16, bf16, int4"),
     ],
 )
 def test_corrupt_export_summary(tmp_path: Path, content: str, why: str) -> None:
