@@ -327,12 +327,27 @@ def _part_name(row: dict) -> str:
     return f"`{row['method']}` ({row['local_steps']} steps{extra})"
 
 
+def local_cost(data: dict) -> list[str]:
+    """Per method with local measured at two step budgets on the layout: one step's CPU seconds (their
+    difference) and the conversion's CPU seconds at the default budget, extrapolated from them."""
+    lines, default = [], data.get("default_local_steps")
+    for method in dict.fromkeys(r["method"] for r in data["rows"] if "local_steps" in r):
+        runs = sorted((r["local_steps"], r["convert_cpu_s"]) for r in data["rows"] if r["method"] == method and "local_steps" in r)
+        if len(runs) < 2 or default is None:
+            continue
+        (few, few_s), (more, more_s) = runs[0], runs[-1]
+        step = (more_s - few_s) / (more - few)
+        lines.append(f"`{method}`: one local step costs {step:.1f} CPU s on this layout, so at the default {default} steps "
+                     f"its conversion costs about {few_s + (default - few) * step:,.0f} CPU s (extrapolated from {few} and {more} steps).")
+    return lines
+
+
 def method_parts(data: dict) -> str:
     """benchmarks/method_parts.py: the training-free method parts on several trained models, and what they cost."""
     rows = data["rows"]
     if "layout" in rows[0]:
         shown = [[r["layout"], r["kv_heads"], _part_name(r) if "local_steps" in r else r["method"], r["convert_cpu_s"], r["convert_s"], r.get("peak_rss_mb", ""), r["load_average_1min"]] for r in rows]
-        return about(data, "what") + "\n\n" + table(["layout", "kv heads", "method", "CPU s", "wall s", "peak RSS MB", "load"], shown)
+        return "\n\n".join([about(data, "what"), table(["layout", "kv heads", "method", "CPU s", "wall s", "peak RSS MB", "load"], shown), *local_cost(data)])
     parts = [about(data, "what"), "Each cell: KL(original ‖ converted) per token, how many times less than `mean`'s at that kv count, and the conversion's CPU seconds."]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
