@@ -38,7 +38,7 @@ def convert(
     output: PathLike,
     kv_heads: int | Sequence[int],
     method: str = DEFAULT_METHOD,
-    calibration: Calibration | PathLike = Calibration(),
+    calibration: Calibration | PathLike | None = Calibration(),
     *,
     revision: str | None = None,
     max_shard_size: str | int | None = None,
@@ -82,7 +82,7 @@ def inspect(
     *,
     candidates: str | Sequence[int] | None = None,
     method: str = DEFAULT_METHOD,
-    calibration: Calibration | PathLike = Calibration(),
+    calibration: Calibration | PathLike | None = Calibration(),
     revision: str | None = None,
     kv_budget: float | int | None = None,
     heatmap: PathLike | None = None,
@@ -270,7 +270,7 @@ def run(
     kv_heads: int | Sequence[int],
     method: str = DEFAULT_METHOD,
     *,
-    calibration: Calibration | PathLike = Calibration(),
+    calibration: Calibration | PathLike | None = Calibration(),
     distill: DistillStage | None = None,
     export: ExportOptions = ExportOptions(),
     profile: Profile = Profile(),
@@ -336,9 +336,9 @@ def _path(value: PathLike | None) -> Path | None:
     return None if value is None else Path(value)
 
 
-def _calibration(value: Calibration | PathLike) -> Calibration:
-    """A Calibration as given, or one on the text file (or "weights") given alone."""
-    return value if isinstance(value, Calibration) else Calibration(text=os.fspath(value))
+def _calibration(value: Calibration | PathLike | None) -> Calibration:
+    """A Calibration as given, or one on the text file (or "weights") given alone; None: the defaults."""
+    return value if isinstance(value, Calibration) else Calibration(text=None if value is None else os.fspath(value))
 
 
 def _thresholds(value: Thresholds | PathLike | None) -> Thresholds:
