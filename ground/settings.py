@@ -10,7 +10,7 @@ one loads nothing heavy.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,12 @@ class DistillOptions:
         """Every option within its domain, whoever builds this (distill, run's stage, the Python API):
         BadOption naming the option, before anything runs."""
         whole("--seq-len", self.seq_len, 2, " (a token and the one it predicts)")
-        for option, value in (("--steps", self.steps), ("--batch-size", self.batch_size), ("--eval-every", self.eval_every), ("--eval-windows", self.eval_windows)):
+        for option, value in (
+            ("--steps", self.steps),
+            ("--batch-size", self.batch_size),
+            ("--eval-every", self.eval_every),
+            ("--eval-windows", self.eval_windows),
+        ):
             whole(option, value, 1)
         whole("--tokens", None if isinstance(self.tokens, str) else self.tokens, 1)  # text (200k, 5%): parsed with the teacher (requested)
         whole("--seed", self.seed, 0)
@@ -150,5 +155,4 @@ class DistillOptions:
 
     def given(self) -> dict[str, Any]:
         """The fields set away from their defaults: what a distill stage records as asked."""
-        defaults = DistillOptions.__dataclass_fields__
-        return {name: value for name, value in asdict(self).items() if value != defaults[name].default}
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}

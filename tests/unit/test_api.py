@@ -35,8 +35,6 @@ def test_signature_is_spelled_out_and_documented(name: str) -> None:
         assert [p.name for p in parameters if p.name not in doc] == []
 
 
-
-
 def test_the_api_takes_the_settings_objects_with_their_own_defaults() -> None:
     """Each command's settings are one object, defaulting to that object's defaults: no option is re-declared."""
     expected = {
