@@ -39,8 +39,8 @@ def calibrated(family: str, tiny_checkpoint, **kwargs) -> Path:
     return tiny_checkpoint(family, vocab_size=BYTES, **POSITIONS.get(family, {}), **kwargs)
 
 
-def local_convert(src: Path, out: Path, method: str = "local", kv: int = 2, steps: int = 4, **kwargs) -> Path:
-    return convert(src, out, kv_heads=kv, method=method, calibration=Calibration(tokens=TOKENS), local_steps=steps, progress=False, **kwargs)
+def local_convert(src: Path, out: Path, method: str = "local", kv: int = 2, steps: int = 4, seed: int = 0, **kwargs) -> Path:
+    return convert(src, out, kv_heads=kv, method=method, calibration=Calibration(tokens=TOKENS, seed=seed), local_steps=steps, progress=False, **kwargs)
 
 
 def fit_errors(out: Path) -> dict[str, list[float]]:
