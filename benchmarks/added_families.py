@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from headfold import convert, corpus, distill
+from headfold import DistillOptions, convert, corpus, distill
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import refused_modifiers
 from headfold.converter.modeling import load_model
@@ -92,7 +92,7 @@ def family_rows(family: str, tmp: Path, steps: int, distill_steps: int) -> list[
     text.write_text(corpus.train_text())
     student = tmp / f"{family}-{best['kv_heads']}-{best['method']}"
     start = time.perf_counter()
-    out = distill(source, student, tmp / f"{family}-distilled", data=text, steps=distill_steps, seq_len=WINDOW, batch_size=16, progress=False)
+    out = distill(source, student, tmp / f"{family}-distilled", DistillOptions(steps=distill_steps, seq_len=WINDOW, batch_size=16), data=text, progress=False)
     seconds = time.perf_counter() - start
     report = compare(reference, log_probs(load_model(out), batch), batch)
     rows.append({"family": family, "kv_heads": best["kv_heads"], "method": f"{best['method']} + distill {distill_steps} steps", "kl": report.kl,

@@ -32,7 +32,7 @@ CHILD = """
 import json, re, sys, time
 from pathlib import Path
 import torch
-from headfold import convert
+from headfold import Calibration, convert
 from headfold.converter import calibration, conversion
 
 src, out, tokens, whole = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "whole"
@@ -62,7 +62,7 @@ for module in (calibration, conversion):  # conversion imported it by name in ol
 if whole:
     calibration.calibrate = whole_model
 start = time.perf_counter()
-convert(src, out, 4, method="aligned+grouped+refit", calibration_tokens=tokens, progress=False)
+convert(src, out, 4, method="aligned+grouped+refit", calibration=Calibration(tokens=tokens), progress=False)
 spent["total_s"] = time.perf_counter() - start
 hwm_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
 print(json.dumps({**spent, "cpu_s": time.process_time(), "peak_rss_mb": hwm_kb * 1024 / 1e6}))

@@ -254,7 +254,7 @@ def main() -> None:
         path = args.json if args.json != DEFAULT_JSON else DEFAULT_JSON.with_name("method_parts_cost.json")
         rows = ([] if args.no_scored_layer else scored_rows(args.threads)) + layout_rows(args.methods.split(","), [int(x) for x in args.layout_steps.split(",")], args.threads, args.keep)
         kept = [] if args.fresh or not path.is_file() else json.loads(path.read_text())["rows"]
-        path.write_text(json.dumps({"what": COST, "rows": kept + rows}, indent=1) + "\n")
+        path.write_text(json.dumps({"what": COST, "default_local_steps": conversion.DEFAULT_LOCAL_STEPS, "rows": kept + rows}, indent=1) + "\n")
         return
     kept = [] if args.fresh or not args.json.is_file() else json.loads(args.json.read_text())["rows"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -175,10 +175,10 @@ def _zoo_points(rows: list[dict], model: str, recipe: str) -> dict[str, dict]:
 
 
 def distill_zoo_ranks(data: dict) -> list[tuple[str, float, dict[str, float]]]:
-    """The recipes run on every model at every budget with a goal, best first: (recipe, mean rank over the
-    models and those budgets by perplexity increase, the mean increase per budget); a tie goes to the
-    lower mean increase."""
-    rows, models = data["rows"], list(data["models"])
+    """The recipes run on every model of the sweep at every budget with a goal, best first: (recipe, mean
+    rank over those models and budgets by perplexity increase, the mean increase per budget); a tie goes
+    to the lower mean increase. The zoo's other models check the chosen recipe only."""
+    rows, models = data["rows"], data.get("sweep") or list(data["models"])
     budgets = sorted(map(float, data["goals"]))
     final = {(r["model"], r["recipe"], r["budget"]): r["points"][-1]["ppl_increase"] for r in rows}
     complete = [rc for rc in dict.fromkeys(r["recipe"] for r in rows) if all((m, rc, b) in final for m in models for b in budgets)]
@@ -214,7 +214,7 @@ def distill_zoo_summary(data: dict) -> str:
     best = ranked[0][0]
     others = []
     for r in data["rows"]:
-        if r["recipe"] not in {rc for rc, _, _ in ranked} and r["budget"] == budgets[-1]:
+        if r["recipe"] not in {rc for rc, _, _ in ranked} and r["budget"] == budgets[-1] and r["model"] in (data.get("sweep") or data["models"]):
             points = _zoo_points(data["rows"], r["model"], r["recipe"])
             changed = ",".join(part for part in r["recipe"].split(",") if part.startswith("lr="))  # the recipe this one changes
             against = _zoo_points(data["rows"], r["model"], changed or "base")
@@ -231,7 +231,8 @@ def distill_zoo_summary(data: dict) -> str:
         body.append([model, _zoo_cell(points.get("start")), *cells])
     goal_table = table(["model", "start", *(f"{b:.0%} (goal ≤ {g:.0%})" for b, g in sorted(goals.items()))], body)
     return "\n\n".join([
-        f"**The recipes run on every model at every budget with a goal**, by mean rank over the models and budgets (perplexity increase of each budget's own run; 1 = best):", ranks,
+        f"**The recipes run on every model of the sweep ({', '.join(data.get('sweep') or data['models'])}) at every budget with a goal**, by mean rank over those models and budgets "
+        "(perplexity increase of each budget's own run; 1 = best); the other models check the best:", ranks,
         "**One more change** (perplexity increase / KL; in brackets the recipe without that change):", other_table,
         f"**Goals with `{best}`** (perplexity increase / KL over the original; each budget's own run):", goal_table,
     ])  # fmt: skip
@@ -327,12 +328,27 @@ def _part_name(row: dict) -> str:
     return f"`{row['method']}` ({row['local_steps']} steps{extra})"
 
 
+def local_cost(data: dict) -> list[str]:
+    """Per method with local measured at two step budgets on the layout: one step's CPU seconds (their
+    difference) and the conversion's CPU seconds at the default budget, extrapolated from them."""
+    lines, default = [], data.get("default_local_steps")
+    for method in dict.fromkeys(r["method"] for r in data["rows"] if "local_steps" in r):
+        runs = sorted((r["local_steps"], r["convert_cpu_s"]) for r in data["rows"] if r["method"] == method and "local_steps" in r)
+        if len(runs) < 2 or default is None:
+            continue
+        (few, few_s), (more, more_s) = runs[0], runs[-1]
+        step = (more_s - few_s) / (more - few)
+        lines.append(f"`{method}`: one local step costs {step:.1f} CPU s on this layout, so at the default {default} steps "
+                     f"its conversion costs about {few_s + (default - few) * step:,.0f} CPU s (extrapolated from {few} and {more} steps).")
+    return lines
+
+
 def method_parts(data: dict) -> str:
     """benchmarks/method_parts.py: the training-free method parts on several trained models, and what they cost."""
     rows = data["rows"]
     if "layout" in rows[0]:
         shown = [[r["layout"], r["kv_heads"], _part_name(r) if "local_steps" in r else r["method"], r["convert_cpu_s"], r["convert_s"], r.get("peak_rss_mb", ""), r["load_average_1min"]] for r in rows]
-        return about(data, "what") + "\n\n" + table(["layout", "kv heads", "method", "CPU s", "wall s", "peak RSS MB", "load"], shown)
+        return "\n\n".join([about(data, "what"), table(["layout", "kv heads", "method", "CPU s", "wall s", "peak RSS MB", "load"], shown), *local_cost(data)])
     parts = [about(data, "what"), "Each cell: KL(original ‖ converted) per token, how many times less than `mean`'s at that kv count, and the conversion's CPU seconds."]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]

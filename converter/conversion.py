@@ -33,6 +33,7 @@ from headfold.ground.hashing import copy_hashed, sha256_file, versions
 from headfold.ground.lazy import lazy_import
 from headfold.ground.manifest import Conversion, Manifest, ManifestSource, load_raw
 from headfold.ground.manifest import load as load_manifest
+from headfold.ground.settings import Calibration
 from headfold.ground.units import parse_size, whole
 
 if TYPE_CHECKING:
@@ -56,8 +57,8 @@ def convert(
     max_shard_size: str | int | None = None,
     allow_pickle: bool = False,
     calibration: str | Path | None = None,
-    calibration_tokens: int = 4096,
-    seed: int = 0,
+    calibration_tokens: int = Calibration.tokens,
+    seed: int = Calibration.seed,
     progress: bool = True,
     builtin_text: str | None = None,
     pool: str | None = None,

@@ -52,6 +52,7 @@ from headfold.ground.cache_names import PAST, PRESENT, cache_names
 from headfold.ground.errors import BadInput, HeadfoldError, first_line
 from headfold.ground.export_summary import ExportSummary
 from headfold.ground.precision import Precision
+from headfold.ground.settings import ExportOptions
 
 __all__ = [
     "export",
@@ -600,8 +601,8 @@ def graph_layout(graphs: str | None, trt_version: str | None) -> str:
 
 
 def check_options(
-    *, opset: int = 23, dtype: Precision | str | None = None, attention: str = "auto", trt_version: str | None = None, graphs: str | None = None,
-    optimize: str | None = "auto", explicit_positions: bool = False, int4_block_size: int | None = None, int4_symmetric: bool | None = None,
+    *, opset: int = ExportOptions.opset, dtype: Precision | str | None = None, attention: str = ExportOptions.attention, trt_version: str | None = None, graphs: str | None = None,
+    optimize: str | None = ExportOptions.optimize, explicit_positions: bool = False, int4_block_size: int | None = None, int4_symmetric: bool | None = None,
 ) -> None:
     """What export refuses in its options alone, before the checkpoint is read (run: before its first stage)."""
     check_opset(opset)
@@ -625,15 +626,15 @@ def export(
     src: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
-    opset: int = 23,
+    opset: int = ExportOptions.opset,
     dtype: Precision | str | None = None,
-    attention: str = "auto",
+    attention: str = ExportOptions.attention,
     revision: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
     trt_version: str | None = None,
     graphs: str | None = None,
-    optimize: str | None = "auto",
+    optimize: str | None = ExportOptions.optimize,
     explicit_positions: bool = False,
     int4_block_size: int | None = None,
     int4_symmetric: bool | None = None,

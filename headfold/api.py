@@ -1,33 +1,36 @@
-"""The Python API: one function per command, with the command's options as keyword arguments.
+"""The Python API: one function per command, taking the settings objects the command builds from its
+options (as Polygraphy passes a CreateConfig whole): Calibration, ExportOptions, Profile, DistillOptions,
+DistillStage, InputSpec and Thresholds, each default declared once (headfold.ground.settings).
 
 Each returns the typed artifact its stage produces (a checkpoint folder, ExportSummary, Report,
 Inspection, engine sidecars) and raises the errors the CLI turns into exit codes
 (headfold.ground.errors: BadInput → 2, CheckFailed → 1). Nothing heavy is imported until a
-function runs, so `import headfold` stays cheap. Defaults are the commands' defaults
-(tests/unit/test_api.py holds them to the stages' own).
+function runs, so `import headfold` stays cheap.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from headfold.converter.recipes import DEFAULT_METHOD
+from headfold.ground.settings import Calibration, DistillOptions, ExportOptions, InputSpec, Profile
 
 if TYPE_CHECKING:
     import transformers
     from sentence_transformers import SentenceTransformer
 
+    from headfold.distillation.stage import DistillStage
     from headfold.engines.plan import BuildPlan
     from headfold.engines.sidecar import EngineSidecar
     from headfold.ground.export_summary import ExportSummary
     from headfold.inspection import CacheInspection, Inspection
-    from headfold.verification import InputSpec, Report, Thresholds
+    from headfold.verification import Report, Thresholds
 
 PathLike = str | os.PathLike
-Fraction = float | str  # 0.05, "0.05" or "5%"
 
 
 def convert(
@@ -35,11 +38,9 @@ def convert(
     output: PathLike,
     kv_heads: int | Sequence[int],
     method: str = DEFAULT_METHOD,
+    calibration: Calibration | PathLike | None = Calibration(),
     *,
     revision: str | None = None,
-    calibration: PathLike | None = None,
-    calibration_tokens: int = 4096,
-    seed: int = 0,
     max_shard_size: str | int | None = None,
     allow_pickle: bool = False,
     overwrite: bool = False,
@@ -55,11 +56,10 @@ def convert(
         kv_heads: one count for every layer (1 = MQA), or one per layer; each divides the heads.
         method: mean, first, or data-aware modifiers joined by "+": aligned, grouped, scored, refit, local
             (docs/methods.md); the default ranks best over the quality zoo, without local when there is no text.
+        calibration: what the data-aware methods fit on: Calibration(text, tokens, seed), or a text
+            file alone; text None: the built-in offline text (the weights alone for a checkpoint without
+            tokenizer files); "weights": the weights alone.
         revision: branch, tag or commit of a hub id.
-        calibration: text file the data-aware methods fit on; None: the built-in offline text (the
-            weights alone for a checkpoint without tokenizer files); "weights": the weights alone.
-        calibration_tokens: tokens of calibration text run through the source model.
-        seed: seed of the calibration windows.
         max_shard_size: largest output shard, e.g. "2GB"; None: shard like the source.
         allow_pickle: accept pytorch_model.bin pickles (loaded with weights_only=True).
         overwrite: replace an output headfold wrote before.
@@ -73,8 +73,7 @@ def convert(
 
     return convert_checkpoint(
         source, output, kv_heads, method, revision=revision, overwrite=overwrite, max_shard_size=max_shard_size, allow_pickle=allow_pickle,
-        calibration=calibration, calibration_tokens=calibration_tokens, seed=seed, progress=progress, builtin_text=corpus.calibration_text(), pool=pool,
-        local_steps=local_steps,
+        progress=progress, builtin_text=corpus.calibration_text(), pool=pool, local_steps=local_steps, **_calibration(calibration).kwargs(),
     )  # fmt: skip
 
 
@@ -83,11 +82,9 @@ def inspect(
     *,
     candidates: str | Sequence[int] | None = None,
     method: str = DEFAULT_METHOD,
+    calibration: Calibration | PathLike | None = Calibration(),
     revision: str | None = None,
     kv_budget: float | int | None = None,
-    calibration: PathLike | None = None,
-    calibration_tokens: int = 4096,
-    seed: int = 0,
     heatmap: PathLike | None = None,
     json_path: PathLike | None = None,
     overwrite: bool = False,
@@ -101,11 +98,10 @@ def inspect(
         source: a checkpoint folder or hub id with one kv-head count in every layer.
         candidates: kv-head counts to predict, e.g. [4, 2, 1]; None: every divisor below the source's.
         method: the conversion method whose loss is predicted.
+        calibration: as for `convert`; the loss is measured on windows of the same text not used for fitting.
         revision: branch, tag or commit of a hub id.
         kv_budget: plan per-layer kv heads for this KV cache: a fraction of the source's (0.25),
             or an integer total of kv heads over all layers. The report's `plan` and `uniform`.
-        calibration, calibration_tokens, seed: as for `convert`; the loss is measured on windows
-            of the same text not used for fitting.
         heatmap: write the PNG heatmap here.
         json_path: write the report as JSON here.
         overwrite: replace existing heatmap / JSON files.
@@ -116,8 +112,8 @@ def inspect(
     if candidates is not None and not isinstance(candidates, str):
         candidates = ",".join(map(str, candidates))
     return inspect_checkpoint(
-        source, candidates=candidates, method=method, kv_budget=kv_budget, calibration=calibration, calibration_tokens=calibration_tokens, seed=seed,
-        heatmap=_path(heatmap), json_path=_path(json_path), overwrite=overwrite, progress=progress, revision=revision,
+        source, candidates=candidates, method=method, kv_budget=kv_budget, heatmap=_path(heatmap), json_path=_path(json_path),
+        overwrite=overwrite, progress=progress, revision=revision, **_calibration(calibration).kwargs(),
     )  # fmt: skip
 
 
@@ -125,27 +121,11 @@ def distill(
     teacher: PathLike,
     student: PathLike,
     output: PathLike,
+    options: DistillOptions = DistillOptions(),
     *,
-    revision: str | None = None,
     data: PathLike | None = None,
     eval_data: PathLike | None = None,
-    tokens: int | str | None = None,
-    steps: int | None = None,
-    seq_len: int = 256,
-    batch_size: int | None = None,
-    lr: float | None = None,
-    train: str | None = None,
-    loss: str = "kl",
-    temperature: float = 1.0,
-    hidden_weight: float | None = None,
-    attention_weight: float | None = None,
-    warmup: float = 0.1,
-    gradient_checkpointing: bool = False,
-    seed: int = 0,
-    eval_every: int | None = None,
-    eval_windows: int = 32,
-    until_kl: float | None = None,
-    until_ppl_increase: Fraction | None = None,
+    revision: str | None = None,
     save_every: int | None = None,
     resume: bool = False,
     overwrite: bool = False,
@@ -153,36 +133,19 @@ def distill(
 ) -> Path:
     """Train a converted student towards its MHA teacher (`headfold distill`); the output folder.
 
-    None means "the default for the student's kind" (decoder or encoder), recorded in the
-    output's headfold.json as resolved. See docs/distill.md.
-
     Args:
         teacher: the MHA checkpoint `student` was converted from (a folder or hub id).
         student: a headfold conversion of `teacher`.
-        revision: branch, tag or commit of the hub ids among them.
         output: the folder to write (a checkpoint like convert's, with distill-log.json and
             distill-curve.png).
+        options: DistillOptions: the token budget (tokens=200000, "200k", "1.5M", or "5%" of the
+            teacher's pre-training tokens where headfold knows them; or steps), seq_len, batch_size, lr,
+            train, loss, the stopping targets, ...; a None field is the default for the student's kind
+            (decoder or encoder), recorded in the output's headfold.json as resolved (docs/distill.md).
         data: training text: a text file, .jsonl/.json/.parquet with a "text" field, or a datasets
             save_to_disk folder; None only for the embedded model (its own training split).
-        eval_data: held-out text; None: the first `eval_windows` windows of `data`.
-        tokens: training tokens over all processes: 200000, "200k", "1.5M", or "5%" of the
-            teacher's pre-training tokens where headfold knows them.
-        steps: optimizer steps, instead of `tokens` (neither: 40 steps).
-        seq_len: tokens per training window.
-        batch_size: windows per step and process.
-        lr: peak learning rate (AdamW, linear warmup then cosine to 0).
-        train: what trains: "kv", "attention" (Q/K/V/O), "all" or "lora".
-        loss: decoders: "kl" or "kl+ce"; encoders always match hidden states and embeddings.
-        temperature: softmax temperature of the KL (the loss is scaled by T²).
-        hidden_weight: weight of the per-layer hidden-state match; 0 turns it off.
-        attention_weight: weight of the per-layer attention-output match; 0 turns it off.
-        warmup: fraction of the steps with a linear learning-rate ramp.
-        gradient_checkpointing: recompute activations in the backward pass (less memory).
-        seed: seed of the training-window shuffle.
-        eval_every: steps between held-out evaluations (None: 8 per run).
-        eval_windows: held-out windows of `seq_len` tokens.
-        until_kl: stop at the first evaluation whose KL is at most this.
-        until_ppl_increase: stop once the perplexity is within this of the teacher's, e.g. "2%".
+        eval_data: held-out text; None: the first `options.eval_windows` windows of `data`.
+        revision: branch, tag or commit of the hub ids among them.
         save_every: write a resumable checkpoint every N steps beside `output`.
         resume: continue from that checkpoint (same inputs and options).
         overwrite: replace an output headfold wrote before.
@@ -190,29 +153,18 @@ def distill(
     """
     from headfold.distillation import distill as run_distill
 
-    increase = None if until_ppl_increase is None else _fraction(until_ppl_increase, "until_ppl_increase")
     return run_distill(
-        teacher, student, output, revision=revision, data=data, eval_data=eval_data, save_every=save_every, resume=resume, overwrite=overwrite, progress=progress,
-        tokens=tokens, steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, train=train, loss=loss, temperature=temperature,
-        hidden_weight=hidden_weight, attention_weight=attention_weight, warmup=warmup, gradient_checkpointing=gradient_checkpointing, seed=seed, eval_every=eval_every,
-        eval_windows=eval_windows, until_kl=until_kl, until_ppl_increase=increase,
+        teacher, student, output, revision=revision, data=data, eval_data=eval_data, save_every=save_every, resume=resume,
+        overwrite=overwrite, progress=progress, **asdict(options),
     )  # fmt: skip
 
 
 def export(
     source: PathLike,
     output: PathLike,
+    options: ExportOptions = ExportOptions(),
     *,
     revision: str | None = None,
-    opset: int = 23,
-    dtype: str | None = None,
-    attention: str = "auto",
-    graphs: str | None = None,
-    optimize: str | None = "auto",
-    position_ids: bool = False,
-    trt_version: str | None = None,
-    int4_block_size: int | None = None,
-    int4_symmetric: bool | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ExportSummary:
@@ -222,45 +174,29 @@ def export(
 
     Args:
         source: a checkpoint folder (source or converted) or hub id.
-        revision: branch, tag or commit of a hub id.
         output: the folder to write.
-        opset: 23, 24 or 25.
-        dtype: "fp32", "fp16" or "bf16" weights; "int4": MatMul weights in 4 bits (ONNX Runtime's
-            MatMulNBits, decoders), everything else fp32; None: the checkpoint's own.
-        attention: "auto" (GroupQueryAttention in a merged decoder graph that ONNX Runtime runs, else the
-            standard Attention), "onnx" (standard Attention) or "ort-gqa" (com.microsoft.GroupQueryAttention).
-        graphs: decoders: "merged" (model.onnx + genai_config.json: an onnxruntime-genai folder) or
-            "split" (prefill.onnx + decode.onnx, what `build` takes); None: split for a `trt_version`
-            target, else merged, as the command.
-        optimize: "ort" for ONNX Runtime's fused ops; "auto" for them on GroupQueryAttention graphs; "none".
-        position_ids: merged decoders: take a position_ids input.
-        trt_version: decompose what that TensorRT release's parser lacks, e.g. "10.14".
-        int4_block_size: dtype "int4": weights per quantization block (16 to 256; None: 32).
-        int4_symmetric: dtype "int4": symmetric blocks without zero points (None: True) or asymmetric.
+        options: ExportOptions, as `headfold export` builds them from its options: opset (23, 24 or 25);
+            dtype ("fp32", "fp16", "bf16", or "int4": MatMul weights in 4 bits, decoders; None: the
+            checkpoint's own); attention ("auto", "onnx", "ort-gqa"); graphs ("merged" or "split"; None:
+            split for a `trt_version` target, else merged); optimize ("auto", "ort", "none");
+            position_ids; trt_version (decompose what that TensorRT release's parser lacks, e.g.
+            "10.14"); int4_block_size and int4_symmetric.
+        revision: branch, tag or commit of a hub id.
         overwrite: replace an output headfold wrote before.
         progress: show progress.
     """
     from headfold.graphs.export import export as export_checkpoint
     from headfold.ground import export_summary
 
-    export_checkpoint(
-        source, output, revision=revision, opset=opset, dtype=dtype, attention=attention, overwrite=overwrite, progress=progress,
-        trt_version=trt_version, graphs=graphs, optimize=optimize, explicit_positions=position_ids,
-        int4_block_size=int4_block_size, int4_symmetric=int4_symmetric,
-    )  # fmt: skip
+    export_checkpoint(source, output, revision=revision, overwrite=overwrite, progress=progress, **options.kwargs())
     return export_summary.load(Path(output))
 
 
 def build(
     source: PathLike,
     output: PathLike,
+    profile: Profile = Profile(),
     *,
-    precision: str | None = None,
-    batch: str | None = None,
-    seq: str | None = None,
-    past: str | None = None,
-    workspace: str | None = None,
-    timing_cache: PathLike | None = None,
     trt_version: str | None = None,
     require_fused_attention: bool = False,
     dry_run: bool = False,
@@ -275,10 +211,9 @@ def build(
     Args:
         source: a .onnx file (then `output` ends with .engine) or an export folder.
         output: the engine file or folder.
-        precision: "fp32", "fp16" or "bf16"; None: the graph's own.
-        batch, seq, past: optimization profile ranges "MIN:OPT:MAX" (None: derived from the model).
-        workspace: builder workspace limit, e.g. "4GiB".
-        timing_cache: tactic timing cache, loaded when present and updated.
+        profile: Profile: precision ("fp32", "fp16" or "bf16"; None: the graph's own), the optimization
+            profile ranges batch, seq, past ("MIN:OPT:MAX"; None: derived from the model), workspace
+            (e.g. "4GiB") and timing_cache (loaded when present and updated).
         trt_version: the release to plan for (dry runs only, where it differs from the installed one).
         require_fused_attention: fail unless every engine's attention is one fused kernel.
         dry_run: plan and lint only.
@@ -288,7 +223,7 @@ def build(
     from headfold.engines.plan import make_plan
 
     target = target_for(trt_version, dry_run=dry_run)
-    plan = make_plan(Path(source), Path(output), target, precision=precision, batch=batch, seq=seq, past=past, workspace=workspace, timing_cache=_path(timing_cache))
+    plan = make_plan(Path(source), Path(output), target, **profile.kwargs())
     if dry_run:
         plan.check()
         return plan
@@ -302,21 +237,9 @@ def verify(
     candidate: PathLike,
     *,
     check: str = "auto",
+    inputs: InputSpec = InputSpec(),
+    thresholds: Thresholds | PathLike | None = None,
     revision: str | None = None,
-    text: PathLike | None = None,
-    token_ids: PathLike | None = None,
-    window: int = 256,
-    max_rows: int | None = 128,
-    batch_size: int = 8,
-    seed: int = 0,
-    decode_steps: int = 16,
-    budget: PathLike | None = None,
-    max_ppl_increase: Fraction | None = None,
-    max_kl: float | None = None,
-    min_top1: Fraction | None = None,
-    min_cosine: float | None = None,
-    atol: float | None = None,
-    rtol: float | None = None,
     progress: bool = True,
 ) -> Report:
     """Compare CANDIDATE with REFERENCE on the same inputs (`headfold verify`); the report.
@@ -328,71 +251,34 @@ def verify(
         reference, candidate: checkpoint folders or hub ids (run in torch), export folders or .onnx files
             (ONNX Runtime), engines (TensorRT).
         check: "auto" (same model → fidelity, a conversion of `reference` → loss), "fidelity", "loss".
+        inputs: InputSpec: the text (None: the built-in held-out text) or token_ids fed to both sides,
+            window, max_rows, batch_size, seed, decode_steps.
+        thresholds: Thresholds: a budget file and the budgets that override it (max_ppl_increase,
+            max_kl, min_top1, min_cosine, atol, rtol; fractions, 0.05 for 5 %); a path: the budget
+            file alone; None: the default budgets.
         revision: branch, tag or commit of the hub ids among them.
-        text: UTF-8 text fed to both sides; None: the built-in held-out text.
-        token_ids: rows of token ids (one row per line) instead of a text.
-        window: longest row in tokens.
-        max_rows: seeded subset of this many rows; None: all.
-        batch_size: rows per batch.
-        seed: seed of the row choice.
-        decode_steps: decoder exports: tokens per row fed one by one through the KV cache (0: none).
-        budget: a TOML/YAML/JSON budget file; the arguments below override it.
-        max_ppl_increase: loss: largest relative perplexity increase, e.g. "5%".
-        max_kl: loss: largest mean per-token KL(reference ‖ candidate), in nats.
-        min_top1: smallest top-1 agreement, e.g. "90%".
-        min_cosine: smallest cosine.
-        atol, rtol: fidelity: an element fails when it exceeds both.
         progress: show a progress bar (rows done).
     """
     from headfold.verification.api import verify as run_verify
 
-    return run_verify(
-        reference, candidate, check=check, revision=revision, progress=progress,
-        inputs=_inputs(text, token_ids, window, max_rows, batch_size, seed, decode_steps),
-        thresholds=_thresholds(budget, max_ppl_increase, max_kl, min_top1, min_cosine, atol, rtol),
-    )  # fmt: skip
+    return run_verify(reference, candidate, check=check, revision=revision, progress=progress, inputs=inputs, thresholds=_thresholds(thresholds))
 
 
 def run(
     source: PathLike,
     output: PathLike,
     kv_heads: int | Sequence[int],
-    *,
     method: str = DEFAULT_METHOD,
+    *,
+    calibration: Calibration | PathLike | None = Calibration(),
+    distill: DistillStage | None = None,
+    export: ExportOptions = ExportOptions(),
+    profile: Profile = Profile(),
+    inputs: InputSpec = InputSpec(),
+    thresholds: Thresholds | PathLike | None = None,
     revision: str | None = None,
-    calibration: PathLike | None = None,
-    calibration_tokens: int = 4096,
     max_shard_size: str | int | None = None,
     allow_pickle: bool = False,
-    distill_data: PathLike | None = None,
-    distill_tokens: int | str | None = None,
-    distill_options: dict[str, Any] | None = None,
-    opset: int = 23,
-    dtype: str | None = None,
-    attention: str = "onnx",
-    graphs: str | None = None,
-    optimize: str | None = None,
-    position_ids: bool = False,
-    trt_version: str | None = None,
-    precision: str | None = None,
-    batch: str | None = None,
-    seq: str | None = None,
-    past: str | None = None,
-    workspace: str | None = None,
-    timing_cache: PathLike | None = None,
-    text: PathLike | None = None,
-    window: int = 256,
-    max_rows: int | None = 128,
-    batch_size: int = 8,
-    seed: int = 0,
-    decode_steps: int = 16,
-    budget: PathLike | None = None,
-    max_ppl_increase: Fraction | None = None,
-    max_kl: float | None = None,
-    min_top1: Fraction | None = None,
-    min_cosine: float | None = None,
-    atol: float | None = None,
-    rtol: float | None = None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> Report:
@@ -403,34 +289,23 @@ def run(
         source: the MHA checkpoint folder or hub id.
         output: the run folder: new, empty, or one `run` wrote (`overwrite`: any folder; its
             other files stay).
-        kv_heads, method, revision, calibration, calibration_tokens, max_shard_size, allow_pickle:
-            as for `convert` (`seed` below seeds the calibration windows too).
-        distill_data: add the distill stage, trained on this text (as `distill`'s `data`).
-        distill_tokens: the distill stage's `tokens` (alone: the embedded model's own text).
-        distill_options: further keywords of `distill` for that stage (lr, train, seq_len, …).
-        opset, dtype, attention, graphs, optimize, position_ids, trt_version: as for `export`
-            (graphs None: split where TensorRT builds engines, else merged; dtype None: the
-            checkpoint's own, but fp32 for bf16, which the verify stage's CPU ONNX Runtime cannot run).
-        precision, batch, seq, past, workspace, timing_cache: as for `build`, where it runs.
-        text … rtol: the inputs and budgets, as for `verify`.
+        kv_heads, method, calibration, revision, max_shard_size, allow_pickle: as for `convert`.
+        distill: a DistillStage(data, options, eval_data) adds the distill stage (as `distill` takes
+            them; data None: the embedded model's own text); None: no distill stage.
+        export: as for `export` (graphs None: split where TensorRT builds engines, else merged;
+            dtype None: the checkpoint's own, but fp32 for bf16, which the verify stage's CPU ONNX
+            Runtime cannot run).
+        profile: as for `build`, where it runs.
+        inputs, thresholds: as for `verify`.
         overwrite: accept an output folder of other files.
         progress: show each stage's progress.
     """
     from headfold.pipeline import run as run_pipeline
 
-    stage = None
-    if distill_data is not None or distill_tokens is not None or distill_options:
-        from headfold.distillation.stage import DistillStage
-
-        options = {**(distill_options or {}), **({} if distill_tokens is None else {"tokens": distill_tokens})}
-        stage = DistillStage(_path(distill_data), options, _path(options.pop("eval_data", None)))
-    exporting = {"opset": opset, "dtype": dtype, "attention": attention, "graphs": graphs, "optimize": optimize, "explicit_positions": position_ids, "trt_version": trt_version}
-    profile = {"precision": precision, "batch": batch, "seq": seq, "past": past, "workspace": workspace, "timing_cache": _path(timing_cache)}
     return run_pipeline(
         source, output, kv_heads, method=method, revision=revision, max_shard_size=max_shard_size, allow_pickle=allow_pickle,
-        calibration={"calibration": calibration, "calibration_tokens": calibration_tokens, "seed": seed}, distill=stage, export=exporting,
-        build=profile, inputs=_inputs(text, None, window, max_rows, batch_size, seed, decode_steps),
-        thresholds=_thresholds(budget, max_ppl_increase, max_kl, min_top1, min_cosine, atol, rtol), overwrite=overwrite, progress=progress,
+        calibration=_calibration(calibration), distill=distill, export=export, build=profile, inputs=inputs,
+        thresholds=_thresholds(thresholds), overwrite=overwrite, progress=progress,
     )  # fmt: skip
 
 
@@ -461,20 +336,13 @@ def _path(value: PathLike | None) -> Path | None:
     return None if value is None else Path(value)
 
 
-def _fraction(value: Fraction | None, name: str) -> float | None:
-    from headfold.ground.units import parse_fraction
-
-    return None if value is None else parse_fraction(value, name)
-
-
-def _inputs(text, token_ids, window: int, max_rows: int | None, batch_size: int, seed: int, decode_steps: int) -> InputSpec:
-    from headfold.verification import InputSpec
-
-    return InputSpec(text=_path(text), token_ids=_path(token_ids), window=window, max_rows=max_rows, batch_size=batch_size, seed=seed, decode_steps=decode_steps)
+def _calibration(value: Calibration | PathLike | None) -> Calibration:
+    """A Calibration as given, or one on the text file (or "weights") given alone; None: the defaults."""
+    return value if isinstance(value, Calibration) else Calibration(text=None if value is None else os.fspath(value))
 
 
-def _thresholds(budget, max_ppl_increase, max_kl, min_top1, min_cosine, atol, rtol) -> Thresholds:
+def _thresholds(value: Thresholds | PathLike | None) -> Thresholds:
+    """Thresholds as given; a path: its budget file alone; None: the default budgets."""
     from headfold.verification import Thresholds
 
-    given = {"max_ppl_increase": max_ppl_increase, "max_kl": max_kl, "min_top1": min_top1, "min_cosine": min_cosine, "atol": atol, "rtol": rtol}
-    return Thresholds(file=_path(budget), **{name: _fraction(value, name) for name, value in given.items()})
+    return value if isinstance(value, Thresholds) else Thresholds(file=_path(value))

@@ -290,8 +290,8 @@ def run_cmd(
     (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
     output.check([src], [out_dir])
     report = run(
-        src, out_dir, kv_heads, method=method, max_shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration.kwargs(),
-        distill=distill, export=export.kwargs(), build=profile.kwargs(), inputs=inputs, thresholds=thresholds,
+        src, out_dir, kv_heads, method=method, max_shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration,
+        distill=distill, export=export, build=profile, inputs=inputs, thresholds=thresholds,
         overwrite=output.overwrite, progress=output.progress,
     )  # fmt: skip
     _finish(report, output, [src, out_dir])
@@ -440,7 +440,7 @@ def demo(
     budget = thresholds if thresholds.file else replace(thresholds, file=demo_budget())
     report = run_demo(
         kv_heads, method, distill=distill, thresholds=budget, keep=keep, overwrite=output.overwrite, progress=output.progress,
-        calibration=calibration.kwargs(), export=export.kwargs(), build=profile.kwargs(), inputs=inputs,
+        calibration=calibration, export=export, build=profile, inputs=inputs,
     )  # fmt: skip
     _finish(report, output)
     if keep is not None:

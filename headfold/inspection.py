@@ -48,6 +48,7 @@ from headfold.ground.artifacts import CREATED_BY, MARK, created_by
 from headfold.ground.atomic import atomic_outputs, check_outputs
 from headfold.ground.errors import BadInput
 from headfold.ground.lazy import lazy_import
+from headfold.ground.settings import Calibration
 from headfold.verification.metrics import log_probs
 
 figure = lazy_import("matplotlib.figure")  # the heatmap only; no pyplot: no global state, Agg canvas
@@ -297,8 +298,8 @@ def inspect_checkpoint(
     candidates: str | None = None,
     method: str = DEFAULT_METHOD,
     calibration: str | Path | None = None,
-    calibration_tokens: int = 4096,
-    seed: int = 0,
+    calibration_tokens: int = Calibration.tokens,
+    seed: int = Calibration.seed,
     kv_budget: float | int | None = None,
     heatmap: Path | None = None,
     json_path: Path | None = None,

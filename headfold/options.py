@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from headfold.ground.atomic import atomic_output, check_outputs
 from headfold.ground.errors import BadInput, BadOption, HeadfoldError
 from headfold.ground.inputs import printable
 from headfold.ground.precision import Precision
+from headfold.ground.settings import LOSSES, TRAIN_MODES, Calibration, DistillOptions, ExportOptions, InputSpec, Profile
 from headfold.ground.units import parse_fraction
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ def batch_size_spec(default: int | None) -> Spec:
     return spec("--batch-size", type=int, default=default, help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 640 steps).")
 
 
-SEED = spec("--seed", type=click.IntRange(0, 2**32 - 1), default=0, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
+SEED = spec("--seed", type=click.IntRange(0, 2**32 - 1), default=Calibration.seed, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
 OVERWRITE = spec("--overwrite", is_flag=True, help="Replace outputs that exist, when headfold wrote them (never a file or folder of yours, never an input): atomically, once the command succeeded (run: other files in OUT_DIR stay).")
 QUIET = spec("--quiet", "-q", is_flag=True, help="Only results, warnings and errors: no progress bars or progress lines (the same as `headfold -q`).")
 VERBOSE = spec("--verbose", "-v", is_flag=True, help="Also debug lines and the libraries' own warnings, on stderr (the same as `headfold -v`).")
@@ -172,7 +173,7 @@ JSON_HELP = "Write the result as JSON to FILE (atomically); without FILE, or wit
 JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"), default=None, metavar="[FILE]", help=JSON_HELP)
 REVISION = spec("--revision", default=None, metavar="REV", help="Branch, tag or commit of the hub ids (ORG/NAME) given as checkpoints; they are read from the Hugging Face cache (HF_HOME), fetched when online.")
 TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")
-OPSET = spec("--opset", type=int, default=23, help="ONNX opset: 23, 24 or 25 (Attention exists from 23; torch writes invalid models above 25).")
+OPSET = spec("--opset", type=int, default=ExportOptions.opset, help="ONNX opset: 23, 24 or 25 (Attention exists from 23; torch writes invalid models above 25).")
 DTYPE = spec("--dtype", type=PrecisionChoice(), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
 
 
@@ -305,27 +306,11 @@ def output_options(*, writes: bool = True, result: bool = True, extra: tuple[Spe
 
 
 # Calibration of the data-aware methods (convert, inspect)
-@dataclass(frozen=True)
-class Calibration:
-    text: str | None = None  # a text file, 'weights', or None for the built-in text
-    tokens: int = 4096
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        from headfold.converter.conversion import check_options  # tqdm and the writer: not loaded for `headfold --help`
-
-        check_options(None, self.tokens)  # convert's own domain, checked as the options are parsed
-
-    def kwargs(self) -> dict[str, Any]:
-        """As headfold.converter.convert / inspect_checkpoint take them."""
-        return {"calibration": self.text, "calibration_tokens": self.tokens, "seed": self.seed}
-
-
 calibration_options = OptionGroup(
     "Calibration (data-aware methods)",
     (
         spec("--calibration", default=None, metavar="TEXT_FILE", help="Text the data-aware methods fit on (inspect measures the loss on other windows of it). Default: built-in offline text; 'weights': the weights alone."),
-        spec("--calibration-tokens", type=int, default=4096, help="Tokens of calibration text to run through the source model (inspect measures on as many others)."),
+        spec("--calibration-tokens", type=int, default=Calibration.tokens, help="Tokens of calibration text to run through the source model (inspect measures on as many others)."),
         SEED,
     ),
     "calibration",
@@ -334,9 +319,7 @@ calibration_options = OptionGroup(
 
 
 # Input spec of verify / run
-def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, seed: int, decode_steps: int, token_ids: Path | None = None):
-    from headfold.verification.inputs import InputSpec
-
+def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, seed: int, decode_steps: int, token_ids: Path | None = None) -> InputSpec:
     if text is not None and token_ids is not None:
         raise BadInput("--text and --token-ids both name the inputs; give one of them")
     return InputSpec(text, window, max_rows or None, batch_size, seed, decode_steps, token_ids)
@@ -344,11 +327,11 @@ def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, 
 
 INPUT_SPECS = (
     spec("--text", type=PATH, default=None, help="UTF-8 text to feed both sides. Default: the built-in held-out text."),
-    spec("--window", type=int, default=256, help="Longest row in tokens; rows are cut at seeded lengths between half and this."),
-    spec("--max-rows", type=int, default=128, help="Use a seeded subset of this many rows when the text has more (0 = all)."),
-    batch_size_spec(8),
+    spec("--window", type=int, default=InputSpec.window, help="Longest row in tokens; rows are cut at seeded lengths between half and this."),
+    spec("--max-rows", type=int, default=InputSpec.max_rows, help="Use a seeded subset of this many rows when the text has more (0 = all)."),
+    batch_size_spec(InputSpec.batch_size),
     SEED,
-    spec("--decode-steps", type=int, default=16, help="Decoder exports: the last N tokens of each row go one by one through the KV cache (model.onnx fed its own present K/V, or decode.onnx), gated like the prefill (0 = skip)."),
+    spec("--decode-steps", type=int, default=InputSpec.decode_steps, help="Decoder exports: the last N tokens of each row go one by one through the KV cache (model.onnx fed its own present K/V, or decode.onnx), gated like the prefill (0 = skip)."),
 )  # fmt: skip
 TOKEN_IDS = spec("--token-ids", type=PATH, default=None, metavar="FILE", help="Feed these token ids instead of a text: one row per line, whitespace-separated ids. Without it, a model with no tokenizer files gets seeded random ids (fidelity only).")
 
@@ -413,33 +396,13 @@ def conversion_options(*, kv_default: str | None = None, written: bool = True, p
 
 
 # Export (export, run)
-@dataclass(frozen=True)
-class ExportOptions:
-    opset: int = 23
-    dtype: str | None = None  # None: the checkpoint's own
-    attention: str = "auto"  # GroupQueryAttention in the merged decoder graph ONNX Runtime runs, else the standard Attention
-    graphs: str | None = None  # None: split for a TensorRT target, else merged (run: split where TensorRT builds)
-    optimize: str = "auto"  # ORT's fusions on GroupQueryAttention graphs
-    position_ids: bool = False
-    trt_version: str | None = None
-    int4_block_size: int | None = None  # None: the int4 default (graphs.rewrite.int4.Int4)
-    int4_symmetric: bool | None = None
-
-    def kwargs(self) -> dict[str, Any]:
-        """As headfold.graphs.export.export takes them; graphs None: export's default layout (split for
-        a TensorRT target, else merged: graph_layout), or run's (split where TensorRT builds)."""
-        return {"opset": self.opset, "dtype": self.dtype, "attention": self.attention, "graphs": self.graphs, "optimize": self.optimize,
-                "explicit_positions": self.position_ids, "trt_version": self.trt_version,
-                "int4_block_size": self.int4_block_size, "int4_symmetric": self.int4_symmetric}  # fmt: skip
-
-
 export_options = OptionGroup(
     EXPORT,
     (
         OPSET, DTYPE,
-        spec("--attention", type=click.Choice(("auto", "onnx", "ort-gqa")), default="auto", help="Fused node: ort-gqa = ONNX Runtime's com.microsoft.GroupQueryAttention, K/V cache written in place into one shared buffer (decoders; unpadded or right-padded batches, as onnxruntime-genai feeds them); onnx = the standard Attention (any runtime, TensorRT). auto = ort-gqa in a merged decoder graph whose attention it computes, onnx for TensorRT targets, split graphs, encoders, encoder-decoders and ALiBi models; export.json says which and why. [default: auto]"),
+        spec("--attention", type=click.Choice(("auto", "onnx", "ort-gqa")), default=ExportOptions.attention, help="Fused node: ort-gqa = ONNX Runtime's com.microsoft.GroupQueryAttention, K/V cache written in place into one shared buffer (decoders; unpadded or right-padded batches, as onnxruntime-genai feeds them); onnx = the standard Attention (any runtime, TensorRT). auto = ort-gqa in a merged decoder graph whose attention it computes, onnx for TensorRT targets, split graphs, encoders, encoder-decoders and ALiBi models; export.json says which and why. [default: auto]"),
         spec("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split for a TensorRT target]"),
-        spec("--optimize", type=click.Choice(("auto", "ort", "none")), default="auto", help="ort = ONNX Runtime's fusions (skip layer norm, fused matmuls; with GroupQueryAttention: rotary inside it, packed Q/K/V), counted in export.json; the graph then runs in ONNX Runtime only. auto = ort on GroupQueryAttention graphs, none on the standard graph. [default: auto]"),
+        spec("--optimize", type=click.Choice(("auto", "ort", "none")), default=ExportOptions.optimize, help="ort = ONNX Runtime's fusions (skip layer norm, fused matmuls; with GroupQueryAttention: rotary inside it, packed Q/K/V), counted in export.json; the graph then runs in ONNX Runtime only. auto = ort on GroupQueryAttention graphs, none on the standard graph. [default: auto]"),
         spec("--position-ids", is_flag=True, help="Merged decoder graph: take a position_ids [B, S] input (named in genai_config.json) instead of counting positions over the mask's real tokens."),
         spec("--int4-block-size", type=int, default=None, help="--dtype int4: weights per quantization block along K (16, 32, 64, 128 or 256). [default: 32, as onnxruntime-genai's builder]"),
         spec("--int4-symmetric/--int4-asymmetric", default=None, help="--dtype int4: symmetric blocks (int4, no zero points) or asymmetric (uint4 with zero points). [default: symmetric, as onnxruntime-genai's builder]"),
@@ -458,12 +421,12 @@ DISTILL_TRAINING = (
     spec("--eval-data", type=PATH, default=None, help="Held-out text (same formats). Default: the first --eval-windows windows of --data, never trained on."),
     DISTILL_TOKENS,
     spec("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens. [default without --tokens: 40]"),
-    spec("--seq-len", type=int, default=256, help="Tokens per training window."),
+    spec("--seq-len", type=int, default=DistillOptions.seq_len, help="Tokens per training window."),
     batch_size_spec(None),  # None: the run's default_batch_size()
     spec("--lr", type=FINITE, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: by the student's kind, docs/distill.md]"),
-    spec("--train", type=click.Choice(("kv", "attention", "all", "lora")), default=None, help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end. [default: attention for decoders, all for encoders]"),
-    spec("--loss", type=click.Choice(("kl", "kl+ce")), default="kl", help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
-    spec("--temperature", type=FINITE, default=1.0, help="Softmax temperature of the KL (loss scaled by T²)."),
+    spec("--train", type=click.Choice(TRAIN_MODES), default=None, help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end. [default: attention for decoders, all for encoders]"),
+    spec("--loss", type=click.Choice(LOSSES), default=DistillOptions.loss, help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
+    spec("--temperature", type=FINITE, default=DistillOptions.temperature, help="Softmax temperature of the KL (loss scaled by T²)."),
     spec("--hidden-weight", type=FINITE, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: by the student's kind, docs/distill.md]"),
     spec("--attention-weight", type=FINITE, default=None, help="Weight of the per-layer attention-output match added to the loss: the same distance between each layer's attention block outputs; 0 turns it off. [default: docs/distill.md]"),
     spec("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, slower."),
@@ -471,7 +434,7 @@ DISTILL_TRAINING = (
 )  # fmt: skip
 DISTILL_EVALUATION = (
     spec("--eval-every", type=int, default=None, help="Evaluate on the held-out windows every N steps. [default: 8 evaluations per run]"),
-    spec("--eval-windows", type=int, default=32, help="Held-out windows of --seq-len tokens."),
+    spec("--eval-windows", type=int, default=DistillOptions.eval_windows, help="Held-out windows of --seq-len tokens."),
     spec("--until-kl", type=Nats(), default=None, help="Stop once the held-out KL (nats per token) is at most this (checked at each evaluation)."),
     spec("--until-ppl-increase", type=Fraction(), default=None, help="Stop once the held-out perplexity is within this of the teacher's, e.g. 2%."),
 )  # fmt: skip
@@ -492,20 +455,6 @@ distill_stage_options = OptionGroup("Distill stage", DISTILL_TRAINING + DISTILL_
 
 
 # The TensorRT build profile (build)
-@dataclass(frozen=True)
-class Profile:
-    precision: str | None = None
-    batch: str | None = None
-    seq: str | None = None
-    past: str | None = None
-    workspace: str | None = None
-    timing_cache: Path | None = None
-
-    def kwargs(self) -> dict[str, Any]:
-        """As headfold.engines.plan.make_plan takes them."""
-        return asdict(self)
-
-
 TENSORRT = "TensorRT options"
 profile_options = stacked(
     OptionGroup(

@@ -44,6 +44,7 @@ from headfold.ground.lazy import lazy_import
 from headfold.ground.precision import Precision
 from headfold.ground.ledger import RunLedger, StageEntry
 from headfold.ground.ledger import load as load_ledger
+from headfold.ground.settings import Calibration, ExportOptions, Profile
 from headfold.verification.api import run_artifact_checks
 from headfold.verification.artifacts import resolve
 from headfold.verification.budget import Thresholds
@@ -160,10 +161,10 @@ def run(
     revision: str | None = None,
     max_shard_size: str | int | None = None,
     allow_pickle: bool = False,
-    calibration: dict[str, Any] | None = None,
+    calibration: Calibration = Calibration(),
     distill: DistillStage | None = None,
-    export: dict[str, Any] | None = None,
-    build: dict[str, Any] | None = None,
+    export: ExportOptions = ExportOptions(),
+    build: Profile = Profile(),
     inputs: InputSpec = InputSpec(),
     thresholds: Thresholds = Thresholds(),
     overwrite: bool = False,
@@ -172,11 +173,10 @@ def run(
     """The whole pipeline on the checkpoint `src` (a folder or hub id ORG/NAME at `revision`); outputs
     under `out_dir`; the verify report.
 
-    Each stage takes its command's options: `max_shard_size`, `allow_pickle` and `calibration`
-    (calibration, calibration_tokens, seed) as convert takes them, `distill` (None: no distill
-    stage), `export` as headfold export's keywords (opset, dtype, attention, graphs, optimize,
-    explicit_positions, trt_version), `build` as the TensorRT profile (precision, batch, seq, past,
-    workspace, timing_cache), `inputs` and `thresholds` as verify's. `out_dir` must be new, empty or a
+    Each stage takes its command's settings: `max_shard_size`, `allow_pickle` and `calibration` as
+    convert takes them, `distill` (None: no distill stage), `export` as headfold export's (graphs
+    None: split where TensorRT builds, else merged; dtype None: the checkpoint's own, fp32 for bf16),
+    `build` as the TensorRT profile, `inputs` and `thresholds` as verify's. `out_dir` must be new, empty or a
     run folder (its ledger); `overwrite` also accepts a folder of other files, which stay: run only
     ever replaces the stage folders its ledger records. `progress` shows each stage's own progress."""
     src = checkpoint_folder(src, revision=revision, allow_pickle=allow_pickle).resolve()
@@ -186,13 +186,12 @@ def run(
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
     check_convertible(src, kv_heads, method, allow_pickle)
     check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
-    given = export or {}
-    export = {**given, "dtype": Precision.parse(given["dtype"], "--dtype") if given.get("dtype") else verifiable_dtype(src)}
-    if build and build.get("precision") is not None:
-        build = {**build, "precision": Precision.parse(build["precision"], "--precision", Precision.floats())}
-    if export["dtype"] == Precision.INT4:  # its verify stage gates the export by fidelity, which int4 weights do not keep
+    export = replace(export, dtype=Precision.parse(export.dtype, "--dtype") if export.dtype else verifiable_dtype(src))
+    if build.precision is not None:
+        build = replace(build, precision=Precision.parse(build.precision, "--precision", Precision.floats()))
+    if export.dtype == Precision.INT4:  # its verify stage gates the export by fidelity, which int4 weights do not keep
         raise BadInput("headfold run checks its export's fidelity to the checkpoint; int4 weights are gated by their loss: run without --dtype int4, then headfold export --dtype int4 and headfold verify CHECKPOINT EXPORT")
-    settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration or {}, distill, export, build or {}, inputs, thresholds, progress)
+    settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration, distill, export, build, inputs, thresholds, progress)
     check_disjoint(out, settings.reads(src))  # the run folder holds none of its inputs, nor lies inside one
     settings.check(src)
     budgets = settings.budgets()  # bad budgets fail first
@@ -234,44 +233,44 @@ class Settings:
     method: str
     shard_size: str | int | None
     allow_pickle: bool
-    calibration: dict[str, Any]
+    calibration: Calibration
     distill: DistillStage | None
-    export: dict[str, Any]
-    build: dict[str, Any]
+    export: ExportOptions
+    build: Profile
     inputs: InputSpec
     thresholds: Thresholds
     progress: bool
 
     @property
     def dtype(self) -> Precision:
-        return self.export["dtype"]  # run resolves it (verifiable_dtype)
+        return self.export.dtype  # run resolves it (verifiable_dtype)
 
     def reads(self, src: Path) -> list[Path]:
         """Every input the stages read: the source, texts, budget, distill data, timing cache."""
-        calibration = self.calibration.get("calibration")
+        calibration = self.calibration.text
         distill = self.distill or None
-        given = (self.inputs.text, self.inputs.token_ids, self.thresholds.file, self.build.get("timing_cache"),
+        given = (self.inputs.text, self.inputs.token_ids, self.thresholds.file, self.build.timing_cache,
                  distill and distill.data, distill and distill.eval_data, None if str(calibration) == "weights" else calibration)  # fmt: skip
         return [src, *(Path(p) for p in given if p is not None)]
 
     def check(self, src: Path) -> None:
         """What each stage would refuse in its options (the distill stage: in its data too), before the
         first one writes. The inputs and thresholds check themselves as they are built."""
-        check_conversion(self.shard_size, self.calibration.get("calibration_tokens"))
+        check_conversion(self.shard_size, self.calibration.tokens)
         if self.distill is not None:
             self.distill.check(src)
         check_export(**self.exporting(src))
-        for name in ("batch", "seq", "past"):
-            if self.build.get(name) is not None:
-                parse_range(self.build[name], name)
-        parse_workspace(self.build.get("workspace"))
+        for name, value in (("batch", self.build.batch), ("seq", self.build.seq), ("past", self.build.past)):
+            if value is not None:
+                parse_range(value, name)
+        parse_workspace(self.build.workspace)
 
     def exporting(self, src: Path) -> dict[str, Any]:
         """The export stage's keywords: the options given, and the layout (TensorRT builds the split pair,
         onnxruntime-genai runs merged; an encoder-decoder's graphs run in ONNX Runtime)."""
         seq2seq = CheckpointFacts.read(src).kind == "seq2seq"
         layout = "split" if engine_support() is None and not seq2seq else "merged"
-        return {"graphs": layout, **{k: v for k, v in self.export.items() if v is not None}}
+        return {"graphs": layout, **{k: v for k, v in self.export.kwargs().items() if v is not None}}
 
     def budgets(self) -> dict[str, Any]:
         """The gates as run applies them (a bad budget file fails before any stage runs)."""
@@ -291,7 +290,7 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budget
         return digest, done
 
     converted, onnx_dir, engines, verified = (out / s for s in ("convert", "export", "build", "verify"))
-    conversion = {"kv_heads": settings.kv_heads, "method": settings.method, "max_shard_size": settings.shard_size, "allow_pickle": settings.allow_pickle, **settings.calibration}
+    conversion = {"kv_heads": settings.kv_heads, "method": settings.method, "max_shard_size": settings.shard_size, "allow_pickle": settings.allow_pickle, **settings.calibration.kwargs()}
     conv_digest, _ = stage(
         "convert", {"source": tree_digest(src), **conversion}, converted,
         lambda: convert(src, converted, overwrite=True, progress=settings.progress, builtin_text=corpus.calibration_text(), **conversion),
@@ -305,7 +304,7 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budget
         "export", {"checkpoint": conv_digest, **exporting}, onnx_dir,
         lambda: export(converted, onnx_dir, overwrite=True, progress=settings.progress, **exporting),
     )  # fmt: skip
-    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines, settings.build, step(), seq2seq)
+    build_digest, stages["build"] = _build_stage(ledger, exp_digest, onnx_dir, engines, settings.build.kwargs(), step(), seq2seq)
 
     verify_inputs = {
         "export": exp_digest,

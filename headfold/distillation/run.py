@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from headfold.distillation.budget import is_embedded, parse_tokens, pretraining_
 from headfold.distillation.audio import AudioPlan, audio_plan
 from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, file_source
 from headfold.distillation.objective import Objective
-from headfold.distillation.trainable import TRAIN_MODES, merged, select, trainable_state
+from headfold.distillation.trainable import merged, select, trainable_state
 from headfold.distillation.trainer import Trainer
 from headfold.ground import manifest as manifests
 from headfold.ground.artifacts import MANIFEST
@@ -39,13 +39,13 @@ from headfold.ground.atomic import atomic_output, check_disjoint, check_output, 
 from headfold.ground.errors import BadInput, BadOption
 from headfold.ground.hashing import sha256_file
 from headfold.ground.lazy import lazy_import
-from headfold.ground.units import finite, whole
+from headfold.ground.settings import DistillOptions
+from headfold.ground.units import whole
 
 log = logging.getLogger(__name__)
 accelerate = lazy_import("accelerate")
 
 DEFAULT_STEPS = 40
-LOSSES = ("kl", "kl+ce")
 
 
 # The defaults for each kind of student are the best measured on the recovery benchmarks
@@ -75,54 +75,6 @@ DECODER_TRAIN, ENCODER_TRAIN = "attention", "all"
 # shrinks the default batch, down to 1, until the run takes MIN_STEPS steps. That costs wall time only
 # on such small budgets; larger ones keep batch 8, which uses a GPU better.
 DEFAULT_BATCH, MIN_STEPS = 8, 640
-
-
-@dataclass(frozen=True)
-class DistillOptions:
-    """Everything that shapes the result (recorded in the manifest; a resumed run must repeat it)."""
-
-    tokens: int | None = None
-    steps: int | None = None
-    seq_len: int = 256
-    batch_size: int | None = None  # None: default_batch_size()
-    lr: float | None = None  # None: DECODER_LR or ENCODER_LR, by the student's kind
-    hidden_weight: float | None = None  # None: DECODER_HIDDEN_WEIGHT or ENCODER_HIDDEN_WEIGHT; 0: logits (or last state) only
-    attention_weight: float | None = None  # None: ATTENTION_WEIGHT; 0: no attention-output match
-    warmup: float = 0.1  # fraction of the steps with a linear LR ramp, then cosine to 0
-    train: str | None = None  # None: DECODER_TRAIN or ENCODER_TRAIN
-    loss: str = "kl"
-    temperature: float = 1.0
-    eval_every: int | None = None  # steps; default: 8 evaluations over the run
-    eval_at: tuple[int, ...] = ()  # further steps to evaluate at (benchmarks: fixed token budgets)
-    eval_windows: int = 32
-    until_kl: float | None = None
-    until_ppl_increase: float | None = None
-    gradient_checkpointing: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        """Every option within its domain, whoever builds this (distill, run's stage, the Python API):
-        BadOption naming the option, before anything runs."""
-        whole("--seq-len", self.seq_len, 2, " (a token and the one it predicts)")
-        for option, value in (("--steps", self.steps), ("--batch-size", self.batch_size), ("--eval-every", self.eval_every), ("--eval-windows", self.eval_windows)):
-            whole(option, value, 1)
-        whole("--tokens", None if isinstance(self.tokens, str) else self.tokens, 1)  # text (200k, 5%): parsed with the teacher (requested)
-        whole("--seed", self.seed, 0)
-        for step in self.eval_at:
-            whole("eval_at", step, 1)
-        finite("--lr", self.lr, above=0)
-        finite("--temperature", self.temperature, above=0)
-        finite("--hidden-weight", self.hidden_weight, least=0)
-        finite("--attention-weight", self.attention_weight, least=0)
-        finite("--until-kl", self.until_kl, least=0)
-        finite("--until-ppl-increase", self.until_ppl_increase, least=0)
-        finite("warmup", self.warmup, least=0, most=1)
-        if self.train not in (None, *TRAIN_MODES):
-            raise BadOption("--train", f"{self.train!r} is not one of {', '.join(TRAIN_MODES)}")
-        if self.loss not in LOSSES:
-            raise BadOption("--loss", f"{self.loss!r} is not one of {', '.join(LOSSES)}")
-        if self.tokens is not None and self.steps is not None:
-            raise BadInput("give --tokens or --steps, not both")
 
 
 def distill(

@@ -16,14 +16,17 @@ from headfold.ground.errors import BadOption
 
 @dataclass(frozen=True)
 class DistillStage:
-    """What to distill on: `data` (None: the embedded model's own training split), DistillOptions
-    fields, and `eval_data` (None: the first windows of `data`, or the embedded model's held-out split)."""
+    """What to distill on: `data` (None: the embedded model's own training split), the options (DistillOptions,
+    or the fields given as a dict), and `eval_data` (None: the first windows of `data`, or the embedded model's
+    held-out split)."""
 
     data: Path | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] | DistillOptions = field(default_factory=dict)
     eval_data: Path | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.options, DistillOptions):  # kept as the fields it sets: the demo lays them over its own
+            object.__setattr__(self, "options", self.options.given())
         DistillOptions(**self.options)  # unknown option names fail before any stage runs
 
     def check(self, teacher: Path) -> None:

@@ -14,10 +14,10 @@ from transformers.pytorch_utils import Conv1D
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.ground.errors import BadInput
 from headfold.ground.lazy import lazy_import
+from headfold.ground.settings import TRAIN_MODES
 
 peft = lazy_import("peft")  # --train lora only
 
-TRAIN_MODES = ("kv", "attention", "all", "lora")
 LORA_RANK = 16
 
 

@@ -24,36 +24,11 @@ from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.tokens import TOKENIZER_FILES, find_tokenizer
 from headfold.converter.tokens import read_text as read_text_file
 from headfold.ground.errors import BadInput
-from headfold.ground.units import whole
+from headfold.ground.settings import DEFAULT_DECODE_STEPS, InputSpec
 from headfold.verification.seq2seq import pair_feeds
 
 BUILTIN_TEXT = "builtin:heldout"  # headfold.corpus.heldout_text(): never seen in the embedded model's training
 RANDOM_IDS = "random token ids"
-DEFAULT_DECODE_STEPS = 16  # KV-cache steps per row through a decoder export's decode graph
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """How to turn a text into feeds; recorded in every report."""
-
-    text: Path | None = None  # None: the built-in held-out text
-    window: int = 256  # longest row, in tokens
-    max_rows: int | None = 128  # seeded subset of rows when the text has more; None = all
-    batch_size: int = 8
-    seed: int = 0
-    decode_steps: int = DEFAULT_DECODE_STEPS  # the last tokens of each row fed one by one; 0 = none
-    token_ids: Path | None = None  # rows of token ids instead of a text
-
-    def __post_init__(self) -> None:
-        """Every field within its option's domain, whoever builds this (verify, run, the Python API):
-        BadOption naming the option, before anything runs."""
-        whole("--window", self.window, 2, " (a token and the one it predicts)")
-        whole("--max-rows", self.max_rows, 1, " (0 on the command line: all rows)")
-        whole("--batch-size", self.batch_size, 1)
-        whole("--seed", self.seed, 0)
-        whole("--decode-steps", self.decode_steps, 0)
-
-
 @dataclass
 class Inputs:
     feeds: list[dict[str, np.ndarray]]

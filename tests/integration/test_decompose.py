@@ -233,16 +233,24 @@ def test_cli_export_for_10_14_prints_parsable(tiny_checkpoint, tmp_path: Path, c
 
 
 @pytest.mark.slow
-def test_the_api_and_the_command_give_the_same_graphs_for_the_same_request(tiny_checkpoint, tmp_path: Path) -> None:
-    """headfold.export(..., trt_version=…) and `headfold export --trt-version …`: one default layout
-    (graph_layout), so the same split pair with the same nodes."""
+@pytest.mark.parametrize(("flags", "options"), [(["--trt-version", "10.14"], {"trt_version": "10.14"}), (["--attention", "onnx"], {"attention": "onnx"})], ids=["trt-version", "attention"])
+def test_the_api_and_the_command_give_the_same_graphs_for_the_same_request(tiny_checkpoint, tmp_path: Path, flags: list[str], options: dict) -> None:
+    """`headfold export SRC OUT FLAGS` and headfold.export(SRC, OUT, ExportOptions(...)): one settings object
+    (ExportOptions, its defaults declared once), so the same graph files with the same nodes and the same
+    export.json, the layout chosen once (graph_layout: split for a TensorRT target)."""
     import headfold
 
     src = tiny_checkpoint("llama")
-    assert main(["export", str(src), str(tmp_path / "cli"), "--quiet", "--trt-version", "10.14"]) == 0
-    headfold.export(src, tmp_path / "api", trt_version="10.14", progress=False)
-    graphs = {side: sorted(p.name for p in (tmp_path / side).glob("*.onnx")) for side in ("cli", "api")}
-    assert graphs["cli"] == graphs["api"] == ["decode.onnx", "prefill.onnx"]
-    for name in graphs["cli"]:
+    assert main(["export", str(src), str(tmp_path / "cli"), "--quiet", *flags]) == 0
+    headfold.export(src, tmp_path / "api", headfold.ExportOptions(**options), progress=False)
+    files = {side: sorted(p.name for p in (tmp_path / side).iterdir()) for side in ("cli", "api")}
+    assert files["cli"] == files["api"]
+    graphs = sorted(name for name in files["cli"] if name.endswith(".onnx"))
+    assert graphs == (["decode.onnx", "prefill.onnx"] if "trt_version" in options else ["model.onnx"])
+    for name in graphs:
         ops = [[n.op_type for n in onnx.load(tmp_path / side / name, load_external_data=False).graph.node] for side in ("cli", "api")]
         assert ops[0] == ops[1]
+    untimed = lambda graph: {k: v for k, v in graph.items() if not k.endswith("_s")}  # noqa: E731 (seconds)
+    summaries = [json.loads((tmp_path / side / "export.json").read_text()) for side in ("cli", "api")]
+    summaries = [{**summary, "graphs": {name: untimed(graph) for name, graph in summary["graphs"].items()}} for summary in summaries]
+    assert summaries[0] == summaries[1] and summaries[0]["attention"] == "onnx"

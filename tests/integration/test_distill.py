@@ -140,7 +140,7 @@ def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
     assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())  # state folder removed after success
     model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # plain transformers
     assert model.config.num_key_value_heads == 2
-    report = headfold.verify(EMBEDDED, out, max_rows=8)  # a conversion of the teacher: the loss check
+    report = headfold.verify(EMBEDDED, out, inputs=headfold.InputSpec(max_rows=8))  # a conversion of the teacher: the loss check
     assert report.checks[0].name == "conversion-loss"
 
 

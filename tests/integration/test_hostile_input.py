@@ -914,13 +914,13 @@ def test_the_python_api_checks_the_same_domains(world: World, tmp_path: Path) ->
     from headfold.verification.inputs import InputSpec
 
     with pytest.raises(BadInput, match="--seq-len must be a whole number of at least 2"):
-        headfold.distill(world.src, world.student, tmp_path / "out", data=world.text, seq_len=1)
+        headfold.distill(world.src, world.student, tmp_path / "out", headfold.DistillOptions(seq_len=1), data=world.text)
     with pytest.raises(BadInput, match="--eval-every must be a whole number of at least 1, got 0"):
         DistillStage(world.text, {"eval_every": 0})
     with pytest.raises(BadInput, match=r"--window must be a whole number of at least 2 \(a token and the one it predicts\), got 0"):
         InputSpec(window=0)
     with pytest.raises(BadInput, match="--calibration-tokens must be a whole number of at least 1, got 0"):
-        headfold.run(world.src, tmp_path / "run", 2, method="mean", calibration_tokens=0)
+        headfold.run(world.src, tmp_path / "run", 2, method="mean", calibration=headfold.Calibration(tokens=0))
     assert entries(tmp_path) == []
 
 

@@ -93,14 +93,14 @@ def test_identical_heads_predict_no_loss(method: str, tiny_checkpoint, tmp_path:
 def test_prediction_equals_a_real_conversion(tmp_path: Path) -> None:
     """The plan measured with every layer swapped in equals `convert` then loading the GQA model."""
     from headfold import corpus
-    from headfold import convert
+    from headfold import Calibration, convert
     from headfold.converter.calibration import token_ids
     from headfold.converter.modeling import load_model
 
     src = default_model_path()
     report = inspect_checkpoint(src, candidates="4", method="aligned+grouped+refit", kv_budget=16, calibration_tokens=1024, progress=False)
     assert report.uniform.plan.kv_heads == (4,) * 4
-    out = convert(src, tmp_path / "kv4", 4, "aligned+grouped+refit", calibration_tokens=1024, progress=False)
+    out = convert(src, tmp_path / "kv4", 4, "aligned+grouped+refit", Calibration(tokens=1024), progress=False)
     windows = choose_windows(token_ids(src, corpus.calibration_text(), 256), 1024, 0, fit=True)
     reference = Reference(load_model(src, dtype=torch.float32), windows.eval, "decoder")
     reference.model = load_model(out, dtype=torch.float32)

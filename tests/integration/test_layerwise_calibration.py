@@ -13,7 +13,7 @@ import torch
 from test_convert import read_tensors
 from support.tiny_models import FAMILIES, VOCAB
 
-from headfold import convert
+from headfold import Calibration, convert
 from headfold.converter import calibration, layerwise
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.modeling import load_model
@@ -107,7 +107,7 @@ def test_conversion_equals_whole_model_calibration(family: str, tiny_checkpoint,
     text = "".join(chr(32 + i % 90) for i in range(4000))  # byte-level text: tiny models have no tokenizer
     (tmp_path / "calibration.txt").write_text(text)
     monkeypatch.setattr(calibration, "token_ids", lambda folder, text, vocab: [b % VOCAB for b in text.encode()])
-    args = dict(kv_heads=2, method="aligned+grouped+refit", calibration=tmp_path / "calibration.txt", calibration_tokens=512, progress=False)
+    args = dict(kv_heads=2, method="aligned+grouped+refit", calibration=Calibration(tmp_path / "calibration.txt", tokens=512), progress=False)
     layer_by_layer = read_tensors(convert(src, tmp_path / "layerwise", **args))
     monkeypatch.setattr(calibration, "calibrate", lambda ckpt, batch, progress=True: whole_model_inputs(ckpt.folder, batch))
     whole = read_tensors(convert(src, tmp_path / "whole", **args))

@@ -18,7 +18,7 @@ from support.tiny_models import FAMILIES, HEADS
 from test_convert import outputs, read_tensors
 
 from headfold.converter import local
-from headfold import convert, corpus
+from headfold import Calibration, convert, corpus
 from headfold.converter.calibration import sample_windows, text_feeds, text_windows
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import layer_contexts
@@ -39,8 +39,8 @@ def calibrated(family: str, tiny_checkpoint, **kwargs) -> Path:
     return tiny_checkpoint(family, vocab_size=BYTES, **POSITIONS.get(family, {}), **kwargs)
 
 
-def local_convert(src: Path, out: Path, method: str = "local", kv: int = 2, steps: int = 4, **kwargs) -> Path:
-    return convert(src, out, kv_heads=kv, method=method, calibration_tokens=TOKENS, local_steps=steps, progress=False, **kwargs)
+def local_convert(src: Path, out: Path, method: str = "local", kv: int = 2, steps: int = 4, seed: int = 0, **kwargs) -> Path:
+    return convert(src, out, kv_heads=kv, method=method, calibration=Calibration(tokens=TOKENS, seed=seed), local_steps=steps, progress=False, **kwargs)
 
 
 def fit_errors(out: Path) -> dict[str, list[float]]:
@@ -124,7 +124,7 @@ def test_a_diverging_fit_keeps_its_start(tiny_checkpoint, tmp_path: Path, monkey
     monkeypatch.setattr(local, "RATE", 1e3)
     out = local_convert(src, tmp_path / "local", method="aligned+grouped+refit+local")
     assert all(start == end for start, end in fit_errors(out).values())
-    start = convert(src, tmp_path / "start", kv_heads=2, method="aligned+grouped+refit", calibration_tokens=TOKENS, progress=False)
+    start = convert(src, tmp_path / "start", kv_heads=2, method="aligned+grouped+refit", calibration=Calibration(tokens=TOKENS), progress=False)
     assert (out / "model.safetensors").read_bytes() == (start / "model.safetensors").read_bytes()
 
 
@@ -214,7 +214,7 @@ def test_the_default_without_text_leaves_local_out(tiny_checkpoint, tmp_path: Pa
     conversion = json.loads((out / "headfold.json").read_text())["conversion"]
     assert conversion["method"] == without and "local" not in conversion["calibration"]
     assert f"the default method is {without} here, without local" in caplog.text
-    assert inspect(src, candidates="2", calibration_tokens=TOKENS, progress=False).method == without
+    assert inspect(src, candidates="2", calibration=Calibration(tokens=TOKENS), progress=False).method == without
 
 
 # A Llama layout larger than the bound below; its conversion with local in a fresh process. The peak comes
@@ -222,8 +222,8 @@ def test_the_default_without_text_leaves_local_out(tiny_checkpoint, tmp_path: Pa
 CHILD = """
 import json, re, sys
 from pathlib import Path
-from headfold import convert
-convert(sys.argv[1], sys.argv[2], kv_heads=4, method="local", calibration_tokens=512, local_steps=1, progress=False)
+from headfold import Calibration, convert
+convert(sys.argv[1], sys.argv[2], kv_heads=4, method="local", calibration=Calibration(tokens=512), local_steps=1, progress=False)
 peak_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
 print(json.dumps({"peak_rss_bytes": peak_kb * 1024}))
 """

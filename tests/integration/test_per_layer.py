@@ -18,7 +18,7 @@ from support.checkpoint_edits import edit_attention, identical_heads
 from support.ort_decoding import ort_greedy, session
 from support.tiny_models import ENCODERS, HEADS, sample_batch
 
-from headfold import convert
+from headfold import Calibration, convert
 from headfold.cli import main
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.modeling import load_model
@@ -281,8 +281,8 @@ def test_calibrated_methods_chain_through_a_per_layer_source(tmp_path: Path) -> 
     src = default_model_path()
     if not (src / "config.json").is_file():
         pytest.skip(f"embedded default model not present at {src}")
-    mid = convert(src, tmp_path / "mid", (8, 4, 4, 2), "aligned+grouped", calibration_tokens=512, progress=False)
-    out = convert(mid, tmp_path / "out", (4, 2, 1, 1), "grouped+refit", calibration_tokens=512, progress=False)
+    mid = convert(src, tmp_path / "mid", (8, 4, 4, 2), "aligned+grouped", Calibration(tokens=512), progress=False)
+    out = convert(mid, tmp_path / "out", (4, 2, 1, 1), "grouped+refit", Calibration(tokens=512), progress=False)
     conversion = json.loads((out / "headfold.json").read_text())["conversion"]
     assert conversion["kv_heads"] == [4, 2, 1, 1]
     assert [len(groups) for groups in conversion["source_kv_heads_of_kv_head"]] == [4, 2, 1, 1]

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from support.checkpoint_edits import edit_attention, identical_heads
 from support.tiny_models import HEADS, SEQ2SEQ, seq2seq_batch
 
-from headfold import convert
+from headfold import Calibration, convert
 from headfold.cli import main
 from headfold.converter.modeling import load_model
 from headfold.converter.seq2seq import POOL_CHOICES
@@ -123,7 +123,7 @@ def test_calibration_runs_encoder_and_decoder(family: str, tiny_checkpoint, text
     src = edit_attention(tiny_checkpoint(family, **({} if family == "whisper" else BYTES)), tmp_path / "src", identical_heads(2))
     calibration = None if family == "whisper" else text_file
     # the default method; its fit (local) for two steps only: this test is about what calibration reads
-    out = convert(src, tmp_path / "out", kv_heads=4, calibration=calibration, calibration_tokens=512, pool="all", local_steps=2, progress=False)
+    out = convert(src, tmp_path / "out", kv_heads=4, calibration=Calibration(calibration, tokens=512), pool="all", local_steps=2, progress=False)
     recorded = json.loads((out / "headfold.json").read_text())["conversion"]["calibration"]["text"]
     assert recorded == ("synthesized log-mel features" if family == "whisper" else str(text_file))
     weights_only = convert(src, tmp_path / "weights", kv_heads=4, calibration="weights", pool="all", progress=False)

@@ -1,5 +1,5 @@
-"""The Python API: one documented function per command, top-level, with real signatures and the
-stages' own defaults; `import headfold` loads none of the heavy libraries."""
+"""The Python API: one documented function per command, top-level, taking the settings objects the
+command builds, each default declared once; `import headfold` loads none of the heavy libraries."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import headfold
+from headfold import Calibration, DistillOptions, ExportOptions, InputSpec, Profile
 
 COMMANDS = ["convert", "inspect", "distill", "export", "build", "verify", "run", "load_model"]
 
@@ -30,47 +31,56 @@ def test_signature_is_spelled_out_and_documented(name: str) -> None:
     assert not [p.name for p in parameters if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     doc = inspect.getdoc(function)
     assert doc and inspect.signature(function).return_annotation is not inspect.Signature.empty
-    if len(parameters) > 1:  # every argument is explained under Args (a group such as "text … rtol" counts)
-        undocumented = [p.name for p in parameters if p.name not in doc and not ("text … rtol" in doc and p.name in VERIFY_INPUTS_AND_BUDGETS)]
-        assert undocumented == []
+    if len(parameters) > 1:  # every argument is explained under Args
+        assert [p.name for p in parameters if p.name not in doc] == []
 
 
-VERIFY_INPUTS_AND_BUDGETS = {"text", "window", "max_rows", "batch_size", "seed", "decode_steps", "budget", "max_ppl_increase", "max_kl", "min_top1", "min_cosine", "atol", "rtol"}
+def test_the_api_takes_the_settings_objects_with_their_own_defaults() -> None:
+    """Each command's settings are one object, defaulting to that object's defaults: no option is re-declared."""
+    expected = {
+        "convert": {"calibration": Calibration()}, "inspect": {"calibration": Calibration()}, "distill": {"options": DistillOptions()},
+        "export": {"options": ExportOptions()}, "build": {"profile": Profile()}, "verify": {"inputs": InputSpec(), "thresholds": None},
+        "run": {"calibration": Calibration(), "distill": None, "export": ExportOptions(), "profile": Profile(), "inputs": InputSpec(), "thresholds": None},
+    }  # fmt: skip
+    for name, objects in expected.items():
+        given = defaults(getattr(headfold, name))
+        assert {k: given[k] for k in objects} == objects, name
+        assert not set(given) & {"opset", "dtype", "calibration_tokens", "seq_len", "window", "max_rows", "precision"}, name
+    assert {c.__name__ for c in (Calibration, ExportOptions, Profile, DistillOptions, InputSpec)} <= set(headfold.__all__)
+    assert headfold.Thresholds.__module__ == "headfold.verification.budget" and headfold.DistillStage.__module__ == "headfold.distillation.stage"
+
+
+def test_defaults_are_declared_once() -> None:
+    """The click options, the stages' keyword defaults and the objects agree, because the first two read the third."""
+    from headfold.cli import cli
+    from headfold.converter import convert
+    from headfold.graphs.export import export
+    from headfold.inspection import inspect_checkpoint
+
+    def cli_defaults(command: str) -> dict:
+        return {p.name: p.default for p in cli.commands[command].params if isinstance(p.default, (int, float, str, type(None)))}  # not a flag's unset
+
+    fields = lambda cls: {f.name: f.default for f in dataclasses.fields(cls)}  # noqa: E731
+    export_fields = {("explicit_positions" if k == "position_ids" else k): v for k, v in fields(ExportOptions).items()}
+    shared = lambda mine, theirs: {k: v for k, v in mine.items() if k in theirs} == {k: v for k, v in theirs.items() if k in mine}  # noqa: E731
+    assert shared(cli_defaults("export"), fields(ExportOptions)) and shared(defaults(export), export_fields)
+    assert shared(cli_defaults("build"), fields(Profile))
+    assert shared(cli_defaults("verify"), fields(InputSpec))
+    assert shared(cli_defaults("distill"), fields(DistillOptions))
+    calibration = {"calibration_tokens": Calibration.tokens, "seed": Calibration.seed}
+    assert shared(cli_defaults("convert"), calibration) and shared(defaults(convert), calibration) and shared(defaults(inspect_checkpoint), calibration)
 
 
 def defaults(function) -> dict:
     return {p.name: p.default for p in inspect.signature(function).parameters.values() if p.default is not inspect.Parameter.empty}
 
 
-def test_defaults_are_the_stages_own() -> None:
-    from headfold.converter import convert
-    from headfold.distillation import DistillOptions
-    from headfold.graphs.export import export
-    from headfold.inspection import inspect_checkpoint
-    from headfold.pipeline import run
-    from headfold.verification import InputSpec
+def test_a_path_stands_for_its_object() -> None:
+    """A calibration text or a budget file alone, as the command line takes them."""
+    from headfold.api import _calibration, _thresholds
 
-    api = {name: defaults(getattr(headfold, name)) for name in COMMANDS}
-    shared = lambda mine, theirs: {k: v for k, v in mine.items() if k in theirs} == {k: v for k, v in theirs.items() if k in mine}  # noqa: E731
-    assert shared(api["convert"], defaults(convert))
-    assert shared(api["inspect"], defaults(inspect_checkpoint))
-    assert shared(api["export"], {**defaults(export), "position_ids": defaults(export)["explicit_positions"]})
-    assert shared(api["run"], defaults(run))
-    options = {f.name: f.default for f in dataclasses.fields(DistillOptions)}
-    assert set(options) - {"eval_at"} <= set(api["distill"])  # eval_at: the benchmarks' fixed evaluation points
-    assert shared(api["distill"], options)
-    inputs = {f.name: f.default for f in dataclasses.fields(InputSpec)}
-    assert shared(api["verify"], inputs) and shared(api["run"], {k: v for k, v in inputs.items() if k != "token_ids"})
-
-
-def test_budgets_take_percentages_and_bad_ones_are_bad_input() -> None:
-    from headfold.api import _thresholds
-    from headfold.ground.errors import BadInput
-
-    thresholds = _thresholds(None, "5%", 0.1, "90%", None, None, None)
-    assert (thresholds.max_ppl_increase, thresholds.max_kl, thresholds.min_top1) == (0.05, 0.1, 0.9)
-    with pytest.raises(BadInput, match="max_kl"):
-        _thresholds(None, None, "lots", None, None, None, None)
+    assert _calibration("weights") == Calibration(text="weights") and _calibration(None) == Calibration()
+    assert _thresholds("budget.toml").file.name == "budget.toml" and _thresholds(None) == headfold.Thresholds()
 
 
 def test_the_command_and_the_function_give_the_same_report(tiny_checkpoint, capsys) -> None:
@@ -79,6 +89,6 @@ def test_the_command_and_the_function_give_the_same_report(tiny_checkpoint, caps
     src = tiny_checkpoint("llama", vocab_size=256)
     assert main(["verify", str(src), str(src), "--max-rows", "2", "--window", "16", "--json", "-"]) == 0
     cli_report = json.loads(capsys.readouterr().out)
-    api_report = headfold.verify(src, src, max_rows=2, window=16).to_dict()
+    api_report = headfold.verify(src, src, inputs=InputSpec(max_rows=2, window=16)).to_dict()
     strip = lambda report: [{k: v for k, v in check.items() if k not in ("seconds",)} | {"reference": None, "candidate": None} for check in report["checks"]]  # noqa: E731
     assert strip(cli_report) == strip(api_report) and cli_report["inputs"] == api_report["inputs"]
