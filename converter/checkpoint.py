@@ -17,7 +17,7 @@ import os
 import re
 import struct
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from headfold.converter.layout import HeadShape, expected_shapes
 from headfold.converter.per_layer import KV_HEADS_PER_ATTENTION, KV_HEADS_PER_LAYER, config_kv_heads, kind_kv_heads
-from headfold.converter.spec import ArchitectureSpec, AttentionKind, ConfigKeys, spec_for, supported_model_types
+from headfold.converter.spec import CACHES, ArchitectureSpec, AttentionKind, ConfigKeys, spec_for, supported_model_types
 from headfold.converter.support import common_keys, export_blocker, unconverted_kind, unsupported
 from headfold.ground import inputs
 from headfold.ground.errors import BadInput
@@ -492,6 +492,19 @@ class CheckpointFacts:
         if self.blocks:
             return tuple(b.shape for b in self.blocks)
         return tuple(HeadShape(self.heads, kv, self.head_dim) for kv in self.kv_heads)
+
+    def cache_bytes_per_token(self, element_bytes: int, shapes: Sequence[HeadShape] | None = None) -> dict[str, int]:
+        """The K/V cache's bytes per token over all layers, at `shapes` (default: the checkpoint's own
+        layer_shapes): "self" per token; an encoder-decoder's decoder self-attention per target token and
+        "cross" per source token."""
+        shapes = shapes or self.layer_shapes
+        kinds = [b.kind for b in self.blocks] or ["self"] * len(shapes)
+        halves = CACHES if self.blocks else {"self": "self"}
+        total = dict.fromkeys(halves.values(), 0)
+        for kind, shape in zip(kinds, shapes, strict=True):
+            if kind in halves:
+                total[halves[kind]] += 2 * shape.kv_heads * shape.head_dim * element_bytes  # K and V
+        return total
 
     @property
     def position_limit(self) -> int | None:

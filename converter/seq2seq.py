@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING
 
 from headfold.converter.checkpoint import SAFETENSORS_DTYPES
 from headfold.converter.layout import HeadShape
-from headfold.converter.spec import ArchitectureSpec
+from headfold.converter.spec import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, ArchitectureSpec
 from headfold.ground.errors import BadInput
 
 if TYPE_CHECKING:
     from headfold.converter.checkpoint import SourceCheckpoint
 
-ENCODER_SELF, DECODER_SELF, DECODER_CROSS = "encoder_self", "decoder_self", "decoder_cross"
 # --pool choices → the attention kinds they pool (named --pool: --attention is the export's attention op)
 POOL_CHOICES: dict[str, tuple[str, ...]] = {
     "self": (DECODER_SELF,),
@@ -30,7 +29,6 @@ POOL_CHOICES: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_POOL = "decoder"
 KIND_NAMES = {ENCODER_SELF: "encoder self-attention", DECODER_SELF: "decoder self-attention", DECODER_CROSS: "decoder cross-attention"}
-CACHES = {DECODER_SELF: "self", DECODER_CROSS: "cross"}  # the EncoderDecoderCache half each kind fills
 # What an audio encoder-decoder (Whisper) calibrates on, as the manifest records it: seeded Gaussian
 # features at the scale of its normalised log-mel input, the decoder reading its own greedy transcript.
 SYNTHESIZED_AUDIO = "synthesized log-mel features"
@@ -48,21 +46,11 @@ def pooled_kinds(spec: ArchitectureSpec, pool: str | None) -> tuple[str, ...] | 
     return POOL_CHOICES[pool or DEFAULT_POOL]
 
 
-def cache_bytes_per_token(kinds: Sequence[str], shapes: Sequence[HeadShape], element_bytes: int) -> dict[str, int]:
-    """Bytes the decoder caches per token, over all layers: "self" per target token, "cross" per source
-    token (K and V at each layer's kv heads); `kinds` and `shapes` are the attention blocks'."""
-    total = dict.fromkeys(CACHES.values(), 0)
-    for kind, shape in zip(kinds, shapes):
-        if kind in CACHES:
-            total[CACHES[kind]] += 2 * shape.kv_heads * shape.head_dim * element_bytes
-    return total
-
-
 def cache_bytes(ckpt: SourceCheckpoint, targets: Sequence[HeadShape]) -> dict[str, dict[str, int]]:
     """{"self"/"cross": {"before", "after"}}: the decoder's cache bytes per token as the checkpoint is and
     with the attention blocks at `targets`, in the dtype of its K weights (the cache's under load_model)."""
     kinds = [b.kind for b in ckpt.facts.blocks]
     key = ckpt.attention.layers[kinds.index(DECODER_SELF)][ckpt.spec.projections["k"].weight]
     element = SAFETENSORS_DTYPES[ckpt.tensors[key].code][1]
-    before, after = (cache_bytes_per_token(kinds, shapes, element) for shapes in (ckpt.layer_shapes, targets))
+    before, after = (ckpt.facts.cache_bytes_per_token(element, shapes) for shapes in (ckpt.layer_shapes, targets))
     return {cache: {"before": before[cache], "after": after[cache]} for cache in before}

@@ -87,6 +87,10 @@ class Retarget:
         return bool(known) and known[0] in self.architectures and not any(config.get(k) == v for k, v in self.refuse_if.items())
 
 
+ENCODER_SELF, DECODER_SELF, DECODER_CROSS = "encoder_self", "decoder_self", "decoder_cross"  # an encoder-decoder's attention kinds
+CACHES = {DECODER_SELF: "self", DECODER_CROSS: "cross"}  # the EncoderDecoderCache half each kind fills
+
+
 @dataclass(frozen=True)
 class AttentionKind:
     """One attention of an encoder-decoder layer stack: where its tensors are and how many."""

@@ -22,7 +22,6 @@ from typing import Any
 
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.per_layer import collapse
-from headfold.converter.seq2seq import cache_bytes_per_token
 from headfold.engines.sidecar import load_sidecar, source_onnx
 from headfold.graphs.onnx_files import load_graph
 from headfold.ground import export_summary, manifest
@@ -103,12 +102,9 @@ def _runner(kind: str, path: Path) -> BaseRunner:
 def attention_info(checkpoint: Path, precision: Precision) -> dict[str, Any]:
     """Heads, kv heads (one count, or one per layer) and the KV-cache bytes per token they imply at `precision`."""
     facts = CheckpointFacts.read(checkpoint)
-    bytes_per_value = int(precision.computed_in.itemsize)  # int4 weights keep their K/V cache in fp32
-    info = {"heads": facts.heads, "kv_heads": collapse(facts.kv_heads)}
-    if facts.blocks:  # an encoder-decoder: self-attention bytes per target token, cross per source token
-        cache = cache_bytes_per_token([b.kind for b in facts.blocks], [b.shape for b in facts.blocks], bytes_per_value)
-        return {**info, "kv_cache_bytes_per_token": cache["self"], "cross_cache_bytes_per_source_token": cache["cross"]}
-    return {**info, "kv_cache_bytes_per_token": 2 * sum(facts.kv_heads) * facts.head_dim * bytes_per_value}  # K and V of every layer
+    cache = facts.cache_bytes_per_token(int(precision.computed_in.itemsize))  # int4 weights keep their K/V cache in fp32
+    info = {"heads": facts.heads, "kv_heads": collapse(facts.kv_heads), "kv_cache_bytes_per_token": cache["self"]}
+    return info | ({"cross_cache_bytes_per_source_token": cache["cross"]} if "cross" in cache else {})  # an encoder-decoder's, per source token
 
 
 def conversion_manifest(model: Path) -> manifest.Manifest:

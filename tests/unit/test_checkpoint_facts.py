@@ -157,3 +157,25 @@ def test_load_model_takes_the_facts_a_stage_holds(family: str, tiny_checkpoint) 
     from_facts, from_folder = load_model(facts).state_dict(), load_model(folder).state_dict()
     assert from_facts.keys() == from_folder.keys()
     assert all(torch.equal(from_facts[name], from_folder[name]) for name in from_folder)
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes a transformers cache holds (keys and values of every layer)."""
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
+def test_cache_bytes_per_token_are_what_transformers_caches(family: str, tiny_checkpoint) -> None:
+    """A decoder's cache after 3 tokens holds 3 × "self"; an encoder-decoder's self cache 3 target tokens
+    × "self" and its cross cache 5 source tokens × "cross"."""
+    folder = tiny_checkpoint(family)
+    facts, model = CheckpointFacts.read(folder), load_model(folder)
+    per_token = facts.cache_bytes_per_token(facts.precision.itemsize)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        if family == "t5":
+            cache = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), decoder_input_ids=ids, use_cache=True).past_key_values
+            assert (_cache_bytes(cache.self_attention_cache), _cache_bytes(cache.cross_attention_cache)) == (3 * per_token["self"], 5 * per_token["cross"])
+        else:
+            assert _cache_bytes(model(input_ids=ids, use_cache=True).past_key_values) == 3 * per_token["self"]
+            assert per_token.keys() == {"self"}
