@@ -337,6 +337,8 @@ def local_cost(data: dict) -> list[str]:
         if len(runs) < 2 or default is None:
             continue
         (few, few_s), (more, more_s) = runs[0], runs[-1]
+        if more == few:
+            continue
         step = (more_s - few_s) / (more - few)
         lines.append(f"`{method}`: one local step costs {step:.1f} CPU s on this layout, so at the default {default} steps "
                      f"its conversion costs about {few_s + (default - few) * step:,.0f} CPU s (extrapolated from {few} and {more} steps).")
@@ -600,6 +602,15 @@ def distill_zoo_recipes() -> str:
     return note + "\n\n" + distill_zoo_summary(_load("distill_zoo.json"))
 
 
+def layout_cost() -> str:
+    """docs/scaling.md: what the default method (and mean) cost on the generated 1.29 GB Llama layout."""
+    data = _load("method_parts_cost.json")
+    rows = [r for r in data["rows"] if r["layout"].startswith("Llama")]
+    note = "Measured ([`method_parts_cost.json`](benchmarks.md#method_parts_costjson), `benchmarks/method_parts.py --layout`), " + rows[0]["layout"] + ", to 4 kv heads:"
+    shown = [[_part_name(r), r["convert_cpu_s"], r["convert_s"], r.get("peak_rss_mb", "")] for r in rows]
+    return "\n\n".join([note, table(["method", "CPU s", "wall s", "peak RSS MB"], shown), *local_cost(data)])
+
+
 def zoo_methods() -> str:
     """docs/methods.md: the zoo's KL grid and the default against `mean` at h/4."""
     data = _load("zoo_quality.json")
@@ -609,7 +620,7 @@ def zoo_methods() -> str:
 
 SNIPPETS: dict[str, Callable[[], str]] = {
     "headline": headline, "scaling-plan": scaling_plan, "demo-reference": demo_reference, "method-parts-h4": method_parts_h4,
-    "zoo-quality": zoo_methods, "side-by-side": deployed_speed, "distill-zoo": distill_zoo_recipes,
+    "zoo-quality": zoo_methods, "side-by-side": deployed_speed, "distill-zoo": distill_zoo_recipes, "layout-cost": layout_cost,
 }  # fmt: skip
 MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 

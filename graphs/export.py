@@ -52,7 +52,7 @@ from headfold.ground.cache_names import PAST, PRESENT, cache_names
 from headfold.ground.errors import BadInput, HeadfoldError, first_line
 from headfold.ground.export_summary import ExportSummary
 from headfold.ground.precision import Precision
-from headfold.ground.settings import ExportOptions
+from headfold.ground.settings import OPSETS, ExportOptions
 
 __all__ = [
     "export",
@@ -75,9 +75,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# 23 is the first opset with Attention; torch 2.13 writes an invalid model (opset_import 18
-# next to an Attention node) for ≥ 26, see shared/notes/runtime-facts.md.
-OPSETS = (23, 24, 25)
 
 WRAPPED = "model"  # the attribute the graph modules below keep the transformers model in: its parameters' prefix
 # Example sizes for tracing; all are dynamic in the graph. Avoid 0/1, which torch.export specialises.

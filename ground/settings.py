@@ -15,8 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from headfold.ground.errors import BadInput, BadOption
-from headfold.ground.units import finite, whole
+from headfold.ground.precision import Precision
+from headfold.ground.units import finite, parse_fraction, whole
 
+# The opsets export writes: 23 is the first with Attention; torch 2.13 writes an invalid model above 25
+# (opset_import 18 next to an Attention node).
+OPSETS = (23, 24, 25)
 TRAIN_MODES = ("kv", "attention", "all", "lora")  # what distillation trains (distillation/trainable.py)
 LOSSES = ("kl", "kl+ce")
 
@@ -41,8 +45,9 @@ class Calibration:
 class ExportOptions:
     """What `headfold export` (and run's export stage) writes: opset, weights and graph layout."""
 
-    opset: int = 23  # Attention exists from 23
-    dtype: str | None = None  # None: the checkpoint's own (run: fp32 for bf16)
+    opset: int = OPSETS[0]
+    dtype: Precision | None = None  # None: the checkpoint's own (run: fp32 for bf16); text is parsed
+
     attention: str = "auto"  # GroupQueryAttention in the merged decoder graph ONNX Runtime runs, else the standard Attention
     graphs: str | None = None  # None: split for a TensorRT target, else merged (run: split where TensorRT builds)
     optimize: str = "auto"  # ORT's fusions on GroupQueryAttention graphs
@@ -50,6 +55,10 @@ class ExportOptions:
     trt_version: str | None = None  # decompose what that TensorRT release's parser lacks
     int4_block_size: int | None = None  # None: the int4 default (graphs.rewrite.int4.Int4)
     int4_symmetric: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", Precision.parse(self.dtype, "--dtype"))
 
     def kwargs(self) -> dict[str, Any]:
         """As headfold.graphs.export.export takes them; graphs None: export's default layout (split for
@@ -63,12 +72,17 @@ class ExportOptions:
 class Profile:
     """The TensorRT build: precision and optimization profile ranges (None: derived from the model)."""
 
-    precision: str | None = None  # None: the graph's own
+    precision: Precision | None = None  # None: the graph's own; text is parsed
     batch: str | None = None  # "MIN:OPT:MAX"
     seq: str | None = None
     past: str | None = None
     workspace: str | None = None  # e.g. "4GiB"
-    timing_cache: Path | None = None
+    timing_cache: Path | None = None  # a path as text is taken too
+
+    def __post_init__(self) -> None:
+        if self.precision is not None:
+            object.__setattr__(self, "precision", Precision.parse(self.precision, "--precision", Precision.floats()))
+        _as_path(self, "timing_cache")
 
     def kwargs(self) -> dict[str, Any]:
         """As headfold.engines.plan.make_plan takes them."""
@@ -93,6 +107,7 @@ class InputSpec:
     def __post_init__(self) -> None:
         """Every field within its option's domain, whoever builds this (verify, run, the Python API):
         BadOption naming the option, before anything runs."""
+        _as_path(self, "text", "token_ids")
         whole("--window", self.window, 2, " (a token and the one it predicts)")
         whole("--max-rows", self.max_rows, 1, " (0 on the command line: all rows)")
         whole("--batch-size", self.batch_size, 1)
@@ -144,6 +159,8 @@ class DistillOptions:
         finite("--hidden-weight", self.hidden_weight, least=0)
         finite("--attention-weight", self.attention_weight, least=0)
         finite("--until-kl", self.until_kl, least=0)
+        if isinstance(self.until_ppl_increase, str):  # "2%", as the command line takes it
+            object.__setattr__(self, "until_ppl_increase", parse_fraction(self.until_ppl_increase, "--until-ppl-increase"))
         finite("--until-ppl-increase", self.until_ppl_increase, least=0)
         finite("warmup", self.warmup, least=0, most=1)
         if self.train not in (None, *TRAIN_MODES):
@@ -156,3 +173,10 @@ class DistillOptions:
     def given(self) -> dict[str, Any]:
         """The fields set away from their defaults: what a distill stage records as asked."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+
+def _as_path(settings: object, *names: str) -> None:
+    """The path fields `names` of a frozen settings object as Paths: the API takes text too."""
+    for name in names:
+        if isinstance(value := getattr(settings, name), str):
+            object.__setattr__(settings, name, Path(value))

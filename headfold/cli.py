@@ -64,7 +64,7 @@ from headfold.options import (
 if TYPE_CHECKING:
     from headfold.distillation.stage import DistillStage
     from headfold.verification.budget import Thresholds
-    from headfold.verification.inputs import InputSpec
+    from headfold.ground.settings import InputSpec
     from headfold.verification.report import Report
 
 EXIT_CODES = "Exit codes: 0 ok, 1 a check or gate failed, 2 bad input or environment (one line, nothing written), 3 internal error (a bug; --debug shows the traceback)."

@@ -10,8 +10,8 @@ from typing import Any
 from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.distillation.stage import DistillStage
 from headfold.ground.atomic import scratch_dir
+from headfold.ground.settings import InputSpec
 from headfold.pipeline import run
-from headfold.verification.inputs import InputSpec
 from headfold.verification.report import Report
 
 # Enough held-out rows for stable figures, few enough to keep the demo short on a laptop CPU.

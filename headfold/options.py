@@ -32,7 +32,7 @@ from headfold.ground.atomic import atomic_output, check_outputs
 from headfold.ground.errors import BadInput, BadOption, HeadfoldError
 from headfold.ground.inputs import printable
 from headfold.ground.precision import Precision
-from headfold.ground.settings import LOSSES, TRAIN_MODES, Calibration, DistillOptions, ExportOptions, InputSpec, Profile
+from headfold.ground.settings import LOSSES, OPSETS, TRAIN_MODES, Calibration, DistillOptions, ExportOptions, InputSpec, Profile
 from headfold.ground.units import parse_fraction
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ JSON_HELP = "Write the result as JSON to FILE (atomically); without FILE, or wit
 JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"), default=None, metavar="[FILE]", help=JSON_HELP)
 REVISION = spec("--revision", default=None, metavar="REV", help="Branch, tag or commit of the hub ids (ORG/NAME) given as checkpoints; they are read from the Hugging Face cache (HF_HOME), fetched when online.")
 TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")
-OPSET = spec("--opset", type=int, default=ExportOptions.opset, help="ONNX opset: 23, 24 or 25 (Attention exists from 23; torch writes invalid models above 25).")
+OPSET = spec("--opset", type=int, default=ExportOptions.opset, help=f"ONNX opset: {', '.join(map(str, OPSETS))} (Attention exists from {OPSETS[0]}; torch writes invalid models above {OPSETS[-1]}).")
 DTYPE = spec("--dtype", type=PrecisionChoice(), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
 
 
@@ -400,9 +400,9 @@ export_options = OptionGroup(
     EXPORT,
     (
         OPSET, DTYPE,
-        spec("--attention", type=click.Choice(("auto", "onnx", "ort-gqa")), default=ExportOptions.attention, help="Fused node: ort-gqa = ONNX Runtime's com.microsoft.GroupQueryAttention, K/V cache written in place into one shared buffer (decoders; unpadded or right-padded batches, as onnxruntime-genai feeds them); onnx = the standard Attention (any runtime, TensorRT). auto = ort-gqa in a merged decoder graph whose attention it computes, onnx for TensorRT targets, split graphs, encoders, encoder-decoders and ALiBi models; export.json says which and why. [default: auto]"),
+        spec("--attention", type=click.Choice(("auto", "onnx", "ort-gqa")), default=ExportOptions.attention, help=f"Fused node: ort-gqa = ONNX Runtime's com.microsoft.GroupQueryAttention, K/V cache written in place into one shared buffer (decoders; unpadded or right-padded batches, as onnxruntime-genai feeds them); onnx = the standard Attention (any runtime, TensorRT). auto = ort-gqa in a merged decoder graph whose attention it computes, onnx for TensorRT targets, split graphs, encoders, encoder-decoders and ALiBi models; export.json says which and why. [default: {ExportOptions.attention}]"),
         spec("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split for a TensorRT target]"),
-        spec("--optimize", type=click.Choice(("auto", "ort", "none")), default=ExportOptions.optimize, help="ort = ONNX Runtime's fusions (skip layer norm, fused matmuls; with GroupQueryAttention: rotary inside it, packed Q/K/V), counted in export.json; the graph then runs in ONNX Runtime only. auto = ort on GroupQueryAttention graphs, none on the standard graph. [default: auto]"),
+        spec("--optimize", type=click.Choice(("auto", "ort", "none")), default=ExportOptions.optimize, help=f"ort = ONNX Runtime's fusions (skip layer norm, fused matmuls; with GroupQueryAttention: rotary inside it, packed Q/K/V), counted in export.json; the graph then runs in ONNX Runtime only. auto = ort on GroupQueryAttention graphs, none on the standard graph. [default: {ExportOptions.optimize}]"),
         spec("--position-ids", is_flag=True, help="Merged decoder graph: take a position_ids [B, S] input (named in genai_config.json) instead of counting positions over the mask's real tokens."),
         spec("--int4-block-size", type=int, default=None, help="--dtype int4: weights per quantization block along K (16, 32, 64, 128 or 256). [default: 32, as onnxruntime-genai's builder]"),
         spec("--int4-symmetric/--int4-asymmetric", default=None, help="--dtype int4: symmetric blocks (int4, no zero points) or asymmetric (uint4 with zero points). [default: symmetric, as onnxruntime-genai's builder]"),

@@ -2,7 +2,7 @@
 
 Features are detected on the installed module (`hasattr` on its flag enums), never inferred from
 the version string alone; a dry run for a TensorRT that is not installed assumes the documented
-behaviour of that release (runtime-facts.md: TensorRT 11 removed BuilderFlag.FP16/BF16).
+behaviour of that release (TensorRT 11 removed BuilderFlag.FP16/BF16).
 """
 
 from __future__ import annotations

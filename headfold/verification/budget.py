@@ -6,11 +6,9 @@ Precedence, lowest first: built-in defaults for the precision → the file's `[f
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
-
 
 from headfold.ground.errors import BadInput
 from headfold.ground.inputs import read_config_file, shown
@@ -107,6 +105,10 @@ class Thresholds:
     max_kl: float | None = None
     min_top1: float | None = None
     min_cosine: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.file, str):  # the API takes the path as text too
+            object.__setattr__(self, "file", Path(self.file))
 
     def _file(self) -> dict[str, Any] | None:
         return load_budget_file(self.file) if self.file else None

@@ -8,11 +8,13 @@ import inspect
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import headfold
 from headfold import Calibration, DistillOptions, ExportOptions, InputSpec, Profile
+from headfold.ground.errors import BadOption
 
 COMMANDS = ["convert", "inspect", "distill", "export", "build", "verify", "run", "load_model"]
 
@@ -92,3 +94,22 @@ def test_the_command_and_the_function_give_the_same_report(tiny_checkpoint, caps
     api_report = headfold.verify(src, src, inputs=InputSpec(max_rows=2, window=16)).to_dict()
     strip = lambda report: [{k: v for k, v in check.items() if k not in ("seconds",)} | {"reference": None, "candidate": None} for check in report["checks"]]  # noqa: E731
     assert strip(cli_report) == strip(api_report) and cli_report["inputs"] == api_report["inputs"]
+
+
+def test_settings_objects_take_text_where_the_command_line_does(tmp_path: Path) -> None:
+    """Paths and fractions as text, as a user writes them: parsed once, as the options parse them."""
+    from headfold.ground.precision import Precision
+    from headfold.verification.budget import Thresholds
+
+    assert InputSpec(text="t.txt", token_ids="ids.jsonl").text == Path("t.txt")
+    assert InputSpec(token_ids="ids.jsonl").token_ids == Path("ids.jsonl")
+    assert Profile(precision="fp16", timing_cache="cache.bin") == Profile(precision=Precision.FP16, timing_cache=Path("cache.bin"))
+    assert ExportOptions(dtype="int4").dtype is Precision.INT4
+    assert DistillOptions(until_ppl_increase="2%").until_ppl_increase == pytest.approx(0.02)
+    budget = tmp_path / "budget.toml"
+    budget.write_text("[loss]\nmax_kl = 0.5\n")
+    assert Thresholds(file=str(budget)).loss().max_kl == 0.5
+    with pytest.raises(BadOption, match="--dtype 'fp64' is not one of fp32, fp16, bf16, int4"):
+        ExportOptions(dtype="fp64")
+    with pytest.raises(BadOption, match="--precision 'int4' is not one of fp32, fp16, bf16"):
+        Profile(precision="int4")
