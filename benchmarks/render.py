@@ -329,19 +329,16 @@ def _part_name(row: dict) -> str:
 
 
 def local_cost(data: dict) -> list[str]:
-    """Per method with local measured at two step budgets on the layout: one step's CPU seconds (their
-    difference) and the conversion's CPU seconds at the default budget, extrapolated from them."""
+    """Per layout row with local: one step's CPU seconds (local's fits over the steps it ran) and the
+    conversion's CPU seconds at the default budget: the rest of the run plus that many steps."""
     lines, default = [], data.get("default_local_steps")
-    for method in dict.fromkeys(r["method"] for r in data["rows"] if "local_steps" in r):
-        runs = sorted((r["local_steps"], r["convert_cpu_s"]) for r in data["rows"] if r["method"] == method and "local_steps" in r)
-        if len(runs) < 2 or default is None:
-            continue
-        (few, few_s), (more, more_s) = runs[0], runs[-1]
-        if more == few:
-            continue
-        step = (more_s - few_s) / (more - few)
-        lines.append(f"`{method}`: one local step costs {step:.1f} CPU s on this layout, so at the default {default} steps "
-                     f"its conversion costs about {few_s + (default - few) * step:,.0f} CPU s (extrapolated from {few} and {more} steps).")
+    for r in data["rows"]:
+        if r.get("local_steps") and "local_fit_cpu_s" in r and default:
+            step = r["local_fit_cpu_s"] / r["local_steps"]
+            total = r["convert_cpu_s"] - r["local_fit_cpu_s"] + default * step
+            lines.append(f"`{r['method']}`: one local step (every layer) costs {step:.1f} CPU s on this layout, the rest of the conversion "
+                         f"{r['convert_cpu_s'] - r['local_fit_cpu_s']:,.0f} CPU s; at the default {default} steps the conversion costs about {total:,.0f} CPU s "
+                         f"({total / 3600:.1f} CPU hours; from the run with {r['local_steps']} steps).")
     return lines
 
 
