@@ -322,7 +322,7 @@ calibration_options = OptionGroup(
 def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, seed: int, decode_steps: int, token_ids: Path | None = None) -> InputSpec:
     if text is not None and token_ids is not None:
         raise BadInput("--text and --token-ids both name the inputs; give one of them")
-    return InputSpec(text, window, max_rows or None, batch_size, seed, decode_steps, token_ids)
+    return InputSpec(text=text, window=window, max_rows=max_rows or None, batch_size=batch_size, seed=seed, decode_steps=decode_steps, token_ids=token_ids)
 
 
 INPUT_SPECS = (

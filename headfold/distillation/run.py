@@ -31,7 +31,6 @@ from headfold.distillation.budget import is_embedded, parse_tokens, pretraining_
 from headfold.distillation.audio import AudioPlan, audio_plan
 from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, file_source
 from headfold.distillation.objective import Objective
-from headfold.distillation.trainable import merged, select, trainable_state
 from headfold.distillation.trainer import Trainer
 from headfold.ground import manifest as manifests
 from headfold.ground.artifacts import MANIFEST

@@ -33,10 +33,9 @@ from headfold.ground.cache_names import PAST, CacheName, is_cache
 from headfold.ground.errors import BadInput, first_line
 from headfold.verification.inputs import wants_token_type_ids
 from headfold.verification.seq2seq import token_metadata as pair_metadata
-from headfold.verification.sessions import SessionFromGraph, ort
+from headfold.verification.sessions import ORT_FLOATS, SessionFromGraph, ort
 
 Runner = BaseRunner  # what verify runs: headfold's runners below, or any of Polygraphy's own
-_ORT_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
 
 @contextmanager
@@ -121,9 +120,9 @@ class OnnxRuntimeRunner(OnnxrtRunner):
         """A merged decoder graph fed without past K/V runs a prompt: past of length 0 [B, kvᵢ, 0, d]."""
         batch = len(feed["input_ids"]) if "input_ids" in feed else 0
         missing = [i for i in self.session.get_inputs() if is_cache(i.name, PAST) and i.name not in feed]
-        if any(i.type not in _ORT_FLOATS for i in missing):
+        if any(i.type not in ORT_FLOATS for i in missing):
             raise BadInput(f"{self.graph.name} takes its past K/V as {missing[0].type}, which numpy cannot build; export it in fp32 or fp16 to verify it")
-        return {i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), _ORT_FLOATS[i.type]) for i in missing}
+        return {i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), ORT_FLOATS[i.type]) for i in missing}
 
     def describe(self) -> dict[str, str]:
         providers = self.session.get_providers() if self.session is not None else list(self.providers or ())
@@ -146,7 +145,7 @@ class SharedKvCache:
         self.session = session
         device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         self.buffers = {
-            i.name: ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, i.shape[1], length, head_size or i.shape[3]), _ORT_FLOATS[i.type]), device, 0)
+            i.name: ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, i.shape[1], length, head_size or i.shape[3]), ORT_FLOATS[i.type]), device, 0)
             for i in self.session.get_inputs()
             if is_cache(i.name, PAST)
         }

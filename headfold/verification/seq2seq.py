@@ -30,10 +30,9 @@ from headfold.converter.seq2seq import SYNTHESIZED_AUDIO
 from headfold.graphs.seq2seq import AUDIO_INPUT, ENCODER_MASK
 from headfold.ground.cache_names import PAST, PRESENT, SELF_HALF, CacheName, is_cache
 from headfold.ground.errors import BadInput
-from headfold.verification.sessions import SessionFromGraph, ort
+from headfold.verification.sessions import ORT_FLOATS, SessionFromGraph, ort
 
 DECODER_IDS, DECODER_MASK = "decoder_input_ids", "decoder_attention_mask"
-_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # what ORT names the graph's float types
 _AUDIO_SCALE = 0.5  # as calibration synthesizes them: the feature extractor's normalised log-mel range is about [-1, 1]
 
 
@@ -109,18 +108,18 @@ class Seq2SeqOnnxRunner(BaseRunner):
     def get_input_metadata_impl(self) -> TensorMetadata:
         meta = TensorMetadata()
         for i in self.sessions[0].get_inputs():
-            meta.add(i.name, DataType.FLOAT32 if i.type in _FLOATS else DataType.INT64, tuple(i.shape))  # features are fed in fp32
+            meta.add(i.name, DataType.FLOAT32 if i.type in ORT_FLOATS else DataType.INT64, tuple(i.shape))  # features are fed in fp32
         return _with_target(meta)
 
     def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         encoder, decoder = self.sessions
         start = time.perf_counter()
-        source = {i.name: feed_dict[i.name].astype(_FLOATS.get(i.type, feed_dict[i.name].dtype)) for i in encoder.get_inputs()}
+        source = {i.name: feed_dict[i.name].astype(ORT_FLOATS.get(i.type, feed_dict[i.name].dtype)) for i in encoder.get_inputs()}
         outputs = dict(zip([o.name for o in encoder.get_outputs()], encoder.run(None, source)))
         cross = {_as_past(name): value for name, value in outputs.items() if is_cache(name, PRESENT)}
         mask = {ENCODER_MASK: source["attention_mask"]} if "attention_mask" in source else {}
         target = feed_dict[DECODER_IDS]
-        past = {i.name: np.zeros((len(target), i.shape[1], 0, i.shape[3]), _FLOATS[i.type]) for i in decoder.get_inputs() if _is_self_past(i.name)}
+        past = {i.name: np.zeros((len(target), i.shape[1], 0, i.shape[3]), ORT_FLOATS[i.type]) for i in decoder.get_inputs() if _is_self_past(i.name)}
         names, logits = [o.name for o in decoder.get_outputs()], []
         for chunk in _chunks(target.shape[1], self.decode_steps):
             out = dict(zip(names, decoder.run(None, {"input_ids": target[:, chunk], **mask, **past, **cross})))

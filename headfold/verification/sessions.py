@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from polygraphy.backend.base import BaseLoader
 
 from headfold.ground.errors import BadInput, first_line
@@ -15,6 +16,8 @@ ort = lazy_import("onnxruntime")  # loaded when the first session is made
 
 # Preferred ONNX Runtime providers, best first; those the installed build lacks are skipped.
 ORT_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+# What ONNX Runtime names a graph's float input types, and their numpy dtypes.
+ORT_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
 
 class SessionFromGraph(BaseLoader):
