@@ -55,15 +55,16 @@ GOALS = {0.01: 0.03, 0.05: 0.02}  # issue 34: perplexity increase at most this a
 # A recipe is `base` with some options changed, named by the change ("lr=3e-4,hidden_weight=0");
 # rows record every option they ran with, so a changed default never changes what a row means.
 BASE = {"train": "attention", "lr": 1e-3, "hidden_weight": 30.0, "loss": "kl", "seq_len": 256}  # the decoder defaults before this sweep
+EXTRA = ("attention_weight", "warmup")  # options a recipe may change that base leaves at distill's defaults
 RECIPES = ("base", "lr=3e-4", "lr=1e-4")
 
 
 def recipe_options(recipe: str) -> dict:
     """`base`'s options with the recipe's changes, each value parsed as the option's type."""
     changes = dict(item.split("=", 1) for item in recipe.split(",") if recipe != "base")
-    unknown = set(changes) - set(BASE) - {"attention_weight"}
+    unknown = set(changes) - set(BASE) - set(EXTRA)
     if unknown:
-        raise SystemExit(f"unknown option in recipe {recipe!r}: {', '.join(sorted(unknown))}; choose from {', '.join([*BASE, 'attention_weight'])}")
+        raise SystemExit(f"unknown option in recipe {recipe!r}: {', '.join(sorted(unknown))}; choose from {', '.join([*BASE, *EXTRA])}")
     return BASE | {k: v if k in ("train", "loss") else int(v) if k == "seq_len" else float(v) for k, v in changes.items()}
 
 
@@ -111,7 +112,7 @@ def one_run(subject: zoo.Subject, folder: Path, recipe: str, budget: float, on_t
     used = json.loads((out / "headfold.json").read_text())["distillation"]
     keep = ("tokens", "kl", "ppl", "teacher_ppl", "ppl_increase", "top1")
     points = [{"budget": round(e["tokens"] / pretraining, 4), **{k: e[k] for k in keep}} for e in evals if e["step"] in (0, *eval_at, used["steps"])]
-    resolved = {k: used["options"][k] for k in ("train", "lr", "hidden_weight", "attention_weight", "loss", "seq_len", "batch_size", "eval_windows") if k in used["options"]}
+    resolved = {k: used["options"][k] for k in ("train", "lr", "hidden_weight", "attention_weight", "warmup", "loss", "seq_len", "batch_size", "eval_windows") if k in used["options"]}
     return {"model": subject.name, "recipe": recipe, "budget": budget, "steps": used["steps"], "options": resolved, "points": points,
             "wall_s": round(seconds, 1), "cpu_s": round(cpu, 1)}  # fmt: skip
 
