@@ -18,8 +18,7 @@ from headfold.verification.report import Report
 DEMO_INPUTS = InputSpec(max_rows=32)
 # Distillation on the model's own training split, by distill's defaults except the learning rate: what
 # demo-budget.toml's gates were set from (benchmarks/demo_reference.py measures it;
-# benchmarks/results/demo_reference.json). Its start (aligned+grouped+refit, no `local`) is far from the
-# teacher, where 1e-3 recovers more than distill's default (docs/distill.md).
+# benchmarks/results/demo_reference.json), at the rate that budget was measured with.
 DEMO_DISTILL = DistillStage(None, {"tokens": "1.5%", "eval_windows": 16, "lr": 1e-3})
 
 
