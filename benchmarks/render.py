@@ -174,11 +174,16 @@ def _zoo_points(rows: list[dict], model: str, recipe: str) -> dict[str, dict]:
     return points
 
 
+def sweep_models(data: dict) -> list[str]:
+    """The models distill_zoo's recipes were ranked on (all of them in a file that does not say)."""
+    return data.get("sweep") or list(data["models"])
+
+
 def distill_zoo_ranks(data: dict) -> list[tuple[str, float, dict[str, float]]]:
     """The recipes run on every model of the sweep at every budget with a goal, best first: (recipe, mean
     rank over those models and budgets by perplexity increase, the mean increase per budget); a tie goes
     to the lower mean increase. The zoo's other models check the chosen recipe only."""
-    rows, models = data["rows"], data.get("sweep") or list(data["models"])
+    rows, models = data["rows"], sweep_models(data)
     budgets = sorted(map(float, data["goals"]))
     final = {(r["model"], r["recipe"], r["budget"]): r["points"][-1]["ppl_increase"] for r in rows}
     complete = [rc for rc in dict.fromkeys(r["recipe"] for r in rows) if all((m, rc, b) in final for m in models for b in budgets)]
@@ -214,7 +219,7 @@ def distill_zoo_summary(data: dict) -> str:
     best = ranked[0][0]
     others = []
     for r in data["rows"]:
-        if r["recipe"] not in {rc for rc, _, _ in ranked} and r["budget"] == budgets[-1] and r["model"] in (data.get("sweep") or data["models"]):
+        if r["recipe"] not in {rc for rc, _, _ in ranked} and r["budget"] == budgets[-1] and r["model"] in sweep_models(data):
             points = _zoo_points(data["rows"], r["model"], r["recipe"])
             changed = ",".join(part for part in r["recipe"].split(",") if part.startswith("lr="))  # the recipe this one changes
             against = _zoo_points(data["rows"], r["model"], changed or "base")
@@ -231,7 +236,7 @@ def distill_zoo_summary(data: dict) -> str:
         body.append([model, _zoo_cell(points.get("start")), *cells])
     goal_table = table(["model", "start", *(f"{b:.0%} (goal ≤ {g:.0%})" for b, g in sorted(goals.items()))], body)
     return "\n\n".join([
-        f"**The recipes run on every model of the sweep ({', '.join(data.get('sweep') or data['models'])}) at every budget with a goal**, by mean rank over those models and budgets "
+        f"**The recipes run on every model of the sweep ({', '.join(sweep_models(data))}) at every budget with a goal**, by mean rank over those models and budgets "
         "(perplexity increase of each budget's own run; 1 = best); the other models check the best:", ranks,
         "**One more change** (perplexity increase / KL; in brackets the recipe without that change):", other_table,
         f"**Goals with `{best}`** (perplexity increase / KL over the original; each budget's own run):", goal_table,

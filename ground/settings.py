@@ -47,7 +47,6 @@ class ExportOptions:
 
     opset: int = OPSETS[0]
     dtype: Precision | None = None  # None: the checkpoint's own (run: fp32 for bf16); text is parsed
-
     attention: str = "auto"  # GroupQueryAttention in the merged decoder graph ONNX Runtime runs, else the standard Attention
     graphs: str | None = None  # None: split for a TensorRT target, else merged (run: split where TensorRT builds)
     optimize: str = "auto"  # ORT's fusions on GroupQueryAttention graphs
@@ -82,7 +81,7 @@ class Profile:
     def __post_init__(self) -> None:
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "--precision", Precision.floats()))
-        _as_path(self, "timing_cache")
+        as_paths(self, "timing_cache")
 
     def kwargs(self) -> dict[str, Any]:
         """As headfold.engines.plan.make_plan takes them."""
@@ -107,7 +106,7 @@ class InputSpec:
     def __post_init__(self) -> None:
         """Every field within its option's domain, whoever builds this (verify, run, the Python API):
         BadOption naming the option, before anything runs."""
-        _as_path(self, "text", "token_ids")
+        as_paths(self, "text", "token_ids")
         whole("--window", self.window, 2, " (a token and the one it predicts)")
         whole("--max-rows", self.max_rows, 1, " (0 on the command line: all rows)")
         whole("--batch-size", self.batch_size, 1)
@@ -175,7 +174,7 @@ class DistillOptions:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
 
 
-def _as_path(settings: object, *names: str) -> None:
+def as_paths(settings: object, *names: str) -> None:
     """The path fields `names` of a frozen settings object as Paths: the API takes text too."""
     for name in names:
         if isinstance(value := getattr(settings, name), str):

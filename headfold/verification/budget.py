@@ -13,6 +13,7 @@ from typing import Any
 from headfold.ground.errors import BadInput
 from headfold.ground.inputs import read_config_file, shown
 from headfold.ground.precision import Precision
+from headfold.ground.settings import as_paths
 from headfold.ground.units import parse_fraction
 
 # atol/rtol follow Polygraphy: an element fails only when it exceeds both. The fp32 numbers
@@ -107,8 +108,7 @@ class Thresholds:
     min_cosine: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.file, str):  # the API takes the path as text too
-            object.__setattr__(self, "file", Path(self.file))
+        as_paths(self, "file")
 
     def _file(self) -> dict[str, Any] | None:
         return load_budget_file(self.file) if self.file else None
