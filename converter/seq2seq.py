@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from headfold.converter.checkpoint import SAFETENSORS_DTYPES
 from headfold.converter.layout import HeadShape
 from headfold.converter.spec import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, ArchitectureSpec
 from headfold.ground.errors import BadInput
@@ -48,9 +47,7 @@ def pooled_kinds(spec: ArchitectureSpec, pool: str | None) -> tuple[str, ...] | 
 
 def cache_bytes(ckpt: SourceCheckpoint, targets: Sequence[HeadShape]) -> dict[str, dict[str, int]]:
     """{"self"/"cross": {"before", "after"}}: the decoder's cache bytes per token as the checkpoint is and
-    with the attention blocks at `targets`, in the dtype of its K weights (the cache's under load_model)."""
-    kinds = [b.kind for b in ckpt.facts.blocks]
-    key = ckpt.attention.layers[kinds.index(DECODER_SELF)][ckpt.spec.projections["k"].weight]
-    element = SAFETENSORS_DTYPES[ckpt.tensors[key].code][1]
+    with the attention blocks at `targets`, in the checkpoint's precision (the cache's as it loads)."""
+    element = int(ckpt.facts.precision.itemsize)
     before, after = (ckpt.facts.cache_bytes_per_token(element, shapes) for shapes in (ckpt.layer_shapes, targets))
     return {cache: {"before": before[cache], "after": after[cache]} for cache in before}
