@@ -284,7 +284,7 @@ def side_by_side_tables(data: dict) -> str:
     header = ["weights", "model", "batch", "past", "builder ms/step", "headfold ms/step", "builder tok/s", "headfold tok/s", "headfold ÷ builder (range)", "by CPU time"]
     gqa = [
         [g["precision"], g["batch"], g["past"], f"{g['speedup']:.2f}×", f"{g['speedup_cpu']:.2f}×", f"{g['ideal_bytes_ratio']:.2f}×", f"{g['of_ideal']:.0%}",
-         f"{g['builder_speedup']:.2f}× ({g['builder_of_ideal']:.0%})" if "builder_speedup" in g else "–"]
+         f"{g['builder_speedup']:.2f}× ({g['builder_of_ideal']:.0%})"]
         for g in data["gqa_speedup"]
     ]  # fmt: skip
     return "\n\n".join([
