@@ -343,10 +343,10 @@ def local_cost(data: dict) -> list[str]:
     lines, default = [], data.get("default_local_steps")
     for r in data["rows"]:
         if r.get("local_steps") and "local_fit_cpu_s" in r and default:
-            step = r["local_fit_cpu_s"] / r["local_steps"]
-            total = r["convert_cpu_s"] - r["local_fit_cpu_s"] + default * step
+            step, rest = r["local_fit_cpu_s"] / r["local_steps"], r["convert_cpu_s"] - r["local_fit_cpu_s"]
+            total = rest + default * step
             lines.append(f"`{r['method']}`: one local step (every layer) costs {step:.1f} CPU s on this layout, the rest of the conversion "
-                         f"{r['convert_cpu_s'] - r['local_fit_cpu_s']:,.0f} CPU s; at the default {default} steps the conversion costs about {total:,.0f} CPU s "
+                         f"{rest:,.0f} CPU s; at the default {default} steps the conversion costs about {total:,.0f} CPU s "
                          f"({total / 3600:.1f} CPU hours; from the run with {r['local_steps']} steps).")
     return lines
 

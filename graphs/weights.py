@@ -37,8 +37,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from headfold.converter.checkpoint import FileRange, TensorInfo, read_tensor
 from headfold.converter.writer import copy_range
-from headfold.ground.errors import BadInput
 from headfold.graphs.rewrite.values import is_lazy, never_fold_lazy
+from headfold.ground.errors import BadInput
 from headfold.ground.precision import Precision
 
 __all__ = ["fake_parameters", "attach", "lazy_weight", "joined", "reused_buffers", "StreamedWeight", "optimize_like_torch", "EAGER_ELEMENTS", "SOURCE"]

@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from headfold.ground.errors import BadOption
+from headfold.ground.inputs import shown
 from headfold.ground.lazy import lazy_import
 
 if TYPE_CHECKING:
@@ -43,8 +44,7 @@ class Precision(StrEnum):
         choices = choices or tuple(cls)
         if isinstance(text, str) and text in choices:  # a member, or its name: StrEnum members equal their values
             return cls(text)
-        shown = repr(str(text)) if isinstance(text, str) else repr(text)
-        raise BadOption(option, f"{shown} is not one of {', '.join(choices)}")
+        raise BadOption(option, f"{shown(str(text) if isinstance(text, str) else text)} is not one of {', '.join(choices)}")  # str: a member's name, not its repr
 
     @classmethod
     def floats(cls) -> tuple[Precision, ...]:

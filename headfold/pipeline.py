@@ -41,9 +41,9 @@ from headfold.ground.atomic import atomic_output, check_disjoint, output_lock, o
 from headfold.ground.errors import BadInput
 from headfold.ground.hashing import sha256_file
 from headfold.ground.lazy import lazy_import
-from headfold.ground.precision import Precision
 from headfold.ground.ledger import RunLedger, StageEntry
 from headfold.ground.ledger import load as load_ledger
+from headfold.ground.precision import Precision
 from headfold.ground.settings import Calibration, ExportOptions, Profile
 from headfold.verification.api import run_artifact_checks
 from headfold.verification.artifacts import resolve
@@ -186,9 +186,7 @@ def run(
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
     check_convertible(src, kv_heads, method, allow_pickle)
     check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
-    export = replace(export, dtype=Precision.parse(export.dtype, "--dtype") if export.dtype else verifiable_dtype(src))
-    if build.precision is not None:
-        build = replace(build, precision=Precision.parse(build.precision, "--precision", Precision.floats()))
+    export = replace(export, dtype=export.dtype or verifiable_dtype(src))  # ExportOptions and Profile parsed their own text
     if export.dtype == Precision.INT4:  # its verify stage gates the export by fidelity, which int4 weights do not keep
         raise BadInput("headfold run checks its export's fidelity to the checkpoint; int4 weights are gated by their loss: run without --dtype int4, then headfold export --dtype int4 and headfold verify CHECKPOINT EXPORT")
     settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration, distill, export, build, inputs, thresholds, progress)
