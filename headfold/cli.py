@@ -151,7 +151,8 @@ def convert(
     record = manifest.load(result)
     pooled = [KIND_NAMES[kind] for kind, entry in (record.conversion.attentions or {}).items() if entry["pooled"]]  # an encoder-decoder's
     where = f" in {' and '.join(pooled)}" if pooled else ""
-    lines = [f"wrote {result} ({_kv_text(kv_heads)} kv heads{where}, method {method})", *filter(None, [load_hint(result)])]
+    applied = record.conversion.method  # the default drops local where there is no text: say what ran
+    lines = [f"wrote {result} ({_kv_text(kv_heads)} kv heads{where}, method {applied})", *filter(None, [load_hint(result)])]
     output.emit("\n".join(lines), {"output": str(result), **record.to_dict()}, reads)
 
 

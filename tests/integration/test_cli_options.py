@@ -214,6 +214,8 @@ def test_the_default_calibrates_on_the_weights_when_there_is_no_tokenizer(tiny_c
     result = json.loads(out)  # --json -: stdout is the JSON alone
     assert result["conversion"]["method"] == "aligned+scored+refit" and result["conversion"]["calibration"]["text"] == "weights"
     assert "no tokenizer files" in err and "--calibration TEXT_FILE" in err and "the default method is aligned+scored+refit here, without local" in err
+    assert main(["convert", str(tiny_checkpoint("llama")), str(tmp_path / "again"), "--kv-heads", "2"]) == 0
+    assert capsys.readouterr().out.strip().endswith("(2 kv heads, method aligned+scored+refit)")  # what ran, not what was asked
 
 
 @pytest.fixture(scope="module")
