@@ -82,10 +82,11 @@ def seq2seq_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, pr
 def local_runs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, sequential: bool, progress: bool = True) -> Iterator[layerwise.LayerRun]:
     """What `local` fits on: each attention block with what it read and returned on the calibration text (or
     Whisper's synthesized audio). A decoder or encoder runs layer by layer (layerwise.layer_runs: `sequential`
-    or teacher-forced); an encoder-decoder whole, once, teacher-forced."""
+    or teacher-forced); an encoder-decoder whole, once, teacher-forced. Each run holds one call per window (an
+    audio model's: per synthesized clip), the unit local splits into fit and validation."""
     if ckpt.spec.encoder_decoder:
         return _seq2seq_runs(ckpt, text, tokens, seed, progress, blocks=True)
-    return layerwise.layer_runs(ckpt, text_windows(ckpt, text, tokens, seed), compute_device(), sequential, progress)
+    return layerwise.layer_runs(ckpt, text_windows(ckpt, text, tokens, seed), compute_device(), sequential, progress, chunk=1)
 
 
 @torch.no_grad()
@@ -98,7 +99,8 @@ def _seq2seq_runs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, pro
     key = ckpt.spec.projections["k"].weight
     paths = [names[layer[key]][: -len(key) - 1] for layer in ckpt.attention.layers]  # each attention block's module
     runs = [layerwise.LayerRun(i, [], model.get_submodule(path), {}, [], []) for i, path in enumerate(paths)]
-    feeds = audio_feeds(ckpt.facts, model, tokens, seed) if ckpt.facts.audio_input else text_feeds(ckpt, model, text, tokens, seed)  # before the hooks: Whisper's generates
+    per_feed = 1 if blocks else 4  # local splits a block's calls: one window each
+    feeds = audio_feeds(ckpt.facts, model, tokens, seed, per_feed) if ckpt.facts.audio_input else text_feeds(ckpt, model, text, tokens, seed, per_feed)  # before the hooks: Whisper's generates
     hooks = []
     for run, path in zip(runs, paths):
         run.names = {source: names[source][len(path) + 1 :] for source in ckpt.attention.layers[run.index].values()}
@@ -120,15 +122,15 @@ def _keep_input(kept: list):
     return lambda module, args: kept.append(args[0].detach().flatten(0, -2).float().cpu())
 
 
-def text_feeds(ckpt: SourceCheckpoint, model: torch.nn.Module, text: str, tokens: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    """Windows of the calibration text, each split into source → target (teacher-forced after the decoder's start token)."""
+def text_feeds(ckpt: SourceCheckpoint, model: torch.nn.Module, text: str, tokens: int, seed: int, per_feed: int = 4) -> list[dict[str, torch.Tensor]]:
+    """Windows of the calibration text, `per_feed` a feed, each split into source → target (teacher-forced after the decoder's start token)."""
     half = min(WINDOW // 2, ckpt.facts.position_limit or WINDOW)  # source and target each within the position table
     batch = sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed, 2 * half)
     start = torch.full_like(batch[:, :1], model.config.decoder_start_token_id)
-    return [{"input_ids": rows[:, :half], "decoder_input_ids": torch.cat([s, rows[:, half:-1]], 1)} for rows, s in zip(batch.split(4), start.split(4))]
+    return [{"input_ids": rows[:, :half], "decoder_input_ids": torch.cat([s, rows[:, half:-1]], 1)} for rows, s in zip(batch.split(per_feed), start.split(per_feed))]
 
 
-def audio_feeds(facts: CheckpointFacts, model: torch.nn.Module, tokens: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def audio_feeds(facts: CheckpointFacts, model: torch.nn.Module, tokens: int, seed: int, per_feed: int = 4) -> list[dict[str, torch.Tensor]]:
     """SYNTHESIZED_AUDIO: seeded features of the encoder's full frame count (the feature extractor's
     normalised log-mel range is about [-1, 1]), and the model's own greedy transcript of each."""
     config = model.config
@@ -136,7 +138,7 @@ def audio_feeds(facts: CheckpointFacts, model: torch.nn.Module, tokens: int, see
     count = max(1, tokens // (frames // 2 + target))  # the encoder's positions (half the frames) and the target's
     features = torch.randn(count, facts.mel_bins, frames, generator=torch.Generator().manual_seed(seed)) * 0.5
     feeds = []
-    for part in features.split(4):
+    for part in features.split(per_feed):
         part = part.to(model.device)
         transcript = model.generate(input_features=part, max_new_tokens=target, min_new_tokens=target, do_sample=False)  # without the start token
         start = torch.full_like(transcript[:, :1], config.decoder_start_token_id)

@@ -103,7 +103,7 @@ def convert(
         fit = recipe.local and pools
         contexts = layer_contexts(ckpt, None if fit else text, calibration_tokens, seed, progress)
         fitted = fitted_layers(ckpt, targets, recipe, text, calibration_tokens, seed, contexts, steps, progress) if fit else {}
-        errors = {str(i): [layer.start, layer.end] for i, layer in sorted(fitted.items())}  # each layer's relative attention-output error, before and after the fit
+        fit_record = local_record(fitted, steps)  # before write_weights takes the fitted layers
         with atomic_output(out, overwrite=overwrite) as tmp:
             files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress, retarget, fitted)
             files |= write_config(ckpt, targets, tmp, retarget)
@@ -114,7 +114,7 @@ def convert(
                 used = "weights" if text is None else seq2seq.SYNTHESIZED_AUDIO if text == seq2seq.SYNTHESIZED_AUDIO else str(calibration or "built-in")
                 manifest.conversion.calibration = {"text": used, "tokens": calibration_tokens, "seed": seed}
                 if fit:
-                    manifest.conversion.calibration["local"] = {"steps": steps, "error": errors}
+                    manifest.conversion.calibration["local"] = fit_record
             manifest.save_in(tmp)
     return out
 
@@ -124,6 +124,17 @@ def check_options(max_shard_size: str | int | None, calibration_tokens: int | No
     if max_shard_size is not None:
         parse_size(max_shard_size, "--shard-size")
     whole("--calibration-tokens", calibration_tokens, 1)
+
+
+def local_record(fitted: dict, steps: int) -> dict:
+    """What the manifest says of local's fit: the step budget and, per layer, the steps taken and the relative
+    attention-output error before and after on every calibration window, the fitted ones and the held-out ones."""
+    layers = {}
+    for i, layer in sorted(fitted.items()):
+        layers[str(i)] = {"steps": layer.steps, "fit": [layer.start.fit, layer.end.fit]}
+        if layer.start.validation is not None:
+            layers[str(i)]["validation"] = [layer.start.validation, layer.end.validation]
+    return {"steps": steps, "error": {str(i): [layer.start.whole, layer.end.whole] for i, layer in sorted(fitted.items())}, "layers": layers}
 
 
 def local_step_budget(recipe: Recipe, steps: int | None) -> int:

@@ -148,8 +148,8 @@ class LayerwiseModel:
         prefix = self.names[self.block(layer)] + "."
         return {source: name.removeprefix(prefix) for name, source in self.sources.items() if name.startswith(prefix)}
 
-    def embed(self, batch: torch.Tensor, store: ActivationStore) -> tuple[torch.Tensor, list[tuple[tuple, dict[str, Any]]]]:
-        """The hidden states entering the first layer [windows, T, hidden] and, per chunk of windows,
+    def embed(self, batch: torch.Tensor, store: ActivationStore, chunk: int = CHUNK) -> tuple[torch.Tensor, list[tuple[tuple, dict[str, Any]]]]:
+        """The hidden states entering the first layer [windows, T, hidden] and, per chunk of `chunk` windows,
         the other arguments the model passes its layers; only modules the embedding stage calls are loaded."""
         catcher, first = _Catcher(), self.layers[0]
         self.layers[0] = catcher
@@ -157,7 +157,7 @@ class LayerwiseModel:
         hooks = [m.register_forward_pre_hook(self._loader(loaded)) for m in self._outside_layers()]
         hidden, calls = None, []
         try:
-            for c, rows in enumerate(batch.split(CHUNK)):
+            for c, rows in enumerate(batch.split(chunk)):
                 try:
                     self.model(input_ids=rows.to(self.device), use_cache=False)
                 except _Stop:
@@ -165,7 +165,7 @@ class LayerwiseModel:
                 (states, *args), kwargs = catcher.calls.pop()
                 if hidden is None:
                     hidden = store.empty(len(batch), *states.shape[1:])
-                hidden[c * CHUNK : c * CHUNK + len(rows)] = states
+                hidden[c * chunk : c * chunk + len(rows)] = states
                 calls.append((tuple(args), kwargs))
         finally:
             self.layers[0] = first
@@ -222,7 +222,8 @@ def attention_inputs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.
 def _run_layer(runner: LayerwiseModel, i: int, hidden: torch.Tensor, calls: list, inputs: torch.Tensor | None, last: bool) -> None:
     """Layer i (loaded) over every chunk: its attention input into `inputs` (when given), its output over
     `hidden` (not for the `last`, which stops at its attention input, nor for a chunk a hook stopped)."""
-    layer, rows = runner.layers[i], CHUNK * hidden.shape[1]
+    chunk = math.ceil(hidden.shape[0] / len(calls))  # windows per call, as embed cut them
+    layer, rows = runner.layers[i], chunk * hidden.shape[1]
     offset = [0]
 
     def keep(module: nn.Module, args: tuple) -> None:
@@ -235,12 +236,12 @@ def _run_layer(runner: LayerwiseModel, i: int, hidden: torch.Tensor, calls: list
     try:
         for c, (args, kwargs) in enumerate(calls):
             offset[0] = c * rows
-            chunk = hidden[c * CHUNK : (c + 1) * CHUNK]
+            part = hidden[c * chunk : (c + 1) * chunk]
             try:
-                out = layer(chunk.to(runner.device), *args, **kwargs)
+                out = layer(part.to(runner.device), *args, **kwargs)
             except _Stop:
                 continue
-            chunk.copy_(out[0] if isinstance(out, tuple) else out)
+            part.copy_(out[0] if isinstance(out, tuple) else out)
     finally:
         if handle is not None:
             handle.remove()
@@ -259,8 +260,9 @@ class LayerRun:
 
 
 @torch.no_grad()
-def layer_runs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device, sequential: bool, progress: bool = True) -> Iterator[LayerRun]:
-    """Each layer in turn, loaded, run over `batch` ([windows, T] token ids) up to its attention block's output.
+def layer_runs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device, sequential: bool, progress: bool = True, chunk: int = CHUNK) -> Iterator[LayerRun]:
+    """Each layer in turn, loaded, run over `batch` ([windows, T] token ids) up to its attention block's output,
+    `chunk` windows per call (the run's calls and outputs: the units the consumer may split).
 
     The consumer may change the block's weights while it holds the run. Teacher-forced (`sequential`
     False), every layer reads the source model's hidden states; `sequential`, the layer then runs again
@@ -270,7 +272,7 @@ def layer_runs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device
     return_freed_memory()
     store = ActivationStore(ram_limit())
     runner = LayerwiseModel(ckpt, device)
-    hidden, calls = runner.embed(batch, store)
+    hidden, calls = runner.embed(batch, store, chunk)
     calls = [_moved(call, device) for call in calls]
     for i in tqdm(range(ckpt.layers), desc="calibrate", unit="layer", disable=not progress):
         stop = sequential or i == ckpt.layers - 1  # the layer's output is not the next layer's input yet, or never

@@ -9,17 +9,20 @@ parts pool the layer first (the start); then the block itself runs with candidat
 re-implementation), a GQA layer run as the MHA block it equals (each pooled kv head repeated for the
 source heads of its group). Adam minimises the squared error of the block's output over every attention
 tensor the GQA layer has: the pooled K/V projections, the per-query-head Q and O, their biases and
-per-head norms, on every calibration token at each step. Each tensor's step is a fixed fraction of its own
-RMS; an error that runs away (RUNAWAY × the best so far) sends the weights back to the best iterate at
-half the rate. The best iterate (the start included) is kept, so a layer never ends worse on its
-calibration data than it started; a start that already reproduces the block (kv = heads, identical heads)
-is returned untouched.
+per-head norms. The calibration windows are split, seeded, into a fitted part and a held-out VALIDATION
+share; each step takes a minibatch of BATCH fitted windows, so its cost does not grow with the tokens.
+Each tensor's step starts at a fixed fraction of its own RMS and shrinks (cosine) over the budget. Every
+EVERY steps the held-out windows are scored: the kept iterate is the best there (the start included, so a
+layer that validation does not improve keeps its start), the fit stops after PATIENCE scores without a new
+best, and a score that runs away (RUNAWAY × the best) sends the weights back to the best at half the rate.
+A start that already reproduces the block (kv = heads, identical heads) is returned untouched.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -33,70 +36,129 @@ from headfold.converter.methods import convert_attention, expand_kv, moved
 from headfold.converter.recipes import LayerContext, Recipe
 
 RATE = 0.05  # Adam's step, as a fraction of each tensor's RMS
-RUNAWAY = 2.0  # an error this many times the best so far: back to the best weights, at half the rate
+FLOOR = 0.1  # the steps shrink (cosine) to this fraction of RATE over the step budget
+RUNAWAY = 2.0  # a validation error this many times the best so far: back to the best weights, at half the rate
 SEQUENTIAL = False  # each layer reads the source model's hidden states (teacher-forced); see docs/methods.md
 EXACT = 1e-12  # a start whose squared error is below this fraction of the target's already reproduces the block
+VALIDATION = 0.25  # share of the calibration windows held out: they pick the kept iterate and stop the fit
+BATCH = 4  # windows per step (a minibatch: a step's cost does not grow with the calibration tokens)
+EVERY = 10  # steps between validations
+PATIENCE = 5  # validations in a row without a new best end the fit
+
+
+@dataclass(frozen=True)
+class Errors:
+    """A block's output error, relative to the target's squared norm, on each part of the calibration windows."""
+
+    fit: float  # the windows the steps fit
+    validation: float | None  # the held-out windows (None: too few windows to hold any out)
+    whole: float  # every window
+
+    @property
+    def selecting(self) -> float:
+        """What picks the kept iterate: the held-out error, or the fitted one where nothing is held out."""
+        return self.fit if self.validation is None else self.validation
 
 
 @dataclass(frozen=True)
 class FittedLayer:
-    tensors: dict[str, torch.Tensor]  # tensor name → converted tensor, rounded to the source dtype
+    tensors: dict[str, torch.Tensor]  # tensor name → converted tensor, rounded to its source dtype
     groups: list[list[int]]  # source kv heads pooled into each new kv head
-    start: float  # the block's output error at the start, relative to the output's squared norm
-    end: float  # the same after the fit (≤ start)
+    start: Errors  # the block's output error at the start
+    end: Errors  # the same for the kept iterate (its validation error ≤ the start's)
+    steps: int  # steps taken (≤ the budget: the fit stops when validation stops improving)
 
 
 @dataclass(frozen=True)
 class Fit:
     attn: AttentionWeights
-    start: float  # squared error of the block's output at the start, relative to the target's squared norm
-    end: float  # the same for the kept iterate (≤ start)
+    start: Errors
+    end: Errors
+    steps: int
 
 
-def fit(run: layerwise.LayerRun, start: AttentionWeights, block_tensors: Callable[[AttentionWeights], dict[str, torch.Tensor]], steps: int, bar=None) -> Fit:
-    """`start` (canonical, on the block's device) fitted for `steps` Adam steps to `run`'s block outputs;
-    `block_tensors` maps canonical weights to the block's parameters by name."""
-    target = sum(float(out.double().square().sum()) for out in run.outputs)
+def split(count: int, seed: int) -> tuple[list[int], list[int]]:
+    """The indices of a run's calls (one window each) that the fit steps on and those held out for validation:
+    a seeded VALIDATION share, at least one call, none where there are fewer than two."""
+    held = max(1, round(count * VALIDATION)) if count >= 2 else 0
+    validation = set(random.Random(seed).sample(range(count), held))
+    return [i for i in range(count) if i not in validation], sorted(validation)
+
+
+def batches(calls: list[int], seed: int) -> Iterator[list[int]]:
+    """BATCH calls a step, every call once per pass, in a seeded order shuffled each pass."""
+    rng, order = random.Random(seed), []
+    while True:
+        if len(order) < min(BATCH, len(calls)):
+            rng.shuffle(shuffled := list(calls))
+            order += shuffled
+        yield order[:BATCH]
+        del order[:BATCH]
+
+
+def fit(
+    run: layerwise.LayerRun, start: AttentionWeights, block_tensors: Callable[[AttentionWeights], dict[str, torch.Tensor]], steps: int, bar=None, seed: int = 0,
+) -> Fit:
+    """`start` (canonical, on the block's device) fitted for at most `steps` Adam steps to `run`'s block outputs
+    on the fit windows; the kept iterate is the best on the held-out windows (the start included), and the fit
+    stops after PATIENCE validations without a new best. `block_tensors` maps canonical weights to the block's
+    parameters by name."""
+    fitted, held = split(len(run.calls), seed)
+    norms = [float(out.double().square().sum()) for out in run.outputs]
+    first = errors(run, lambda: block_tensors(start), fitted, held, norms)
+    if first.whole <= EXACT:  # nothing to fit: the start, untouched
+        return Fit(start, first, first, 0)
     trainable = {f.name: t.detach().clone(memory_format=torch.contiguous_format) for f in fields(start) if (t := getattr(start, f.name)) is not None}
     scale = _scales(trainable)
     for t in trainable.values():
         t.requires_grad_(True)
     optimizer = torch.optim.Adam([{"params": [t], "lr": RATE * scale[name]} for name, t in trainable.items()])
-    best, first, best_error = start, math.inf, math.inf
-    for step in range(steps + 1):  # the error of step s is that of the weights after s updates
+    rates = [group["lr"] for group in optimizer.param_groups]
+    candidate = lambda: block_tensors(replace(start, **trainable))  # noqa: E731
+    best, best_error, stale, taken = start, first.selecting, 0, 0
+    for taken, batch in enumerate(batches(fitted, seed + 1), 1):
         optimizer.zero_grad()
-        now = error(run, lambda: block_tensors(replace(start, **trainable)), backward=step < steps) / target
-        if step == 0:
-            first = now
-            if now <= EXACT:  # nothing to fit: the start, untouched
-                break
-        if now < best_error:
-            best, best_error = replace(start, **{name: t.detach().clone() for name, t in trainable.items()}), now
-        runaway = now > RUNAWAY * best_error
-        if runaway:  # back to the best weights at half the rate (that gradient was taken elsewhere: no step with it)
-            with torch.no_grad():
-                for name, t in trainable.items():
-                    t.copy_(getattr(best, name))
-            optimizer.state.clear()
-            for group in optimizer.param_groups:
-                group["lr"] /= 2
-        if step < steps:
-            if not runaway:
-                optimizer.step()
-            if bar is not None:
-                bar.update()
-                bar.set_postfix(layer=run.index, error=f"{first:.3g}→{best_error:.3g}")
+        squared_error(run, candidate, batch, backward=True)
+        for group, rate in zip(optimizer.param_groups, rates):  # cosine from the rate down to FLOOR of it
+            group["lr"] = rate * (FLOOR + (1 - FLOOR) * 0.5 * (1 + math.cos(math.pi * (taken - 1) / steps)))
+        optimizer.step()
+        if bar is not None:
+            bar.update()
+            bar.set_postfix(layer=run.index, error=f"{first.selecting:.3g}→{best_error:.3g}")
+        if taken % EVERY == 0 or taken == steps:
+            now = squared_error(run, candidate, held or fitted) / sum(norms[i] for i in held or fitted)
+            if now < best_error:
+                best, best_error, stale = replace(start, **{name: t.detach().clone() for name, t in trainable.items()}), now, 0
+            else:
+                stale += 1
+                if not now <= RUNAWAY * best_error:  # diverging (or NaN): back to the best weights at half the rate
+                    with torch.no_grad():
+                        for name, t in trainable.items():
+                            t.copy_(getattr(best, name))
+                    optimizer.state.clear()
+                    rates = [rate / 2 for rate in rates]
+        if stale >= PATIENCE or taken >= steps:
+            break
     if bar is not None:
-        bar.update(steps - min(step, steps))
-    return Fit(start if step == 0 else best, first, min(first, best_error))
+        bar.update(steps - taken)
+    end = first if best is start else errors(run, lambda: block_tensors(best), fitted, held, norms)
+    return Fit(best, first, end, taken)
 
 
-def error(run: layerwise.LayerRun, tensors: Callable[[], dict[str, torch.Tensor]], backward: bool = False) -> float:
+def errors(run: layerwise.LayerRun, tensors: Callable[[], dict[str, torch.Tensor]], fitted: list[int], held: list[int], norms: list[float]) -> Errors:
+    """The block's output error with `tensors()` on the fit windows, the held-out ones and all of them."""
+    on_fit, on_held = squared_error(run, tensors, fitted), squared_error(run, tensors, held)
+    fit_norm, held_norm = sum(norms[i] for i in fitted), sum(norms[i] for i in held)
+    return Errors(on_fit / fit_norm, on_held / held_norm if held else None, (on_fit + on_held) / (fit_norm + held_norm))
+
+
+def squared_error(run: layerwise.LayerRun, tensors: Callable[[], dict[str, torch.Tensor]], calls: list[int], backward: bool = False) -> float:
     """Squared error of the block's output with `tensors()` (by parameter name) against the original output,
-    summed over the chunks; with `backward`, its gradient accumulates chunk by chunk (one chunk's graph at a time)."""
+    summed over `calls`; with `backward`, its gradient accumulates call by call (one call's graph at a time)."""
     total = 0.0
     with torch.set_grad_enabled(backward):
-        for (args, kwargs), target in zip(run.calls, run.outputs):
+        for i in calls:
+            (args, kwargs), target = run.calls[i], run.outputs[i]
             out = functional_call(run.block, tensors(), args, kwargs)
             loss = ((out[0] if isinstance(out, tuple) else out) - target).square().sum()
             if backward:
@@ -115,8 +177,8 @@ def _scales(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
 class LayerFitter:
     """Converts each layer of `ckpt` that `targets` pools: the recipe's other parts, then the fit."""
 
-    def __init__(self, ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, contexts: list[LayerContext], steps: int) -> None:
-        self.ckpt, self.targets, self.contexts, self.steps = ckpt, targets, contexts, steps
+    def __init__(self, ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, contexts: list[LayerContext], steps: int, seed: int = 0) -> None:
+        self.ckpt, self.targets, self.contexts, self.steps, self.seed = ckpt, targets, contexts, steps, seed
         self.start = replace(recipe, local=False)
 
     def pooled(self, index: int) -> bool:
@@ -134,15 +196,14 @@ class LayerFitter:
             encoded = codec.encode(expand_kv(attn, ckpt.layer_shapes[i].kv_heads))
             return {run.names[names[suffix]]: t for suffix, t in encoded.items()}
 
-        result = fit(run, moved(start.attn, device), block_tensors, self.steps, bar)
-        dtype = ckpt.tensors[next(iter(names.values()))].dtype  # a layer's attention tensors share one dtype
-        written = replace(result.attn, **{f.name: t.to(dtype) for f in fields(result.attn) if (t := getattr(result.attn, f.name)) is not None})
+        result = fit(run, moved(start.attn, device), block_tensors, self.steps, bar, self.seed)
+        written = {s: t.to(ckpt.tensors[names[s]].dtype) for s, t in codec.encode(result.attn).items()}  # each in its own source dtype
         if SEQUENTIAL:  # the next layer reads this one as it will be written
             with torch.no_grad():
-                for name, t in block_tensors(written).items():
-                    run.block.get_parameter(name).copy_(t.float())
-        encoded = {names[s]: t.cpu() for s, t in codec.encode(written).items()}
-        return FittedLayer(encoded, start.groups, result.start, result.end)
+                rounded = AttentionCodec(ckpt.spec, self.targets[i]).decode({s: t.float() for s, t in written.items()})
+                for name, t in block_tensors(rounded).items():
+                    run.block.get_parameter(name).copy_(t)
+        return FittedLayer({names[s]: t.cpu() for s, t in written.items()}, start.groups, result.start, result.end, result.steps)
 
 
 def fitted_layers(
@@ -151,7 +212,7 @@ def fitted_layers(
     """Every pooled layer converted with `recipe`, its `local` part fitted on `tokens` tokens of `text` (windows
     as calibration samples them), one layer loaded at a time; the converted tensors are kept like
     activations (in RAM up to $HEADFOLD_CALIBRATION_RAM, then memory-mapped)."""
-    fitter = LayerFitter(ckpt, targets, recipe, contexts, steps)
+    fitter = LayerFitter(ckpt, targets, recipe, contexts, steps, seed)
     store = layerwise.ActivationStore(layerwise.ram_limit())
     done: dict[int, FittedLayer] = {}
     total = steps * sum(fitter.pooled(i) for i in range(len(targets)))  # layers, or an encoder-decoder's attention blocks

@@ -30,7 +30,7 @@ class Calibration:
     """The text the data-aware methods fit on (convert, inspect, run's convert stage)."""
 
     text: str | os.PathLike | None = None  # a text file, "weights" (the weights alone), or None: the built-in text
-    tokens: int = 4096  # tokens of calibration text run through the source model
+    tokens: int = 16384  # tokens of calibration text run through the source model (local fits minibatches of it: docs/methods.md)
     seed: int = 0  # seed of the calibration windows
 
     def __post_init__(self) -> None:
