@@ -118,7 +118,8 @@ def kv_counts(spec: str, heads: int) -> list[int]:
     return [heads // int(part[2:]) if part.startswith("h/") else int(part) for part in spec.split(",")]
 
 
-def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path) -> list[dict]:
+def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path, tokens: int | None = None) -> list[dict]:
+    """One row per method and kv count; `tokens`: --calibration-tokens (None: the default)."""
     config = json.loads((m.folder / "config.json").read_text())
     with SourceCheckpoint(m.folder) as ckpt:
         heads, head_dim, family = ckpt.shape.heads, ckpt.shape.head_dim, ckpt.spec.family
@@ -130,13 +131,15 @@ def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path) 
                 continue
             fit = "local" in method.split("+")
             start, cpu = time.perf_counter(), time.process_time()
-            out = convert(m.folder, tmp / f"{m.name}-{kv}-{method}", kv, method, progress=False, builtin_text=m.calibration, local_steps=steps if fit else None, overwrite=True)
+            calibration = {} if tokens is None else {"calibration_tokens": tokens}
+            out = convert(m.folder, tmp / f"{m.name}-{kv}-{method}", kv, method, progress=False, builtin_text=m.calibration, local_steps=steps if fit else None, overwrite=True,
+                          **calibration)  # fmt: skip
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
             report = compare(reference, scored_log_probs(load_model(out), m.heldout)[0], ids)
             row = {
                 "model": m.name, "family": family, "heads": heads, "head_dim": head_dim, "layers": config.get("num_hidden_layers", config.get("n_layer", config.get("num_layers"))),
                 "kv_heads": kv, "method": method, "label": label, "kl": report.kl, "ppl": report.candidate_ppl, "reference_ppl": report.reference_ppl, "top1": report.top1,
-                "convert_s": round(seconds, 1), "convert_cpu_s": round(cpu_seconds, 1), "load_average_1min": round(os.getloadavg()[0], 2),
+                "convert_s": round(seconds, 1), "convert_cpu_s": round(cpu_seconds, 1), "load_average_1min": round(os.getloadavg()[0], 2), **calibration,
                 **({"local_steps": steps, "local_rate": local.RATE, "local_sequential": local.SEQUENTIAL} if fit else {}),
             }  # fmt: skip
             rows.append(row)

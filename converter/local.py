@@ -79,8 +79,8 @@ class Fit:
 
 def split(count: int, seed: int) -> tuple[list[int], list[int]]:
     """The indices of a run's calls (one window each) that the fit steps on and those held out for validation:
-    a seeded VALIDATION share, at least one call, none where there are fewer than two."""
-    held = max(1, round(count * VALIDATION)) if count >= 2 else 0
+    a seeded VALIDATION share, at least one call, none where there are fewer than two (or the share is 0)."""
+    held = max(1, round(count * VALIDATION)) if count >= 2 and VALIDATION > 0 else 0
     validation = set(random.Random(seed).sample(range(count), held))
     return [i for i in range(count) if i not in validation], sorted(validation)
 

@@ -381,7 +381,7 @@ POOL = spec(
 
 LOCAL_STEPS = spec(
     "--local-steps", type=int, default=None, metavar="N",
-    help=f"Adam steps per layer of a method with local; each runs the layer's attention over the calibration tokens. [default: {DEFAULT_LOCAL_STEPS}]",
+    help=f"the most Adam steps per layer of a method with local (it stops earlier when its held-out windows stop improving); each runs the layer's attention over a minibatch of calibration windows. [default: {DEFAULT_LOCAL_STEPS}]",
 )  # fmt: skip
 
 

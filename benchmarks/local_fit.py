@@ -1,0 +1,73 @@
+"""local's fit against the fit it replaced, on trained models: held-out KL, perplexity and convert CPU seconds.
+
+Each model (--models, as benchmarks/method_parts.py names them) is converted with the default method at
+kv = h/4 (--kv) for each --calibration-tokens count (--tokens) and each fit (--fits):
+
+- `previous`: every calibration window fitted at every step at a constant rate, nothing held out, the kept
+  iterate the best on the fitted windows (the fit before held-out selection);
+- `default`: today's (converter/local.py: a seeded quarter of the windows held out to pick the kept iterate
+  and stop early, minibatches of windows, a cosine rate).
+
+The fits differ only in local's module constants, set here for each row. KL(original ‖ converted) per token,
+perplexity and top-1 on the model's held-out windows (method_parts.py's scoring). Writes JSON (default
+benchmarks/results/local_fit.json), rows added to those of earlier runs (--fresh starts over).
+
+    python benchmarks/local_fit.py [--models embedded] [--tokens 4096,16384] [--fits previous,default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import method_parts
+
+from headfold.converter import local
+from headfold.converter.recipes import DEFAULT_LOCAL_STEPS, DEFAULT_METHOD
+
+FITS = {
+    "previous": {"VALIDATION": 0.0, "BATCH": 10**9, "FLOOR": 1.0, "EVERY": 1, "PATIENCE": 10**9},
+    "default": {},
+}
+TUNABLES = ("VALIDATION", "BATCH", "FLOOR", "EVERY", "PATIENCE")
+DEFAULT_JSON = Path(__file__).parent / "results" / "local_fit.json"
+WHAT = (
+    "local's fit before held-out selection (`previous`: every window at every step, constant rate, best on the fitted windows) "
+    "against today's (`default`), with the default method at h/4, on trained models at several calibration-token counts: "
+    "KL(original ‖ converted), perplexity and top-1 on each model's held-out windows, convert CPU seconds on a shared 2-core machine"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="embedded")
+    parser.add_argument("--tokens", default="4096,16384")
+    parser.add_argument("--fits", default="previous,default")
+    parser.add_argument("--kv", default="h/4")
+    parser.add_argument("--steps", type=int, default=DEFAULT_LOCAL_STEPS)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--fresh", action="store_true")
+    args = parser.parse_args()
+    defaults = {name: getattr(local, name) for name in TUNABLES}
+    old = [] if args.fresh or not args.json.exists() else json.loads(args.json.read_text())["rows"]
+    rows = []
+    for name in args.models.split(","):
+        model = method_parts.model(name)
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            for fit in args.fits.split(","):
+                for tunable, value in {**defaults, **FITS[fit]}.items():
+                    setattr(local, tunable, value)
+                with tempfile.TemporaryDirectory() as tmp:
+                    for row in method_parts.rows_for(model, [DEFAULT_METHOD], args.kv, args.steps, Path(tmp), tokens):
+                        rows.append({**row, "fit": fit, "calibration_tokens": tokens})
+    key = lambda r: (r["model"], r["kv_heads"], r["calibration_tokens"], r["fit"], r["local_steps"])  # noqa: E731
+    kept = [r for r in old if key(r) not in {key(n) for n in rows}]
+    args.json.write_text(json.dumps({"what": WHAT, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "rows": kept + rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
