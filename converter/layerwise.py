@@ -219,10 +219,10 @@ def attention_inputs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.
     return inputs
 
 
-def _run_layer(runner: LayerwiseModel, i: int, hidden: torch.Tensor, calls: list, inputs: torch.Tensor | None, last: bool) -> None:
-    """Layer i (loaded) over every chunk: its attention input into `inputs` (when given), its output over
-    `hidden` (not for the `last`, which stops at its attention input, nor for a chunk a hook stopped)."""
-    chunk = math.ceil(hidden.shape[0] / len(calls))  # windows per call, as embed cut them
+def _run_layer(runner: LayerwiseModel, i: int, hidden: torch.Tensor, calls: list, inputs: torch.Tensor | None, last: bool, chunk: int = CHUNK) -> None:
+    """Layer i (loaded) over every chunk of `chunk` windows (as embed cut them): its attention input into
+    `inputs` (when given), its output over `hidden` (not for the `last`, which stops at its attention
+    input, nor for a chunk a hook stopped)."""
     layer, rows = runner.layers[i], chunk * hidden.shape[1]
     offset = [0]
 
@@ -283,14 +283,14 @@ def layer_runs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device
         hooks = record_block(block, calls_in, outputs, stop)
         try:
             try:
-                _run_layer(runner, i, hidden, calls, inputs, last=False)
+                _run_layer(runner, i, hidden, calls, inputs, last=False, chunk=chunk)
             finally:
                 for hook in hooks:
                     hook.remove()
             yield LayerRun(i, inputs, block, runner.block_names(i), calls_in, outputs)
             calls_in, outputs, inputs = [], [], None  # the consumer's copies may go
             if sequential and i < ckpt.layers - 1:
-                _run_layer(runner, i, hidden, calls, None, last=False)  # with the weights the consumer left in the block
+                _run_layer(runner, i, hidden, calls, None, last=False, chunk=chunk)  # with the weights the consumer left in the block
         finally:
             layer.to("meta")
 
