@@ -271,6 +271,8 @@ def run(
     method: str = DEFAULT_METHOD,
     *,
     calibration: Calibration | PathLike | None = Calibration(),
+    pool: str | None = None,
+    local_steps: int | None = None,
     distill: DistillStage | None = None,
     export: ExportOptions = ExportOptions(),
     profile: Profile = Profile(),
@@ -289,7 +291,7 @@ def run(
         source: the MHA checkpoint folder or hub id.
         output: the run folder: new, empty, or one `run` wrote (`overwrite`: any folder; its
             other files stay).
-        kv_heads, method, calibration, revision, max_shard_size, allow_pickle: as for `convert`.
+        kv_heads, method, calibration, pool, local_steps, revision, max_shard_size, allow_pickle: as for `convert`.
         distill: a DistillStage(data, options, eval_data) adds the distill stage (as `distill` takes
             them; data None: the embedded model's own text); None: no distill stage.
         export: as for `export` (graphs None: split where TensorRT builds engines, else merged;
@@ -304,7 +306,7 @@ def run(
 
     return run_pipeline(
         source, output, kv_heads, method=method, revision=revision, max_shard_size=max_shard_size, allow_pickle=allow_pickle,
-        calibration=_calibration(calibration), distill=distill, export=export, build=profile, inputs=inputs,
+        calibration=_calibration(calibration), pool=pool, local_steps=local_steps, distill=distill, export=export, build=profile, inputs=inputs,
         thresholds=_thresholds(thresholds), overwrite=overwrite, progress=progress,
     )  # fmt: skip
 

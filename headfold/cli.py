@@ -102,7 +102,7 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @cli.command()
 @click.argument("src", type=CHECKPOINT)
 @click.argument("out", type=PATH)
-@conversion_options(pool=True)
+@conversion_options()
 @calibration_options
 @SOURCE
 @output_options()
@@ -273,8 +273,8 @@ def verify_cmd(reference: str, candidate: str, check: str, inputs: InputSpec, th
 @SOURCE
 @output_options()
 def run_cmd(
-    src: str, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, shard_size: str | None, allow_pickle: bool, calibration: Calibration,
-    distill: DistillStage | None, export: ExportOptions, profile: Profile, trt_version: str | None, inputs: InputSpec, thresholds: Thresholds,
+    src: str, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, pool: str | None, local_steps: int | None, shard_size: str | None, allow_pickle: bool,
+    calibration: Calibration, distill: DistillStage | None, export: ExportOptions, profile: Profile, trt_version: str | None, inputs: InputSpec, thresholds: Thresholds,
     revision: str | None, output: Output,
 ) -> None:  # fmt: skip
     """Convert → (distill) → export → build → verify the checkpoint SRC (a folder or hub id) into OUT_DIR/{convert,distill,export,build,verify}.
@@ -291,8 +291,8 @@ def run_cmd(
     (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
     output.check([src], [out_dir])
     report = run(
-        src, out_dir, kv_heads, method=method, max_shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration,
-        distill=distill, export=export, build=profile, inputs=inputs, thresholds=thresholds,
+        src, out_dir, kv_heads, method=method, max_shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration, pool=pool,
+        local_steps=local_steps, distill=distill, export=export, build=profile, inputs=inputs, thresholds=thresholds,
         overwrite=output.overwrite, progress=output.progress,
     )  # fmt: skip
     _finish(report, output, [src, out_dir])
@@ -400,7 +400,7 @@ def _demo_rows() -> int:
 
 
 @cli.command()
-@conversion_options(kv_default="4", written=False)
+@conversion_options(kv_default="4", written=False, pool=False)
 @calibration_options
 @distill_stage_options
 @options(
@@ -415,7 +415,7 @@ def _demo_rows() -> int:
 @options(spec("--keep", type=PATH, default=None, metavar="DIR", help="Run in DIR and keep it (the stage folders and reports); default: a temporary folder, removed at the end."), title="Output")
 @output_options(writes=True)
 def demo(
-    kv_heads: int | tuple[int, ...], method: str, calibration: Calibration, distill: DistillStage | None, distill_tokens: str, no_distill: bool,
+    kv_heads: int | tuple[int, ...], method: str, local_steps: int | None, calibration: Calibration, distill: DistillStage | None, distill_tokens: str, no_distill: bool,
     export: ExportOptions, profile: Profile, trt_version: str | None, inputs: InputSpec, thresholds: Thresholds, keep: Path | None, output: Output,
 ) -> None:  # fmt: skip
     """`headfold run` on the embedded trained model (Llama layout, 4 layers × 8 heads).
@@ -441,7 +441,7 @@ def demo(
     budget = thresholds if thresholds.file else replace(thresholds, file=demo_budget())
     report = run_demo(
         kv_heads, method, distill=distill, thresholds=budget, keep=keep, overwrite=output.overwrite, progress=output.progress,
-        calibration=calibration, export=export, build=profile, inputs=inputs,
+        calibration=calibration, local_steps=local_steps, export=export, build=profile, inputs=inputs,
     )  # fmt: skip
     _finish(report, output)
     if keep is not None:

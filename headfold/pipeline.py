@@ -26,7 +26,7 @@ from headfold import corpus
 from headfold.converter import convert
 from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 from headfold.converter.conversion import check_options as check_conversion
-from headfold.converter.conversion import method_for, target_shapes
+from headfold.converter.conversion import local_step_budget, method_for, target_shapes
 from headfold.converter.recipes import DEFAULT_METHOD, get_method
 from headfold.converter.modeling import check_loadable
 from headfold.converter.sources import checkpoint_folder
@@ -162,6 +162,8 @@ def run(
     max_shard_size: str | int | None = None,
     allow_pickle: bool = False,
     calibration: Calibration = Calibration(),
+    pool: str | None = None,
+    local_steps: int | None = None,
     distill: DistillStage | None = None,
     export: ExportOptions = ExportOptions(),
     build: Profile = Profile(),
@@ -173,8 +175,8 @@ def run(
     """The whole pipeline on the checkpoint `src` (a folder or hub id ORG/NAME at `revision`); outputs
     under `out_dir`; the verify report.
 
-    Each stage takes its command's settings: `max_shard_size`, `allow_pickle` and `calibration` as
-    convert takes them, `distill` (None: no distill stage), `export` as headfold export's (graphs
+    Each stage takes its command's settings: `max_shard_size`, `allow_pickle`, `calibration`, `pool` and
+    `local_steps` as convert takes them, `distill` (None: no distill stage), `export` as headfold export's (graphs
     None: split where TensorRT builds, else merged; dtype None: the checkpoint's own, fp32 for bf16),
     `build` as the TensorRT profile, `inputs` and `thresholds` as verify's. `out_dir` must be new, empty or a
     run folder (its ledger); `overwrite` also accepts a folder of other files, which stay: run only
@@ -184,12 +186,12 @@ def run(
     refuse_link(out)
     if resolve(src).kind != "checkpoint":
         raise BadInput(f"{src} is not a checkpoint folder (config.json); headfold run starts from one")
-    check_convertible(src, kv_heads, method, allow_pickle)
+    check_convertible(src, kv_heads, method, allow_pickle, pool, local_steps)
     check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
     export = replace(export, dtype=export.dtype or verifiable_dtype(src))  # ExportOptions and Profile parsed their own text
     if export.dtype == Precision.INT4:  # its verify stage gates the export by fidelity, which int4 weights do not keep
         raise BadInput("headfold run checks its export's fidelity to the checkpoint; int4 weights are gated by their loss: run without --dtype int4, then headfold export --dtype int4 and headfold verify CHECKPOINT EXPORT")
-    settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration, distill, export, build, inputs, thresholds, progress)
+    settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration, pool, local_steps, distill, export, build, inputs, thresholds, progress)
     check_disjoint(out, settings.reads(src))  # the run folder holds none of its inputs, nor lies inside one
     settings.check(src)
     budgets = settings.budgets()  # bad budgets fail first
@@ -215,11 +217,12 @@ def verifiable_dtype(src: Path) -> Precision:
     return dtype
 
 
-def check_convertible(src: Path, kv_heads: int | Sequence[int], method: str, allow_pickle: bool) -> None:
-    """What the convert stage would refuse (method, weights and their index, kv heads), before any stage writes."""
-    get_method(method)
+def check_convertible(src: Path, kv_heads: int | Sequence[int], method: str, allow_pickle: bool, pool: str | None, local_steps: int | None) -> None:
+    """What the convert stage would refuse (method, its step budget, weights and their index, kv heads and the
+    attentions pooled), before any stage writes."""
+    local_step_budget(get_method(method), local_steps)
     with SourceCheckpoint(src, allow_pickle=allow_pickle) as ckpt:
-        target_shapes(ckpt, kv_heads)
+        target_shapes(ckpt, kv_heads, pool)
         method_for(ckpt, method)
 
 
@@ -232,6 +235,8 @@ class Settings:
     shard_size: str | int | None
     allow_pickle: bool
     calibration: Calibration
+    pool: str | None
+    local_steps: int | None
     distill: DistillStage | None
     export: ExportOptions
     build: Profile
@@ -288,7 +293,10 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budget
         return digest, done
 
     converted, onnx_dir, engines, verified = (out / s for s in ("convert", "export", "build", "verify"))
-    conversion = {"kv_heads": settings.kv_heads, "method": settings.method, "max_shard_size": settings.shard_size, "allow_pickle": settings.allow_pickle, **settings.calibration.kwargs()}
+    conversion = {
+        "kv_heads": settings.kv_heads, "method": settings.method, "max_shard_size": settings.shard_size, "allow_pickle": settings.allow_pickle,
+        "pool": settings.pool, "local_steps": settings.local_steps, **settings.calibration.kwargs(),
+    }  # fmt: skip
     conv_digest, _ = stage(
         "convert", {"source": tree_digest(src), **conversion}, converted,
         lambda: convert(src, converted, overwrite=True, progress=settings.progress, builtin_text=corpus.calibration_text(), **conversion),

@@ -77,6 +77,7 @@ def test_groups_build_the_objects_their_commands_take() -> None:
         (["convert", "{d}/src", "{d}/out", "--kv-heads", "2", "--method", "first", "--seed", "3"], "--seed does not apply to --method first"),
         (["inspect", "{d}/src", "--overwrite"], "--overwrite does not apply without --heatmap or --json FILE"),
         (["demo", "--no-distill", "--distill-tokens", "1000"], "--distill-tokens does not apply with --no-distill"),
+        (["demo", "--method", "mean", "--local-steps", "3"], "--local-steps applies to methods with local, not to mean"),
         (["verify", "{d}/src", "{d}/src", "--text", "{d}/t.txt", "--token-ids", "{d}/ids.txt"], "--text and --token-ids both name the inputs"),
         (["export", "{d}/src", "{d}/out", "--graphs", "split", "--position-ids"], "position_ids is an input of the merged graph only"),
     ],
@@ -191,6 +192,26 @@ def test_run_takes_the_options_of_every_stage_it_runs() -> None:
         assert f"{flag} " in help_text, flag
 
 
+def test_run_takes_the_conversion_options_convert_takes() -> None:
+    flags = {name: {opt for p in cli.commands[name].params if isinstance(p, click.Option) for opt in p.opts} for name in ("convert", "run")}
+    assert flags["convert"] - flags["run"] == set()
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--method", "mean", "--local-steps", "3"], "--local-steps applies to methods with local, not to mean"),
+        (["--local-steps", "0"], "--local-steps 0 is not a positive number of steps"),
+        (["--pool", "self"], "llama is a decoder with self-attention only: drop --pool"),
+    ],
+)
+def test_run_refuses_a_conversion_option_before_any_stage_writes(args: list[str], words: str, byte_llama: Path, tmp_path: Path, capsys) -> None:
+    assert main(["run", str(byte_llama), str(tmp_path / "run"), "--kv-heads", "2", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_one_default_method_everywhere() -> None:
     import inspect
 
@@ -282,7 +303,7 @@ def test_quiet_export_in_a_fresh_process_prints_nothing(tiny_checkpoint, tmp_pat
 
 def test_demo_takes_the_options_run_takes_where_they_apply() -> None:
     flags = {name: {opt for p in cli.commands[name].params if isinstance(p, click.Option) for opt in p.opts} for name in ("run", "demo")}
-    assert flags["run"] - flags["demo"] == {"--shard-size", "--allow-pickle", "--revision"}  # the embedded model: one small safetensors file, no hub id
+    assert flags["run"] - flags["demo"] == {"--shard-size", "--allow-pickle", "--revision", "--pool"}  # the embedded model: a decoder in one small safetensors file, no hub id
     assert flags["demo"] - flags["run"] == {"--keep", "--no-distill"}
 
 

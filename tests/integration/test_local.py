@@ -215,6 +215,16 @@ def test_sequential_reads_the_converted_layers(tiny_checkpoint, tmp_path: Path, 
     assert all(end <= start for start, end in sequential.values())
 
 
+def test_run_fits_with_its_local_steps(tiny_checkpoint, tmp_path: Path) -> None:
+    """run's convert stage takes --local-steps as convert does: its manifest records that budget, and no layer exceeds it."""
+    from headfold import InputSpec, run
+
+    src = calibrated("llama", tiny_checkpoint)
+    run(src, tmp_path / "run", 2, calibration=Calibration(tokens=TOKENS), local_steps=3, inputs=InputSpec(max_rows=2, window=16, decode_steps=0))
+    record = json.loads((tmp_path / "run" / "convert" / "headfold.json").read_text())["conversion"]["calibration"]["local"]
+    assert record["steps"] == 3 and all(1 <= layer["steps"] <= 3 for layer in record["layers"].values()), record
+
+
 @pytest.mark.parametrize(
     "family, kwargs, message",
     [
