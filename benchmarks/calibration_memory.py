@@ -99,6 +99,8 @@ LAYOUTS = {"7B": (32, 4096, 11008, 32000), "70B": (80, 8192, 28672, 32000), "405
 GPU_FLOPS = 30e12  # assumed sustained fp32 matmul rate of one H100-class GPU (TF32 off): not measured here
 DISK_BYTES_PER_S = 2e9  # assumed NVMe read rate for loading each layer: not measured here
 HASH_BYTES_PER_S = 1.43e9  # sha256 on one core of the measuring machine (SHA-NI), measured
+KV_WIDTH = 8 * 128  # the pooled K/V width of local's fitted layers: 8 kv heads of 128
+STORE_RAM = 2 * 2**30  # $HEADFOLD_CALIBRATION_RAM's default: what a store keeps in RAM before it maps files
 
 
 def scaling_plan(cpu_flops: float, conversion_s_per_layer: float, tokens: int) -> list[dict[str, object]]:
@@ -109,7 +111,8 @@ def scaling_plan(cpu_flops: float, conversion_s_per_layer: float, tokens: int) -
         flops = 2 * params * tokens  # one layer's forward over the calibration tokens
         convert_s = conversion_s_per_layer * (hidden / 2048) ** 2 * tokens / 4096
         activations = (layers + 1) * tokens * hidden * 4
-        in_ram = min(activations, 2 * 2**30)
+        in_ram = min(activations, STORE_RAM)
+        fitted = layers * 2 * (2 * hidden * hidden + 2 * hidden * KV_WIDTH)  # local's Q, O, K, V per layer in bf16, kept until written
         checkpoint = 2 * (layers * params + 2 * vocab * hidden)  # bf16
         rows.append({
             "model": name, "checkpoint_gb": round(checkpoint / 1e9),
@@ -118,6 +121,7 @@ def scaling_plan(cpu_flops: float, conversion_s_per_layer: float, tokens: int) -
             "calibration_gpu_s": round(layers * (flops / GPU_FLOPS + 2 * params / DISK_BYTES_PER_S)),
             "conversion_gpu_s": round(layers * convert_s * cpu_flops / GPU_FLOPS),
             "rss_gb": round((2 * 4 * params + in_ram + 5e8) / 1e9, 1), "disk_gb": round((activations - in_ram) / 1e9, 1),
+            "local_disk_gb": round(max(fitted - STORE_RAM, 0) / 1e9, 1),
         })  # fmt: skip
     return rows
 
@@ -131,7 +135,13 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="also convert with this older headfold source tree")
     parser.add_argument("--keep", type=Path, help="make the checkpoint once in this folder and reuse it (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "calibration_memory.json")
+    parser.add_argument("--replan", action="store_true", help="measure nothing: recompute the plan of the --json file from its own measurement")
     args = parser.parse_args()
+    if args.replan:
+        result = json.loads(args.json.read_text())
+        result["scaling_plan"] = scaling_plan(result["cpu_flops"], result["conversion_s_per_layer"], result["tokens"])
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        return
     with tempfile.TemporaryDirectory(dir=args.keep or Path.cwd()) as tmp:
         src, sizes = checkpoint(args.keep or Path(tmp), args.layers, args.dtype, 1000)
         runs = {"layerwise": run(src, Path(tmp) / "layerwise", args.tokens, whole=False)}

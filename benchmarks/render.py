@@ -318,8 +318,8 @@ def calibration_memory(data: dict) -> str:
 
 def scaling_table(data: dict) -> str:
     rows = [[r["model"], f"{r['checkpoint_gb']} GB", f"{_duration(r['mean_s'])}, {r['mean_rss_gb']} GB", _duration(r["calibration_cpu_s"]), _duration(r["conversion_cpu_s"]),
-             _duration(r["calibration_gpu_s"]), _duration(r["conversion_gpu_s"]), f"{r['rss_gb']} GB", f"{r['disk_gb']} GB"] for r in data["scaling_plan"]]  # fmt: skip
-    header = ["layout (MHA K/V, bf16)", "checkpoint", "`mean`: time, RSS", "calibration, CPU", "a+g+r maths, CPU", "calibration, 1 GPU", "maths, 1 GPU", "RSS (calibrating)", "scratch disk"]
+             _duration(r["calibration_gpu_s"]), _duration(r["conversion_gpu_s"]), f"{r['rss_gb']} GB", f"{r['disk_gb']} GB", f"{r['local_disk_gb']} GB"] for r in data["scaling_plan"]]  # fmt: skip
+    header = ["layout (MHA K/V, bf16)", "checkpoint", "`mean`: time, RSS", "calibration, CPU", "a+g+r maths, CPU", "calibration, 1 GPU", "maths, 1 GPU", "RSS (calibrating)", "scratch disk", "+ with `local`"]
     return table(header, rows)
 
 

@@ -39,7 +39,7 @@ CHUNK = 8  # windows per forward pass
 
 
 class ActivationStore:
-    """fp32 tensors in RAM while their total stays under `limit` bytes, past it in memory-mapped files.
+    """Tensors (fp32 unless asked) in RAM while their total stays under `limit` bytes, past it in memory-mapped files.
 
     A file is unlinked as soon as it is mapped: the mapping alone keeps it, and the space is
     returned when the tensor is freed or the process ends, however it ends.
@@ -48,18 +48,19 @@ class ActivationStore:
     def __init__(self, limit: int) -> None:
         self.limit, self.in_ram = limit, 0
 
-    def empty(self, *shape: int) -> torch.Tensor:
-        nbytes = 4 * math.prod(shape)
+    def empty(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        nbytes = dtype.itemsize * math.prod(shape)
         if self.in_ram + nbytes <= self.limit:
             self.in_ram += nbytes
-            return torch.empty(shape)
+            return torch.empty(shape, dtype=dtype)
         with tempfile.NamedTemporaryFile(prefix="headfold-calibration-") as f:
-            f.truncate(nbytes)
-            return torch.from_numpy(np.memmap(f.name, np.float32, "r+", shape=shape))
+            f.truncate(max(nbytes, 1))  # numpy maps no empty file
+            mapped = torch.from_numpy(np.memmap(f.name, np.uint8, "r+", shape=(max(nbytes, 1),)))
+            return mapped[:nbytes].view(dtype).view(shape)  # bytes seen as `dtype`: numpy has no bf16
 
     def keep(self, t: torch.Tensor) -> torch.Tensor:
-        """An fp32 copy of `t` (exact for every narrower float) in the store, on the CPU."""
-        kept = self.empty(*t.shape)
+        """A copy of `t` in its own dtype in the store, on the CPU."""
+        kept = self.empty(*t.shape, dtype=t.dtype)
         kept.copy_(t)
         return kept
 

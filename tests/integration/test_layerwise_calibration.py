@@ -81,7 +81,8 @@ def test_per_layer_kv_source(family: str, tiny_checkpoint, tmp_path: Path) -> No
 
 
 def test_memory_mapped_store(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past HEADFOLD_CALIBRATION_RAM activations live in unlinked memory-mapped files; same numbers."""
+    """Past HEADFOLD_CALIBRATION_RAM activations (and fitted tensors, in their dtype) live in unlinked memory-mapped
+    files; same numbers."""
     monkeypatch.setenv(layerwise.RAM_VARIABLE, "1KB")
     store = layerwise.ActivationStore(layerwise.ram_limit())
     mapped = store.empty(300, 64)
@@ -89,6 +90,9 @@ def test_memory_mapped_store(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -
     assert store.in_ram == 0 and "headfold-calibration-" in maps and "(deleted)" in maps
     mapped[:] = 1.5
     assert mapped.sum().item() == 1.5 * 300 * 64
+    weights = torch.randn(300, 64).to(torch.bfloat16)
+    kept = store.keep(weights)  # local's fitted tensors wait in their own dtype: bf16 at half fp32's bytes
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept, weights) and store.in_ram == 0
     assert_equal_inputs(tiny_checkpoint("gpt_neox"))
 
 
