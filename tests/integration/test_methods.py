@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.checkpoint_edits import edit_attention
+from support.checkpoint_edits import edit_attention, identical_heads
 from test_convert import outputs
 from support.tiny_models import HEADS
 
@@ -68,10 +68,22 @@ def test_alignment_really_rotates(tiny_checkpoint, tmp_path: Path) -> None:
     "family, method", [(f, BEST.get(f, "aligned+grouped+refit")) for f in FAMILIES] + [("gpt_neox", m) for m in METHODS[:-2]] + [("bert", METHODS[-1])]
 )
 def test_methods_lossless_at_identity(family: str, method: str, tiny_checkpoint, tmp_path: Path) -> None:
-    src = tiny_checkpoint(family)
-    out = convert(src, tmp_path / "out", kv_heads=HEADS, method=method, calibration="weights", progress=False)
+    """Each method's maths at kv = heads, on the weights alone (convert copies such a layer byte for byte
+    without running them: test_convert), changes no output."""
+    src, recipe = tiny_checkpoint(family), get_method(method)
+    out = edit_attention(src, tmp_path / "out", lambda attn, ctx: convert_attention(recipe, attn, attn.kv_heads, ctx).attn)
     diff = (outputs(src) - outputs(out)).abs().max().item()
     assert diff <= 1e-4, f"{family} {method}: {diff}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_identical_heads_pool_without_loss(family: str, tiny_checkpoint, tmp_path: Path) -> None:
+    """The richest method each family allows, on the weights alone, pools heads identical in each group of
+    two without loss (mean and first: test_convert; with local: test_local)."""
+    src = edit_attention(tiny_checkpoint(family), tmp_path / "src", identical_heads(2))
+    out = convert(src, tmp_path / "out", kv_heads=HEADS // 2, method=BEST.get(family, "aligned+grouped+refit"), calibration="weights", progress=False)
+    diff = (outputs(src) - outputs(out)).abs().max().item()
+    assert diff <= 1e-4, f"{family}: {diff}"
 
 
 def test_rope_pairs_rotate_only_within_pairs() -> None:

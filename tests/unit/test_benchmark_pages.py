@@ -60,3 +60,12 @@ def test_an_unknown_marker_is_an_error(render, tmp_path: Path, monkeypatch) -> N
     page = tmp_path / "page.md"
     with pytest.raises(render.RenderError, match="unknown marker results:nonsense"):
         render.fill_markers("<!-- results:nonsense -->\n<!-- /results:nonsense -->\n", page)
+
+
+def test_the_default_method_is_the_zoo_rankings_winner(render) -> None:
+    """DEFAULT_METHOD is the method docs/methods.md's rule chooses from the zoo's results: a default changed without
+    the measurements that choose it, or results that no longer choose it, fail here."""
+    from headfold.converter.recipes import DEFAULT_METHOD
+
+    data = json.loads((ROOT / "benchmarks" / "results" / "zoo_quality.json").read_text())
+    assert next(iter(render.zoo_ranks(data))) == data["default_method"] == DEFAULT_METHOD
