@@ -376,7 +376,7 @@ def zoo_quality(data: dict) -> str:
     c = data["corpus"]
     corpus = (f"*corpus of the trained members*: {c['source']}; {c['files']} files, {c['heldout_files']} of them held out ({c['split']}); "
               f"{c['train_bytes']} training and {c['heldout_bytes']} held-out bytes, sha256 `{c['sha256']}`")  # fmt: skip
-    parts = [about(data, "what", "machine"), corpus, zoo_models_table(data), zoo_table(data), zoo_choice(data), zoo_summary(data)]
+    parts = [about(data, "what", "machine"), corpus, zoo_models_table(data), zoo_table(data), zoo_choice(data), zoo_leave_one_out(data), zoo_summary(data)]
     for key, name in (("ppl_increase", "perplexity increase"), ("top1", "top-1 agreement"), ("convert_s", "conversion wall seconds")):
         show = (lambda r, k=key: pct(r[k])) if key == "ppl_increase" else (lambda r, k=key: f"{r[k]:.1%}") if key == "top1" else (lambda r, k=key: fmt(r[k]))
         parts.append(f"**{name.capitalize()}**\n\n" + zoo_grid(data, show, decoders_only=key != "convert_s"))
@@ -433,22 +433,41 @@ def zoo_summary(data: dict) -> str:
     return intro + "\n\n" + table(header, body)
 
 
-def zoo_ranks(data: dict, kv: str = "h/4") -> dict[str, tuple[float, float]]:
-    """Each method measured on every zoo model at `kv` (calibrated on the built-in text), ranked per model
-    by its loss (1 = least; ties share the mean of their ranks) → (mean rank over the models, its largest
-    loss over the best loss on a model), best first: by mean rank, a tie by the second."""
+def zoo_losses(data: dict, kv: str = "h/4") -> dict[str, dict[str, float]]:
+    """Model → method → loss at `kv`, calibrated on the built-in text, for the methods measured on every zoo model."""
     models = [m["model"] for m in data["models"]]
     loss = {(r["model"], r["method"]): _zoo_loss(r) for r in data["rows"] if r["kv"] == kv and r["calibration"] == "built-in"}
     methods = [m for m in dict.fromkeys(method for _, method in loss) if all((model, m) in loss for model in models)]
-    ranks: dict[str, list[float]] = {m: [] for m in methods}
-    worst: dict[str, float] = dict.fromkeys(methods, 1.0)
-    for model in models:
-        here = {m: loss[model, m] for m in methods}
-        for m, value in here.items():
-            ranks[m].append(1 + sum(v < value for v in here.values()) + (sum(v == value for v in here.values()) - 1) / 2)
-            worst[m] = max(worst[m], value / min(here.values()))
-    scores = {m: (sum(ranks[m]) / len(models), worst[m]) for m in methods}
+    return {model: {m: loss[model, m] for m in methods} for model in models}
+
+
+def rank_in(here: dict[str, float], method: str) -> float:
+    """`method`'s rank by loss among `here` (1 = least; ties share the mean of their ranks)."""
+    value = here[method]
+    return 1 + sum(v < value for v in here.values()) + (sum(v == value for v in here.values()) - 1) / 2
+
+
+def zoo_ranks(data: dict, kv: str = "h/4", leave_out: str | None = None) -> dict[str, tuple[float, float]]:
+    """Each method measured on every zoo model (but `leave_out`) at `kv`, ranked per model by its loss →
+    (mean rank over the models, its largest loss over the best loss on a model), best first: by mean
+    rank, a tie by the second."""
+    losses = {model: here for model, here in zoo_losses(data, kv).items() if model != leave_out}
+    methods = list(next(iter(losses.values()), {}))
+    scores = {m: (sum(rank_in(here, m) for here in losses.values()) / len(losses), max(here[m] / min(here.values()) for here in losses.values())) for m in methods}
     return dict(sorted(scores.items(), key=lambda item: item[1]))
+
+
+def zoo_leave_one_out(data: dict) -> str:
+    """The rule applied to every model but one, and how the method it chooses does on the one left out."""
+    rows, agreed = [], 0
+    for model, here in zoo_losses(data).items():
+        chosen = next(iter(zoo_ranks(data, leave_out=model)))
+        best = min(here, key=here.get)
+        agreed += here[chosen] == here[best]
+        rows.append([model, f"`{chosen}`", f"{rank_in(here, chosen):g} of {len(here)}", f"{here[chosen] / here[best]:.3f}", f"`{best}`"])
+    intro = (f"**Left out**: the rule applied to every model but one chooses the method in the second column; on the model left "
+             f"out, that method was the best (or tied with it) on {agreed} of {len(rows)} models.")
+    return intro + "\n\n" + table(["left-out model", "chosen on the others", "its rank there", "its loss over the best there", "best there"], rows)
 
 
 def zoo_choice(data: dict) -> str:
@@ -621,7 +640,7 @@ def zoo_methods() -> str:
     """docs/methods.md: the zoo's KL grid and the default against `mean` at h/4."""
     data = _load("zoo_quality.json")
     note = "From [`zoo_quality.json`](benchmarks.md#zoo_qualityjson) (`benchmarks/zoo.py quality`; the models, their perplexity, top-1 and conversion times are there):"
-    return "\n\n".join([note, zoo_table(data), zoo_choice(data), zoo_summary(data)])
+    return "\n\n".join([note, zoo_table(data), zoo_choice(data), zoo_leave_one_out(data), zoo_summary(data)])
 
 
 SNIPPETS: dict[str, Callable[[], str]] = {
