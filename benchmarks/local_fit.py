@@ -12,7 +12,7 @@ The fits differ only in local's module constants, set here for each row. KL(orig
 perplexity and top-1 on the model's held-out windows (method_parts.py's scoring). Writes JSON (default
 benchmarks/results/local_fit.json), rows added to those of earlier runs (--fresh starts over).
 
-    python benchmarks/local_fit.py [--models embedded] [--tokens 4096,16384] [--fits previous,default]
+    python benchmarks/local_fit.py [--models embedded] [--tokens 4096,16384] [--fits previous,default,FREE=maps+PATIENCE=10]
 """
 
 from __future__ import annotations
@@ -32,14 +32,24 @@ from headfold.converter.recipes import DEFAULT_LOCAL_STEPS, DEFAULT_METHOD
 FITS = {
     "previous": {"VALIDATION": 0.0, "BATCH": 10**9, "FLOOR": 1.0, "EVERY": 1, "PATIENCE": 10**9},
     "default": {},
+    "all": {"FREE": "all"},
+    "maps": {"FREE": "maps"},
 }
-TUNABLES = ("VALIDATION", "BATCH", "FLOOR", "EVERY", "PATIENCE")
+TUNABLES = ("VALIDATION", "BATCH", "FLOOR", "EVERY", "PATIENCE", "FREE")
 DEFAULT_JSON = Path(__file__).parent / "results" / "local_fit.json"
 WHAT = (
     "local's fit before held-out selection (`previous`: every window at every step, constant rate, best on the fitted windows) "
     "against today's (`default`), with the default method at h/4, on trained models at several calibration-token counts: "
     "KL(original ‖ converted), perplexity and top-1 on each model's held-out windows, convert CPU seconds on a shared 2-core machine"
 )
+
+
+def settings(fit: str) -> dict[str, object]:
+    """A fit's tunables: a name in FITS, or assignments joined by '+' (FREE=maps+PATIENCE=10), typed as local's own."""
+    if fit in FITS:
+        return FITS[fit]
+    pairs = [part.split("=", 1) for part in fit.split("+")]
+    return {name: type(getattr(local, name))(value) for name, value in pairs}
 
 
 def main() -> None:
@@ -53,17 +63,17 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
     defaults = {name: getattr(local, name) for name in TUNABLES}
-    old = [] if args.fresh or not args.json.exists() else json.loads(args.json.read_text())["rows"]
     rows = []
     for name in args.models.split(","):
         model = method_parts.model(name)
         for tokens in (int(t) for t in args.tokens.split(",")):
             for fit in args.fits.split(","):
-                for tunable, value in {**defaults, **FITS[fit]}.items():
+                for tunable, value in {**defaults, **settings(fit)}.items():
                     setattr(local, tunable, value)
                 with tempfile.TemporaryDirectory() as tmp:
                     for row in method_parts.rows_for(model, [DEFAULT_METHOD], args.kv, args.steps, Path(tmp), tokens):
-                        rows.append({**row, "fit": fit, "calibration_tokens": tokens})
+                        rows.append({**row, "fit": fit, "calibration_tokens": tokens, "free": local.FREE})
+    old = [] if args.fresh or not args.json.exists() else json.loads(args.json.read_text())["rows"]  # read last: runs beside this one merge
     key = lambda r: (r["model"], r["kv_heads"], r["calibration_tokens"], r["fit"], r["local_steps"])  # noqa: E731
     kept = [r for r in old if key(r) not in {key(n) for n in rows}]
     args.json.write_text(json.dumps({"what": WHAT, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "rows": kept + rows}, indent=1) + "\n")

@@ -7,9 +7,12 @@ layer hands it: rotary cos/sin, masks, ALiBi) and what it returned, the target. 
 parts pool the layer first (the start); then the block itself runs with candidate weights
 (torch.func.functional_call: the family's own projections, rotary, masking and scaling, never a
 re-implementation), a GQA layer run as the MHA block it equals (each pooled kv head repeated for the
-source heads of its group). Adam minimises the squared error of the block's output over every attention
-tensor the GQA layer has: the pooled K/V projections, the per-query-head Q and O, their biases and
-per-head norms. The calibration windows are split, seeded, into a fitted part and a held-out VALIDATION
+source heads of its group). Adam minimises the squared error of the block's output over the tensors FREE
+names: every attention tensor the GQA layer has ("all": the pooled K/V projections, the per-query-head Q
+and O, their biases and per-head norms), or the pooled K/V tensors and one head_dim × head_dim map per
+query head on Q and on O ("maps", identity at the start). "maps" frees 2·kv_heads·head_dim + 2·head_dim
+parameters per calibration target whatever the width, "all" about 2·hidden more: at 7B's width "all" is
+under-determined by any calibration a CPU can afford. The calibration windows are split, seeded, into a fitted part and a held-out VALIDATION
 share; each step takes a minibatch of BATCH fitted windows, so its cost does not grow with the tokens.
 Each tensor's step starts at a fixed fraction of its own RMS and shrinks (cosine) over the budget. Every
 EVERY steps the held-out windows are scored: the kept iterate is the best there (the start included, so a
@@ -44,6 +47,8 @@ VALIDATION = 0.25  # share of the calibration windows held out: they pick the ke
 BATCH = 4  # windows per step (a minibatch: a step's cost does not grow with the calibration tokens)
 EVERY = 10  # steps between validations
 PATIENCE = 5  # validations in a row without a new best end the fit
+FREE = "all"  # what the fit changes: "all" (every attention tensor) or "maps" (pooled K/V, a head_dim map per query head on Q and on O)
+KV_FIELDS = ("k", "v", "k_bias", "v_bias", "k_norm")
 
 
 @dataclass(frozen=True)
@@ -108,14 +113,14 @@ def fit(
     first = errors(run, lambda: block_tensors(start), fitted, held, norms)
     if first.whole <= EXACT:  # nothing to fit: the start, untouched
         return Fit(start, first, first, 0)
-    trainable = {f.name: t.detach().clone(memory_format=torch.contiguous_format) for f in fields(start) if (t := getattr(start, f.name)) is not None}
-    scale = _scales(trainable)
-    for t in trainable.values():
+    free = free_tensors(start)
+    scale = _scales(free)
+    for t in free.values():
         t.requires_grad_(True)
-    optimizer = torch.optim.Adam([{"params": [t], "lr": RATE * scale[name]} for name, t in trainable.items()])
+    optimizer = torch.optim.Adam([{"params": [t], "lr": RATE * scale[name]} for name, t in free.items()])
     rates = [group["lr"] for group in optimizer.param_groups]
-    candidate = lambda: block_tensors(replace(start, **trainable))  # noqa: E731
-    best, best_error, stale, taken = start, first.selecting, 0, 0
+    candidate = lambda: block_tensors(applied(start, free))  # noqa: E731
+    best, best_error, stale, taken = None, first.selecting, 0, 0  # best: the free tensors of the best iterate (None: the start)
     for taken, batch in enumerate(batches(fitted, seed + 1), 1):
         optimizer.zero_grad()
         squared_error(run, candidate, batch, backward=True)
@@ -128,21 +133,45 @@ def fit(
         if taken % EVERY == 0 or taken == steps:
             now = squared_error(run, candidate, held or fitted) / sum(norms[i] for i in held or fitted)
             if now < best_error:
-                best, best_error, stale = replace(start, **{name: t.detach().clone() for name, t in trainable.items()}), now, 0
+                best, best_error, stale = {name: t.detach().clone() for name, t in free.items()}, now, 0
             else:
                 stale += 1
                 if not now <= RUNAWAY * best_error:  # diverging (or NaN): back to the best weights at half the rate
                     with torch.no_grad():
-                        for name, t in trainable.items():
-                            t.copy_(getattr(best, name))
+                        for name, t in (best or free_tensors(start)).items():
+                            free[name].copy_(t)
                     optimizer.state.clear()
                     rates = [rate / 2 for rate in rates]
         if stale >= PATIENCE or taken >= steps:
             break
     if bar is not None:
         bar.update(steps - taken)
-    end = first if best is start else errors(run, lambda: block_tensors(best), fitted, held, norms)
-    return Fit(best, first, end, taken)
+    if best is None:
+        return Fit(start, first, first, taken)
+    kept = applied(start, best)
+    return Fit(kept, first, errors(run, lambda: block_tensors(kept), fitted, held, norms), taken)
+
+
+def free_tensors(start: AttentionWeights) -> dict[str, torch.Tensor]:
+    """What the fit changes, at the start (copies): every attention tensor (FREE "all"), or (FREE "maps") the
+    pooled K/V tensors and, per query head, a head_dim × head_dim map on Q's rows and one on O's columns."""
+    if FREE == "all":
+        return {f.name: t.detach().clone(memory_format=torch.contiguous_format) for f in fields(start) if (t := getattr(start, f.name)) is not None}
+    kv = {name: t.detach().clone(memory_format=torch.contiguous_format) for name in KV_FIELDS if (t := getattr(start, name)) is not None}
+    heads, dim = start.q.shape[:2]
+    identity = torch.eye(dim, dtype=start.q.dtype, device=start.q.device).expand(heads, dim, dim)
+    return kv | {"q_map": identity.clone(), "o_map": identity.clone()}
+
+
+def applied(start: AttentionWeights, free: dict[str, torch.Tensor]) -> AttentionWeights:
+    """`start` with the fit's free tensors in place (the maps multiplied into Q, its bias and O)."""
+    if "q_map" not in free:
+        return replace(start, **free)
+    q_map, o_map = free["q_map"], free["o_map"]
+    mapped = {"q": torch.einsum("hij,hjd->hid", q_map, start.q), "o": torch.einsum("hij,hjd->hid", o_map, start.o)}
+    if start.q_bias is not None:
+        mapped["q_bias"] = torch.einsum("hij,hj->hi", q_map, start.q_bias)
+    return replace(start, **{name: t for name, t in free.items() if name in KV_FIELDS}, **mapped)
 
 
 def errors(run: layerwise.LayerRun, tensors: Callable[[], dict[str, torch.Tensor]], fitted: list[int], held: list[int], norms: list[float]) -> Errors:
