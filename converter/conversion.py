@@ -127,12 +127,13 @@ def check_options(max_shard_size: str | int | None, calibration_tokens: int | No
 
 
 def local_record(fitted: dict, steps: int) -> dict:
-    """What the manifest says of local's fit: the step budget and, per layer, the steps taken and the relative
-    attention-output error before and after on every calibration window, the fitted ones and the held-out ones."""
+    """What the manifest says of local's fit: the step budget and, per layer, the steps taken, what the fit changed
+    and the relative attention-output error before and after on every calibration window, the fitted ones and the
+    held-out ones."""
     error, layers = {}, {}
     for i, layer in sorted(fitted.items()):
         error[str(i)] = [layer.start.whole, layer.end.whole]
-        layers[str(i)] = {"steps": layer.steps, "fit": [layer.start.fit, layer.end.fit]}
+        layers[str(i)] = {"steps": layer.steps, "free": layer.free, "fit": [layer.start.fit, layer.end.fit]}
         if layer.start.validation is not None:
             layers[str(i)]["validation"] = [layer.start.validation, layer.end.validation]
     return {"steps": steps, "error": error, "layers": layers}

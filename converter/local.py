@@ -47,7 +47,8 @@ VALIDATION = 0.25  # share of the calibration windows held out: they pick the ke
 BATCH = 4  # windows per step (a minibatch: a step's cost does not grow with the calibration tokens)
 EVERY = 10  # steps between validations
 PATIENCE = 5  # validations in a row without a new best end the fit
-FREE = "all"  # what the fit changes: "all" (every attention tensor) or "maps" (pooled K/V, a head_dim map per query head on Q and on O)
+FREE = "all"  # what the fit changes: "all" (every attention tensor), "maps" (pooled K/V, a head_dim map per query head on Q and on O) or "auto"
+DETERMINED = 0.25  # "auto" frees every tensor up to this many parameters per fitted target, the maps beyond
 KV_FIELDS = ("k", "v", "k_bias", "v_bias", "k_norm")
 
 
@@ -72,6 +73,7 @@ class FittedLayer:
     start: Errors  # the block's output error at the start
     end: Errors  # the same for the kept iterate (its validation error ≤ the start's)
     steps: int  # steps taken (≤ the budget: the fit stops when validation stops improving)
+    free: str = "all"  # what the fit changed: "all" or "maps" (FREE, resolved)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Fit:
     start: Errors
     end: Errors
     steps: int
+    free: str = "all"
 
 
 def split(count: int, seed: int) -> tuple[list[int], list[int]]:
@@ -113,7 +116,8 @@ def fit(
     first = errors(run, lambda: block_tensors(start), fitted, held, norms)
     if first.whole <= EXACT:  # nothing to fit: the start, untouched
         return Fit(start, first, first, 0)
-    free = free_tensors(start)
+    kind = free_kind(start, sum(run.outputs[i].numel() for i in fitted))
+    free = free_tensors(start, kind)
     scale = _scales(free)
     for t in free.values():
         t.requires_grad_(True)
@@ -138,7 +142,7 @@ def fit(
                 stale += 1
                 if not now <= RUNAWAY * best_error:  # diverging (or NaN): back to the best weights at half the rate
                     with torch.no_grad():
-                        for name, t in (best or free_tensors(start)).items():
+                        for name, t in (best or free_tensors(start, kind)).items():
                             free[name].copy_(t)
                     optimizer.state.clear()
                     rates = [rate / 2 for rate in rates]
@@ -147,15 +151,24 @@ def fit(
     if bar is not None:
         bar.update(steps - taken)
     if best is None:
-        return Fit(start, first, first, taken)
+        return Fit(start, first, first, taken, kind)
     kept = applied(start, best)
-    return Fit(kept, first, errors(run, lambda: block_tensors(kept), fitted, held, norms), taken)
+    return Fit(kept, first, errors(run, lambda: block_tensors(kept), fitted, held, norms), taken, kind)
 
 
-def free_tensors(start: AttentionWeights) -> dict[str, torch.Tensor]:
-    """What the fit changes, at the start (copies): every attention tensor (FREE "all"), or (FREE "maps") the
-    pooled K/V tensors and, per query head, a head_dim × head_dim map on Q's rows and one on O's columns."""
-    if FREE == "all":
+def free_kind(start: AttentionWeights, targets: int) -> str:
+    """FREE, with "auto" resolved: "all" while every attention tensor's parameters per fitted target stay at most
+    DETERMINED, else "maps"."""
+    if FREE != "auto":
+        return FREE
+    parameters = sum(t.numel() for f in fields(start) if (t := getattr(start, f.name)) is not None)
+    return "all" if parameters <= DETERMINED * targets else "maps"
+
+
+def free_tensors(start: AttentionWeights, kind: str) -> dict[str, torch.Tensor]:
+    """What the fit changes, at the start (copies): every attention tensor (`kind` "all"), or ("maps") the pooled
+    K/V tensors and, per query head, a head_dim × head_dim map on Q's rows and one on O's columns."""
+    if kind == "all":
         return {f.name: t.detach().clone(memory_format=torch.contiguous_format) for f in fields(start) if (t := getattr(start, f.name)) is not None}
     kv = {name: t.detach().clone(memory_format=torch.contiguous_format) for name in KV_FIELDS if (t := getattr(start, name)) is not None}
     heads, dim = start.q.shape[:2]
@@ -232,7 +245,7 @@ class LayerFitter:
                 rounded = AttentionCodec(ckpt.spec, self.targets[i]).decode({s: t.float() for s, t in written.items()})
                 for name, t in block_tensors(rounded).items():
                     run.block.get_parameter(name).copy_(t)
-        return FittedLayer({names[s]: t.cpu() for s, t in written.items()}, start.groups, result.start, result.end, result.steps)
+        return FittedLayer({names[s]: t.cpu() for s, t in written.items()}, start.groups, result.start, result.end, result.steps, result.free)
 
 
 def fitted_layers(

@@ -97,19 +97,30 @@ def test_maps_fit_below_their_start(family: str, tiny_checkpoint, tmp_path: Path
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "stablelm"])
-def test_maps_at_their_start_are_the_start(family: str, tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_maps_at_their_start_are_the_start(family: str, tiny_checkpoint) -> None:
     """Identity maps multiplied into Q, its bias and O give back the start's tensors bit for bit."""
-    monkeypatch.setattr(local, "FREE", "maps")
     src = calibrated(family, tiny_checkpoint)
     with SourceCheckpoint(src) as ckpt:
         codec = AttentionCodec(ckpt.spec, ckpt.shape)
         start = codec.decode({s: ckpt.get(n).float() for s, n in ckpt.attention.layers[0].items()})
-    free = local.free_tensors(start)
+    free = local.free_tensors(start, "maps")
     assert {"q", "o"}.isdisjoint(free) and free["q_map"].shape == (HEADS, *free["q_map"].shape[1:])
     again = local.applied(start, free)
     for name in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"):
         a, b = getattr(start, name), getattr(again, name)
         assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_auto_frees_every_tensor_only_where_the_windows_determine_them(tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FREE "auto": every tensor while their parameters per fitted target stay within DETERMINED, else the maps;
+    headfold.json says which each layer fitted."""
+    src = calibrated("llama", tiny_checkpoint)
+    monkeypatch.setattr(local, "FREE", "auto")
+    kinds = {}
+    for determined in (1e9, 0.0):
+        monkeypatch.setattr(local, "DETERMINED", determined)
+        kinds[determined] = {layer["free"] for layer in fit_layers(local_convert(src, tmp_path / str(determined), steps=2)).values()}
+    assert kinds == {1e9: {"all"}, 0.0: {"maps"}}
 
 
 @pytest.mark.parametrize("family", ["t5", "bart", "whisper"])
