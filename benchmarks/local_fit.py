@@ -35,7 +35,7 @@ FITS = {
     "all": {"FREE": "all"},
     "maps": {"FREE": "maps"},
 }
-TUNABLES = ("VALIDATION", "BATCH", "FLOOR", "EVERY", "PATIENCE", "FREE")
+TUNABLES = ("VALIDATION", "BATCH", "FLOOR", "EVERY", "PATIENCE", "FREE", "DETERMINED")
 DEFAULT_JSON = Path(__file__).parent / "results" / "local_fit.json"
 WHAT = (
     "local's fit before held-out selection (`previous`: every window at every step, constant rate, best on the fitted windows) "
@@ -72,7 +72,7 @@ def main() -> None:
                     setattr(local, tunable, value)
                 with tempfile.TemporaryDirectory() as tmp:
                     for row in method_parts.rows_for(model, [DEFAULT_METHOD], args.kv, args.steps, Path(tmp), tokens):
-                        rows.append({**row, "fit": fit, "calibration_tokens": tokens, "free": local.FREE})
+                        rows.append({**row, "fit": fit, "calibration_tokens": tokens, **{name.lower(): getattr(local, name) for name in TUNABLES}})
     old = [] if args.fresh or not args.json.exists() else json.loads(args.json.read_text())["rows"]  # read last: runs beside this one merge
     key = lambda r: (r["model"], r["kv_heads"], r["calibration_tokens"], r["fit"], r["local_steps"])  # noqa: E731
     kept = [r for r in old if key(r) not in {key(n) for n in rows}]

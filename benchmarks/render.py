@@ -643,9 +643,23 @@ def zoo_methods() -> str:
     return "\n\n".join([note, zoo_table(data), zoo_choice(data), zoo_leave_one_out(data), zoo_summary(data)])
 
 
+def local_fit() -> str:
+    """docs/methods.md: local's fits side by side per model and calibration-token count (KL, convert CPU seconds)."""
+    data = _load("local_fit.json")
+    fits = list(dict.fromkeys(r["fit"] for r in data["rows"]))
+    cells = {(r["model"], r["calibration_tokens"], r["fit"]): f"{r['kl']:.3g} ({r['convert_cpu_s']:.0f} s)" for r in data["rows"]}
+    groups = sorted({(r["model"], r["calibration_tokens"]) for r in data["rows"]}, key=lambda g: ([r["model"] for r in data["rows"]].index(g[0]), g[1]))
+    body = [[model, f"{tokens}", *(cells.get((model, tokens, fit), "") for fit in fits)] for model, tokens in groups]
+    note = ("From [`local_fit.json`](benchmarks.md#local_fitjson) (`benchmarks/local_fit.py`): the default method at kv = h/4, "
+            "KL(original ‖ converted) per token on each model's held-out text (convert CPU seconds on a shared 2-core machine); "
+            "a fit named by assignments is the default with local's constants changed so:")
+    return note + "\n\n" + table(["model", "calibration tokens", *(f"`{fit}`" for fit in fits)], body)
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
     "headline": headline, "scaling-plan": scaling_plan, "demo-reference": demo_reference, "method-parts-h4": method_parts_h4,
     "zoo-quality": zoo_methods, "side-by-side": deployed_speed, "distill-zoo": distill_zoo_recipes, "layout-cost": layout_cost,
+    "local-fit": local_fit,
 }  # fmt: skip
 MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 

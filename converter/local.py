@@ -44,10 +44,10 @@ RUNAWAY = 2.0  # a validation error this many times the best so far: back to the
 SEQUENTIAL = False  # each layer reads the source model's hidden states (teacher-forced); see docs/methods.md
 EXACT = 1e-12  # a start whose squared error is below this fraction of the target's already reproduces the block
 VALIDATION = 0.25  # share of the calibration windows held out: they pick the kept iterate and stop the fit
-BATCH = 4  # windows per step (a minibatch: a step's cost does not grow with the calibration tokens)
+BATCH = 8  # windows per step (a minibatch: a step's cost does not grow with the calibration tokens)
 EVERY = 10  # steps between validations
 PATIENCE = 5  # validations in a row without a new best end the fit
-FREE = "all"  # what the fit changes: "all" (every attention tensor), "maps" (pooled K/V, a head_dim map per query head on Q and on O) or "auto"
+FREE = "auto"  # what the fit changes: "all" (every attention tensor), "maps" (pooled K/V, a head_dim map per query head on Q and on O) or "auto"
 DETERMINED = 0.25  # "auto" frees every tensor up to this many parameters per fitted target, the maps beyond
 KV_FIELDS = ("k", "v", "k_bias", "v_bias", "k_norm")
 
