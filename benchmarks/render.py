@@ -330,10 +330,10 @@ def _duration(seconds: float) -> str:
 
 
 def _part_name(row: dict) -> str:
-    """A method_parts row's method, with local's budget and, in an ablation, its other settings."""
+    """A method_parts row's method, with local's budget and, in an ablation or a later fit, its other settings."""
     if "local_steps" not in row:
         return f"`{row['method']}`"
-    extra = ", sequential" if row.get("local_sequential") else ""
+    extra = (", sequential" if row.get("local_sequential") else "") + (f", {row['fit']}" if row.get("fit") else "")
     return f"`{row['method']}` ({row['local_steps']} steps{extra})"
 
 
@@ -342,7 +342,10 @@ def local_cost(data: dict) -> list[str]:
     conversion's CPU seconds at the default budget: the rest of the run plus that many steps."""
     lines, default = [], data.get("default_local_steps")
     for r in data["rows"]:
-        if r.get("local_steps") and "local_fit_cpu_s" in r and default:
+        if r.get("fit"):  # today's fit stops early: its conversion is measured at the default budget, not extrapolated
+            lines.append(f"`{r['method']}` with {r['fit']}, at its default budget of at most {r['local_steps']} steps: {r['convert_cpu_s']:,.0f} CPU s "
+                         f"({r['convert_cpu_s'] / 60:.0f} CPU minutes), of which local's fits {r['local_fit_cpu_s']:,.0f}; the rows before it ran the previous fit.")
+        elif r.get("local_steps") and "local_fit_cpu_s" in r and default:
             step, rest = r["local_fit_cpu_s"] / r["local_steps"], r["convert_cpu_s"] - r["local_fit_cpu_s"]
             total = rest + default * step
             lines.append(f"`{r['method']}`: one local step (every layer) costs {step:.1f} CPU s on this layout, the rest of the conversion "
