@@ -168,12 +168,13 @@ def free_kind(start: AttentionWeights, targets: int) -> str:
 def free_tensors(start: AttentionWeights, kind: str) -> dict[str, torch.Tensor]:
     """What the fit changes, at the start (copies): every attention tensor (`kind` "all"), or ("maps") the pooled
     K/V tensors and, per query head, a head_dim × head_dim map on Q's rows and one on O's columns."""
+    names = [f.name for f in fields(start)] if kind == "all" else KV_FIELDS
+    free = {name: t.detach().clone(memory_format=torch.contiguous_format) for name in names if (t := getattr(start, name)) is not None}
     if kind == "all":
-        return {f.name: t.detach().clone(memory_format=torch.contiguous_format) for f in fields(start) if (t := getattr(start, f.name)) is not None}
-    kv = {name: t.detach().clone(memory_format=torch.contiguous_format) for name in KV_FIELDS if (t := getattr(start, name)) is not None}
+        return free
     heads, dim = start.q.shape[:2]
     identity = torch.eye(dim, dtype=start.q.dtype, device=start.q.device).expand(heads, dim, dim)
-    return kv | {"q_map": identity.clone(), "o_map": identity.clone()}
+    return free | {"q_map": identity.clone(), "o_map": identity.clone()}
 
 
 def applied(start: AttentionWeights, free: dict[str, torch.Tensor]) -> AttentionWeights:
