@@ -39,7 +39,7 @@ from headfold.converter.per_layer import collapse
 from headfold.converter.sources import checkpoint_folder
 from headfold.graphs import seq2seq as seq2seq_graphs
 from headfold.graphs.genai import copy_tokenizer, seq2seq_genai_blocker, write_model_folder
-from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, optimize, ort_gqa
+from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, attention_op, optimize, ort_gqa
 from headfold.graphs.rewrite.int4 import BLOCK_SIZES, Int4, quantize_weights
 from headfold.graphs.rewrite.decompose import decompose
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
@@ -443,6 +443,7 @@ def export_graph(
         "outputs": [value.name for value in model.graph.outputs],
         "fusions": report.fusions,
         "attention_nodes": len(report.attention),
+        "attention_op": attention_op(attention),
         "attention_kv_heads": [node.kv_heads for node in report.attention],
         "torch_export_s": round(exported - start, 2),
         "rewrite_s": round(rewritten - exported, 2),
@@ -575,7 +576,7 @@ def _export_all(
         why = None
     except NotAlike as err:
         why = str(err)
-        log.info("tracing every layer: %s", why)
+        log.debug("tracing every layer: %s", why)
     summaries = {spec.file: export_one(spec, None) for spec in tqdm(specs(layers), desc="export", unit="graph", disable=not progress)}
     return {file: summary | ({"traced_whole": why} if why else {}) for file, summary in summaries.items()}
 

@@ -30,7 +30,7 @@ from headfold.converter.layout import AttentionWeights, HeadShape, merge_heads, 
 from headfold.converter.methods import Recipe, convert_attention, get_method
 from headfold.converter.per_layer import collapse, expand
 from headfold.graphs.onnx_files import external_data_files, load_graph
-from headfold.graphs.rewrite import attention_nodes, check_attention, is_attention_node
+from headfold.graphs.rewrite import attention_nodes, attention_op, check_attention, is_attention_node
 from headfold.ground import VERSION
 from headfold.ground.artifacts import CREATED_BY, MARK
 from headfold.ground.atomic import atomic_outputs, check_outputs
@@ -109,6 +109,7 @@ def convert_onnx(
         "source": str(src),
         "output": str(out),
         "attention_nodes": len(nodes),
+        "attention_op": attention_op("onnx"),
         "source_kv_heads": sorted(source_kv),
         "kv_heads": collapse(per_layer),
         "method": method,

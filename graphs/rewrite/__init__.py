@@ -33,6 +33,7 @@ __all__ = [
     "FusionReport",
     "optimize",
     "attention_nodes",
+    "attention_op",
     "check_attention",
     "is_attention_node",
 ]
@@ -105,6 +106,12 @@ def is_attention_node(node: ir.Node, kind: AttentionKind | None = None) -> bool:
     """Whether `node` is a fused attention node of `kind` (None: of any kind headfold writes)."""
     ops = [ATTENTION_OPS[kind]] if kind else ATTENTION_OPS.values()
     return any(node.op_type == op_type and node.domain in (("", "ai.onnx") if domain == "" else (domain,)) for domain, op_type in ops)
+
+
+def attention_op(kind: AttentionKind = "onnx") -> str:
+    """The fused node of `kind` as the docs name it: Attention, or com.microsoft.GroupQueryAttention."""
+    domain, op_type = ATTENTION_OPS[kind]
+    return f"{domain}.{op_type}" if domain else op_type
 
 
 def attention_nodes(model: ir.Model, kind: AttentionKind = "onnx") -> list[AttentionNode]:

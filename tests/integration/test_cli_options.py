@@ -295,7 +295,7 @@ def test_quiet_export_in_a_fresh_process_prints_nothing(tiny_checkpoint, tmp_pat
     env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}  # an earlier in-process -q set it in this process
     done = subprocess.run([sys.executable, "-m", "headfold", "export", tiny_checkpoint("llama"), tmp_path / "onnx", "-q"], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr == "", done.stderr  # no "torchvision is not installed" lines
-    assert done.stdout.startswith("wrote ")
+    assert done.stdout.startswith("wrote ") and ": 2 com.microsoft.GroupQueryAttention nodes," in done.stdout  # the op in the graph
 
 
 # -- demo takes run's options -------------------------------------------------------------------

@@ -227,6 +227,7 @@ def test_cli_export_for_10_14_prints_parsable(tiny_checkpoint, tmp_path: Path, c
     assert main(["export", str(tiny_checkpoint("llama")), str(out), "--quiet", "--trt-version", "10.14"]) == 0
     printed = capsys.readouterr().out
     assert "decomposed for TensorRT 10.14: 5 RMSNormalization, 4 RotaryEmbedding" in printed
+    assert printed.count(": 2 Attention nodes, kv-heads") == 2  # the standard op, in prefill.onnx and decode.onnx
     assert "TensorRT 10.14 (rule set 10.14)" in printed
     rows = [line.split() for line in printed.splitlines() if line.startswith(("prefill.onnx", "decode.onnx"))]
     assert rows == [["prefill.onnx", "yes", "0", "0"], ["decode.onnx", "yes", "0", "0"]]  # graph, parsable, errors, warnings
