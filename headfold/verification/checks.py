@@ -7,10 +7,12 @@ for decoders, the embedding cosine for encoders. A gate is hard: one failure fai
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -37,9 +39,31 @@ class Gate:
     def passed(self) -> bool:
         return self.value <= self.budget if self.op == "<=" else self.value >= self.budget
 
+    def shown(self, percent: bool = False) -> tuple[str, str]:
+        """(value, budget) with the digits that decide the gate: the budget as it was given (the shortest
+        that reads back as it), the value with as many as it takes to fall on its own side of the budget
+        (0.999996 against 0.99999 prints as 1, 0.999986 as 0.99999 would not: it prints 0.999986)."""
+        base = 2 if percent else 4
+
+        def text(x: float, digits: int) -> str:
+            return f"{x:.{digits}%}" if percent else f"{x:.{digits}g}"
+
+        def back(shown: str) -> float:
+            return float(Decimal(shown[:-1]) / 100) if percent else float(shown)  # decimal: 99.999 % reads back as 0.99999
+
+        def side(x: float) -> int:
+            return (x > self.budget) - (x < self.budget)
+
+        budget = next((t for d in range(base, base + 16) if back(t := text(self.budget, d)) == self.budget), repr(self.budget))
+        if not math.isfinite(self.value):
+            return str(self.value), budget
+        value = next((t for d in range(base, base + 16) if side(back(t := text(self.value, d))) == side(self.value)), repr(self.value))
+        return value, budget
+
     def message(self) -> str:
         worse = ">" if self.op == "<=" else "<"
-        return f"{self.metric} = {self.value:.6g} {worse} budget {self.budget:.6g}"
+        value, budget = self.shown()
+        return f"{self.metric} = {value} {worse} budget {budget}"
 
 
 @dataclass

@@ -104,9 +104,11 @@ class Report:
             if metric == "output":
                 continue
             gate = gates.get(metric)
-            budget = f"{gate.op} {fmt(metric, gate.budget)}" if gate else ""
-            verdict = ("PASS" if gate.passed else "FAIL") if gate else ""
-            rows.append((metric, fmt(metric, value), budget, verdict))
+            if gate is None:
+                rows.append((metric, fmt(metric, value), "", ""))
+                continue
+            shown, budget = gate.shown(percent=metric.split(".")[-1] in _PERCENT)
+            rows.append((metric, shown, f"{gate.op} {budget}", "PASS" if gate.passed else "FAIL"))
         return rows
 
     def _title(self, check: CheckResult) -> str:
