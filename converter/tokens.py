@@ -8,6 +8,7 @@ without tokenizer files whose vocabulary is 256 is byte-level (token = UTF-8 byt
 
 from __future__ import annotations
 
+import codecs
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -104,21 +105,35 @@ def in_vocabulary(ids: list[int], vocab_size: int | None, folder: Path) -> list[
 
 def read_text(path: Path, option: str) -> str:
     """The UTF-8 text file given to `option`; BadInput for a missing, special, huge, binary or empty file."""
+    check_text_file(path, option, most=MAX_TEXT_BYTES)
+    return path.read_text(encoding="utf-8")
+
+
+def check_text_file(path: Path, option: str, most: int | None = None, chunk: int = 1 << 20) -> None:
+    """The one rule for a text file, in every command: a regular file of UTF-8 text without NUL bytes, not
+    blank, of at most `most` bytes (None: any size; read in chunks, distill's --data may be large); else
+    BadInput naming what is wrong."""
     try:
         info = path.stat()
     except FileNotFoundError:
         raise BadInput(f"{option} {path} does not exist; pass a UTF-8 text file") from None
     if not stat.S_ISREG(info.st_mode):
         raise BadInput(f"{option} {path} is not a regular file; pass a UTF-8 text file")
-    if info.st_size > MAX_TEXT_BYTES:
-        raise BadInput(f"{option} {path} has {info.st_size / 2**20:.0f} MiB, more than the {MAX_TEXT_BYTES >> 20} MiB headfold reads; pass an excerpt")
-    data = path.read_bytes()
-    if b"\0" in data:
-        raise BadInput(f"{option} {path} is binary (it holds NUL bytes); pass a UTF-8 text file")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise BadInput(f"{option} {path} is not UTF-8 text (invalid byte at offset {err.start}); pass a UTF-8 text file") from None
-    if not text.strip():
+    if most is not None and info.st_size > most:
+        raise BadInput(f"{option} {path} has {info.st_size / 2**20:.0f} MiB, more than the {most >> 20} MiB headfold reads; pass an excerpt")
+    decoder, blank, offset = codecs.getincrementaldecoder("utf-8")(), True, 0
+    with path.open("rb") as f:
+        while data := f.read(chunk):
+            if (nul := data.find(b"\0")) >= 0:
+                raise BadInput(f"{option} {path} is binary (a NUL byte at offset {offset + nul}); pass a UTF-8 text file")
+            try:
+                blank = not decoder.decode(data).strip() and blank
+            except UnicodeDecodeError as err:
+                raise BadInput(f"{option} {path} is not UTF-8 text (invalid byte at offset {offset + err.start}); pass a UTF-8 text file") from None
+            offset += len(data)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise BadInput(f"{option} {path} is not UTF-8 text (it ends inside a character); pass a UTF-8 text file") from None
+    if blank:
         raise BadInput(f"{option} {path} is empty; pass a UTF-8 text file")
-    return text

@@ -25,7 +25,7 @@ import torch
 
 from headfold import corpus
 from headfold.converter.checkpoint import tokenizer_location
-from headfold.converter.tokens import TOKENIZER_FILES, auto_tokenizer, in_vocabulary, tokenizer_errors
+from headfold.converter.tokens import TOKENIZER_FILES, auto_tokenizer, check_text_file, in_vocabulary, tokenizer_errors
 from headfold.ground.errors import BadInput, BadOption, HeadfoldError, first_line
 from headfold.ground.inputs import check_links, contained, read_json_object
 from headfold.ground.lazy import lazy_import
@@ -86,6 +86,8 @@ def file_source(path: Path, option: str = "--data", pairs: bool = False) -> Text
     if path.stat().st_size == 0:
         raise BadInput(f"{option} {path} is empty; pass a file with text in it")
     builder = BUILDERS.get(path.suffix.lower(), "text")
+    if builder == "text":
+        check_text_file(path, option)  # the rule --calibration and --text follow
     options = {"keep_linebreaks": True} if builder == "text" else {}
 
     def docs() -> Iterator[str]:
@@ -169,6 +171,8 @@ def _texts(stream, path: Path, option: str, pairs: bool) -> Iterator[str | tuple
         text = row[TEXT_FIELD]
         if text is not None and not isinstance(text, str):
             raise BadInput(f"{where}: '{TEXT_FIELD}' is {type(text).__name__}, not a string; give every row text (or null)")
+        if text and "\0" in text:
+            raise BadInput(f"{where}: '{TEXT_FIELD}' holds NUL characters, which text does not; give every row UTF-8 text")
         if text:
             yield text
 
