@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import json
 import os
 import types
@@ -42,6 +43,24 @@ OWN_RECORDS = (MANIFEST, EXPORT_SUMMARY, LEDGER, REPORT)
 MARK = "created by headfold"
 CREATED_BY = "created_by"
 _MARK_SCAN = 1 << 20  # bytes read from each end of a file to find the mark
+
+
+NAME_MAX = 255  # bytes in one file name (Linux and macOS file systems)
+_TAG_ROOM = 24  # the longest tag hidden_sibling adds: ".partial-" and a pid, ".distill-state"
+
+
+def hidden_stem(path: Path) -> str:
+    """`.NAME`, the start of every hidden sibling headfold keeps beside `path`; a NAME too long to take a
+    tag within NAME_MAX is cut, with a hash of the whole name, so each NAME still has its own siblings."""
+    encoded = os.fsencode(path.name)
+    if len(encoded) + 1 + _TAG_ROOM <= NAME_MAX:
+        return f".{path.name}"
+    return f".{os.fsdecode(encoded[:200])}~{hashlib.sha256(encoded).hexdigest()[:16]}"
+
+
+def hidden_sibling(path: Path, tag: str) -> Path:
+    """`.NAME.TAG` beside `path`: its lock, staging folder, backup or distillation state."""
+    return path.with_name(f"{hidden_stem(path)}.{tag}")
 
 
 def created_by() -> str:
@@ -135,7 +154,7 @@ class Record:
     def save(self, path: Path) -> None:
         """Write to `path` whole or not at all (a sibling temporary file renamed over it)."""
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+        tmp = hidden_sibling(path, f"partial-{os.getpid()}")
         tmp.write_text(self.to_json())
         tmp.replace(path)
 

@@ -35,7 +35,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from headfold.ground.artifacts import MARK, OWN_RECORDS, written_by_headfold
+from headfold.ground.artifacts import MARK, OWN_RECORDS, hidden_sibling, hidden_stem, written_by_headfold
 from headfold.ground.errors import BadInput
 from headfold.ground.inputs import read_json
 
@@ -82,9 +82,17 @@ def output_path(out: Path) -> Path:
     return out if out.name in ("", "..") else out.parent.resolve() / out.name
 
 
+def check_parent(out: Path) -> None:
+    """BadInput when a folder `out` would be made in is a file (or anything else that is not a folder)."""
+    existing = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
+    if existing is not None and not existing.is_dir():
+        raise BadInput(f"cannot write {out}: {existing} is a file, not a folder; choose a location under a folder")
+
+
 def check_disjoint(out: Path, sources: Iterable[Path]) -> Path:
-    """`output_path(out)`; BadInput when it is, lies inside, or contains anything a source reads."""
+    """`output_path(out)`; BadInput when its parent is a file, or it is, lies inside, or contains anything a source reads."""
     out = output_path(out)
+    check_parent(out)
     for src in sources:
         root = src.resolve()
         if out == root or root in out.parents:
@@ -120,7 +128,7 @@ def refuse_link(out: Path) -> None:
 
 
 def lock_path(out: Path) -> Path:
-    return out.with_name(f".{out.name}.lock")
+    return hidden_sibling(out, "lock")
 
 
 def _refuse_existing(out: Path, overwrite: bool, how: str, ours: bool, is_dir: bool | None = None) -> None:
@@ -251,6 +259,7 @@ def output_lock(out: Path) -> Iterator[None]:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd = _lock_fd(lock, out)
     except OSError as e:
+        check_parent(out)
         raise BadInput(f"cannot write {out}: {e.strerror} ({e.filename}); choose a writable location") from None
     try:
         os.ftruncate(fd, 0)
@@ -273,8 +282,9 @@ def output_lock(out: Path) -> Iterator[None]:
 
 def _remove_leftovers(out: Path) -> None:
     """Under the lock, no live writer owns another pid's temporary sibling."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.(?:partial|old)-(\d+)")
-    for path in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
+    stem = hidden_stem(out)
+    pattern = re.compile(rf"{re.escape(stem)}\.(?:partial|old)-(\d+)")
+    for path in out.parent.glob(f"{glob.escape(stem)}.*-*"):
         if (m := pattern.fullmatch(path.name)) and int(m[1]) != os.getpid():
             _remove(path)
             log.warning(f"headfold: removed {path}, left by writer pid {m[1]}, which stopped before finishing")
@@ -288,7 +298,7 @@ def staging_folder(out: Path, *, overwrite: bool = False, ours: bool = False, is
     out = output_path(out)
     with output_lock(out):
         _refuse_existing(out, overwrite, "already exists", ours, is_dir)
-        folder = out.with_name(f".{out.name}.partial-{os.getpid()}")
+        folder = hidden_sibling(out, f"partial-{os.getpid()}")
         try:
             _remove(folder)  # a dead process that had our pid
             folder.mkdir()
@@ -382,7 +392,7 @@ def _place(tmp: Path, out: Path) -> Path | None:
     if not (out.exists() or out.is_symlink()):
         tmp.rename(out)
         return None
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    old = hidden_sibling(out, f"old-{os.getpid()}")
     _remove(old)
     if out.is_file() and tmp.is_file():
         try:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from headfold.ground.artifacts import hidden_sibling
 from headfold.ground.atomic import atomic_output, output_lock, refuse_link
 from headfold.ground.errors import BadInput, first_line
 from headfold.ground.inputs import read_json_object
@@ -39,7 +40,7 @@ CHECKPOINT = re.compile(r"step-(\d+)")
 
 
 def state_folder(out: Path) -> Path:
-    return out.with_name(f".{out.name}.distill-state")
+    return hidden_sibling(out, "distill-state")
 
 
 @dataclass
