@@ -203,6 +203,7 @@ CONFIG_VALUES: dict[str, tuple[Callable[[Any, int | None], bool], tuple[str, ...
     "a token id inside the vocabulary": (_token_ids, ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")),
     "an activation name": (lambda v, _: isinstance(v, str) and bool(v), ("hidden_act", "activation_function", "hidden_activation")),
     "a model type name": (lambda v, _: isinstance(v, str) and bool(v), ("model_type",)),
+    "float32, float16, bfloat16, float64 or auto": (lambda v, _: v in ("float32", "float16", "bfloat16", "float64", "auto"), ("dtype", "torch_dtype")),
 }  # fmt: skip
 ACTIVATION_KEYS = CONFIG_VALUES["an activation name"][1]
 

@@ -36,9 +36,22 @@ def load_graph(path: Path) -> ir.Model:
 
 
 def external_data_files(model: ir.Model, path: Path) -> list[Path]:
-    """The files `model` (loaded from `path`) keeps its weights in; BadInput for a location outside the graph's folder."""
+    """The files `model` (loaded from `path`) keeps its weights in; BadInput for a location outside the graph's
+    folder, a missing file, or one that does not hold the bytes the graph says its tensors are at."""
     fix = "re-export the graph with its weights beside it"
-    found = {contained(path.parent, tensor.location, path, fix, "external data") for tensor in _external_tensors(model)}
+    found: dict[Path, int] = {}
+    for tensor in _external_tensors(model):
+        file = contained(path.parent, tensor.location, path, fix, "external data")
+        if file not in found:
+            found[file] = file.stat().st_size if file.is_file() else -1
+        if found[file] < 0:
+            raise BadInput(f"{path} keeps its weights in {file}, which does not exist; {fix}")
+        end = tensor.offset + tensor.nbytes
+        if (tensor.length is not None and tensor.length != tensor.nbytes) or end > found[file]:
+            raise BadInput(
+                f"{path} does not match its external data {file}: tensor {tensor.name!r} is bytes {tensor.offset}-{end} "
+                f"of {found[file]}; {fix} (the graph and its .onnx.data come from one export)"
+            )
     return sorted(found)
 
 
