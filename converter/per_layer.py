@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from headfold.ground.errors import BadInput
+from headfold.ground.units import whole_number
 
 __all__ = ["KV_HEADS_PER_ATTENTION", "KV_HEADS_PER_LAYER", "KvHeads", "collapse", "config_kv_heads", "expand", "kind_kv_heads", "parse_kv_heads"]
 
@@ -28,10 +29,9 @@ KvHeads = int | tuple[int, ...]
 
 def parse_kv_heads(text: str) -> KvHeads:
     """'4' → 4; '8,4,4,2' → (8, 4, 4, 2); BadInput for anything else."""
-    parts = [p.strip() for p in str(text).split(",")]
-    if not all(p.isdecimal() and p.isascii() for p in parts):  # 0 passes: the converter names the valid counts
+    counts = tuple(whole_number(p) for p in str(text).split(","))
+    if not all(c is not None and c >= 0 for c in counts):  # 0 passes: the converter names the valid counts
         raise BadInput(f"--kv-heads {text!r} is not a count; give one value (4) or one per layer (8,4,4,2)")
-    counts = tuple(int(p) for p in parts)
     return counts[0] if len(counts) == 1 else counts
 
 

@@ -10,8 +10,23 @@ from typing import Any
 from headfold.ground.errors import BadOption
 from headfold.ground.inputs import shown
 
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", re.IGNORECASE)
+# Numbers in ASCII digits only: int() and float() also take '5_0', '+9' and other scripts' digits ('٥٠').
+_WHOLE = re.compile(r"-?[0-9]+")
+_DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|-?inf|nan", re.IGNORECASE)
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?i?B)?\s*", re.IGNORECASE)
 COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+
+
+def whole_number(text: str) -> int | None:
+    """`text` (blanks around it allowed) as an integer written in ASCII digits, a minus sign allowed; else None."""
+    return int(text) if _WHOLE.fullmatch(text := text.strip()) else None
+
+
+def _decimal(text: str) -> float:
+    """`text` as a number in ASCII digits (a decimal point and exponent allowed); ValueError for anything else."""
+    if not _DECIMAL.fullmatch(text.strip()):
+        raise ValueError(text)
+    return float(text)
 
 
 def parse_size(size: str | int, name: str = "size") -> int:
@@ -34,7 +49,7 @@ def parse_fraction(value: Any, name: str) -> float:
     """0.05, "0.05" or "5%" → 0.05; BadInput for anything else, a negative or a non-finite value."""
     text = str(value).strip()
     try:
-        number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        number = _decimal(text[:-1]) / 100 if text.endswith("%") else _decimal(text)
     except ValueError:
         raise BadOption(name, f"= {shown(value)} is not a number; write e.g. 0.05 or 5%") from None
     if not (math.isfinite(number) and number >= 0):
@@ -47,9 +62,11 @@ def parse_count(value: Any, name: str, unit: str, examples: str = "e.g. 200000, 
     text = str(value).strip()
     try:
         if text[-1:].lower() in COUNT_SUFFIXES:
-            count = float(text[:-1]) * COUNT_SUFFIXES[text[-1].lower()]
-        else:
-            count = float(value) if isinstance(value, float) else int(text)
+            count = _decimal(text[:-1]) * COUNT_SUFFIXES[text[-1].lower()]
+        elif isinstance(value, float):
+            count = value
+        elif (count := whole_number(text)) is None:
+            raise ValueError(text)
     except ValueError:
         raise BadOption(name, f"{value!r} is not a {unit} count; give one, {examples}") from None
     if not (math.isfinite(count) and count >= 1):

@@ -30,11 +30,13 @@ from headfold.ground import manifest
 from headfold.ground.atomic import check_outputs, library_scratch
 from headfold.ground.errors import HeadfoldError, first_line, is_panic
 from headfold.ground.inputs import printable
+from headfold.ground.units import whole_number
 from headfold.options import (
     CHECKPOINT,
     PATH,
     REPORTS,
     REVISION,
+    WHOLE,
     Calibration,
     ExportOptions,
     Group,
@@ -101,13 +103,13 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 
 @cli.command()
 @click.argument("src", type=CHECKPOINT)
-@click.argument("out", type=PATH)
+@click.argument("out", type=CHECKPOINT)  # as typed: a trailing slash makes an ONNX OUT a folder
 @conversion_options()
 @calibration_options
 @SOURCE
 @output_options()
 def convert(
-    src: str, out: Path, kv_heads: int | tuple[int, ...], method: str, pool: str | None, local_steps: int | None, shard_size: str | None, allow_pickle: bool,
+    src: str, out: str | Path, kv_heads: int | tuple[int, ...], method: str, pool: str | None, local_steps: int | None, shard_size: str | None, allow_pickle: bool,
     calibration: Calibration, revision: str | None, output: Output,
 ) -> None:
     """Convert the checkpoint SRC (a Hugging Face folder or hub id ORG/NAME) to a GQA/MQA checkpoint in OUT.
@@ -118,19 +120,22 @@ def convert(
     manifest. OUT appears only when complete; SRC is never modified.
 
     SRC may also be an MHA model.onnx (methods mean/first; mean unless --method says first): its
-    K/V projection initializers are pooled and the graph rewritten to GQA Attention nodes, into OUT.onnx.
+    K/V projection initializers are pooled and the graph rewritten to GQA Attention nodes, into OUT.onnx
+    (OUT/SRC's name where OUT ends in a slash).
 
     An encoder-decoder (T5, BART, Whisper) pools its decoder's self- and cross-attention (--pool).
     """
+    into_folder, out = str(out).endswith(os.sep), Path(out)
     if Path(src).suffix == ".onnx":
         src = Path(src)
+        out = out / src.name if into_folder else out
         refuse(("pool", "local_steps", "shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"), f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)")
         from headfold.graphs.onnx_convert import convert_onnx
 
         method = method if given(click.get_current_context(), ("method",)) else "mean"
         output.check([src], [out, out.with_name(f"{out.name}.data")])  # the graph and its weights
         summary = convert_onnx(src, out, kv_heads, method, overwrite=output.overwrite)
-        line = f"wrote {out} ({summary['attention_nodes']} Attention nodes, {_kv_text(kv_heads)} kv heads, method {method})"
+        line = f"wrote {out} ({summary['attention_nodes']} {summary['attention_op']} nodes, {_kv_text(kv_heads)} kv heads, method {method})"
         output.emit(line, {"output": str(out), "method": method, **summary}, [src])
         return
 
@@ -180,7 +185,7 @@ def export_cmd(src: str, out_dir: Path, export: ExportOptions, revision: str | N
     for name, graph in summary["graphs"].items():
         decomposed = {op: n for op, n in graph.get("decomposed_for_tensorrt", {}).items() if op != "version"}
         note = f"; decomposed for TensorRT {export.trt_version}: {', '.join(f'{n} {op}' for op, n in decomposed.items())}" if decomposed else ""
-        lines.append(f"wrote {out_dir / name}: {graph['attention_nodes']} Attention nodes, kv-heads {graph['attention_kv_heads']}{note}")
+        lines.append(f"wrote {out_dir / name}: {graph['attention_nodes']} {graph['attention_op']} nodes, kv-heads {graph['attention_kv_heads']}{note}")
     if export.trt_version:
         from headfold.graphs.trt_lint import export_table
 
@@ -315,7 +320,7 @@ def _distill_summary(record: dict[str, Any]) -> list[str]:
 @options(*DISTILL_TRAINING, title="Training options")
 @options(*DISTILL_EVALUATION, title="Evaluation and stopping")
 @options(
-    spec("--save-every", type=int, default=None, help="Write a resumable checkpoint every N steps into .OUT.distill-state beside OUT."),
+    spec("--save-every", type=WHOLE, default=None, help="Write a resumable checkpoint every N steps into .OUT.distill-state beside OUT."),
     spec("--resume", is_flag=True, help="Continue from the last checkpoint in .OUT.distill-state (same inputs and options)."),
     title="Resumable state",
 )  # fmt: skip
@@ -353,7 +358,7 @@ class KvBudget(click.ParamType):
     name = "FRACTION|TOTAL"
 
     def convert(self, value, param, ctx):
-        return int(value) if isinstance(value, str) and value.strip().isdigit() else Fraction().convert(value, param, ctx)
+        return total if isinstance(value, str) and (total := whole_number(value)) is not None and total >= 0 else Fraction().convert(value, param, ctx)
 
 
 @cli.command("inspect")

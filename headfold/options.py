@@ -16,7 +16,8 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from headfold.ground.errors import BadInput, BadOption, HeadfoldError
 from headfold.ground.inputs import printable
 from headfold.ground.precision import Precision
 from headfold.ground.settings import LOSSES, OPSETS, TRAIN_MODES, Calibration, DistillOptions, ExportOptions, InputSpec, Profile
-from headfold.ground.units import parse_fraction
+from headfold.ground.units import parse_fraction, whole_number
 
 log = logging.getLogger(__name__)
 OPTIONS = "Options"  # the heading of a command's own options, listed first
@@ -94,6 +95,26 @@ class KvHeads(click.ParamType):
     def convert(self, value, param, ctx):
         # BadInput passes through: main() prints it as one line and exits 2, like a bad list length
         return parse_kv_heads(value) if isinstance(value, str) else value
+
+
+class _AsciiDigits:
+    """An integer option written in the digits 0-9 (click's int() would also take '5_0', '+9' and '٥٠')."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and whole_number(value) is None:
+            self.fail(f"{value!r} is not a whole number; write it in the digits 0-9", param, ctx)
+        return super().convert(value, param, ctx)  # type: ignore[misc]
+
+
+class Whole(_AsciiDigits, click.types.IntParamType):
+    """An integer in ASCII digits."""
+
+
+class WholeRange(_AsciiDigits, click.IntRange):
+    """An integer in ASCII digits within a range."""
+
+
+WHOLE = Whole()
 
 
 class Fraction(click.ParamType):
@@ -162,10 +183,10 @@ def method_spec() -> Spec:
 
 
 def batch_size_spec(default: int | None) -> Spec:
-    return spec("--batch-size", type=int, default=default, help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 640 steps).")
+    return spec("--batch-size", type=WHOLE, default=default, help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 640 steps).")
 
 
-SEED = spec("--seed", type=click.IntRange(0, 2**32 - 1), default=Calibration.seed, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
+SEED = spec("--seed", type=WholeRange(0, 2**32 - 1), default=Calibration.seed, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
 OVERWRITE = spec("--overwrite", is_flag=True, help="Replace outputs that exist, when headfold wrote them (never a file or folder of yours, never an input): atomically, once the command succeeded (run: other files in OUT_DIR stay).")
 QUIET = spec("--quiet", "-q", is_flag=True, help="Only results, warnings and errors: no progress bars or progress lines (the same as `headfold -q`).")
 VERBOSE = spec("--verbose", "-v", is_flag=True, help="Also debug lines and the libraries' own warnings, on stderr (the same as `headfold -v`).")
@@ -173,7 +194,7 @@ JSON_HELP = "Write the result as JSON to FILE (atomically); without FILE, or wit
 JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"), default=None, metavar="[FILE]", help=JSON_HELP)
 REVISION = spec("--revision", default=None, metavar="REV", help="Branch, tag or commit of the hub ids (ORG/NAME) given as checkpoints; they are read from the Hugging Face cache (HF_HOME), fetched when online.")
 TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")
-OPSET = spec("--opset", type=int, default=ExportOptions.opset, help=f"ONNX opset: {', '.join(map(str, OPSETS))} (Attention exists from {OPSETS[0]}; torch writes invalid models above {OPSETS[-1]}).")
+OPSET = spec("--opset", type=WHOLE, default=ExportOptions.opset, help=f"ONNX opset: {', '.join(map(str, OPSETS))} (Attention exists from {OPSETS[0]}; torch writes invalid models above {OPSETS[-1]}).")
 DTYPE = spec("--dtype", type=PrecisionChoice(), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
 
 
@@ -310,7 +331,7 @@ calibration_options = OptionGroup(
     "Calibration (data-aware methods)",
     (
         spec("--calibration", default=None, metavar="TEXT_FILE", help="Text the data-aware methods fit on (inspect measures the loss on other windows of it). Default: built-in offline text; 'weights': the weights alone."),
-        spec("--calibration-tokens", type=int, default=Calibration.tokens, help="Tokens of calibration text to run through the source model (inspect measures on as many others)."),
+        spec("--calibration-tokens", type=WHOLE, default=Calibration.tokens, help="Tokens of calibration text to run through the source model (inspect measures on as many others)."),
         SEED,
     ),
     "calibration",
@@ -327,11 +348,11 @@ def _input_spec(text: Path | None, window: int, max_rows: int, batch_size: int, 
 
 INPUT_SPECS = (
     spec("--text", type=PATH, default=None, help="UTF-8 text to feed both sides. Default: the built-in held-out text."),
-    spec("--window", type=int, default=InputSpec.window, help="Longest row in tokens; rows are cut at seeded lengths between half and this."),
-    spec("--max-rows", type=int, default=InputSpec.max_rows, help="Use a seeded subset of this many rows when the text has more (0 = all)."),
+    spec("--window", type=WHOLE, default=InputSpec.window, help="Longest row in tokens; rows are cut at seeded lengths between half and this."),
+    spec("--max-rows", type=WHOLE, default=InputSpec.max_rows, help="Use a seeded subset of this many rows when the text has more (0 = all)."),
     batch_size_spec(InputSpec.batch_size),
     SEED,
-    spec("--decode-steps", type=int, default=InputSpec.decode_steps, help="Decoder exports: the last N tokens of each row go one by one through the KV cache (model.onnx fed its own present K/V, or decode.onnx), gated like the prefill (0 = skip)."),
+    spec("--decode-steps", type=WHOLE, default=InputSpec.decode_steps, help="Decoder exports: the last N tokens of each row go one by one through the KV cache (model.onnx fed its own present K/V, or decode.onnx), gated like the prefill (0 = skip)."),
 )  # fmt: skip
 TOKEN_IDS = spec("--token-ids", type=PATH, default=None, metavar="FILE", help="Feed these token ids instead of a text: one row per line, whitespace-separated ids. Without it, a model with no tokenizer files gets seeded random ids (fidelity only).")
 
@@ -380,7 +401,7 @@ POOL = spec(
 
 
 LOCAL_STEPS = spec(
-    "--local-steps", type=int, default=None, metavar="N",
+    "--local-steps", type=WHOLE, default=None, metavar="N",
     help=f"the most Adam steps per layer of a method with local (it stops earlier when its held-out windows stop improving); each runs the layer's attention over a minibatch of calibration windows. [default: {DEFAULT_LOCAL_STEPS}]",
 )  # fmt: skip
 
@@ -404,7 +425,7 @@ export_options = OptionGroup(
         spec("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split for a TensorRT target]"),
         spec("--optimize", type=click.Choice(("auto", "ort", "none")), default=ExportOptions.optimize, help=f"ort = ONNX Runtime's fusions (skip layer norm, fused matmuls; with GroupQueryAttention: rotary inside it, packed Q/K/V), counted in export.json; the graph then runs in ONNX Runtime only. auto = ort on GroupQueryAttention graphs, none on the standard graph. [default: {ExportOptions.optimize}]"),
         spec("--position-ids", is_flag=True, help="Merged decoder graph: take a position_ids [B, S] input (named in genai_config.json) instead of counting positions over the mask's real tokens."),
-        spec("--int4-block-size", type=int, default=None, help="--dtype int4: weights per quantization block along K (16, 32, 64, 128 or 256). [default: 32, as onnxruntime-genai's builder]"),
+        spec("--int4-block-size", type=WHOLE, default=None, help="--dtype int4: weights per quantization block along K (16, 32, 64, 128 or 256). [default: 32, as onnxruntime-genai's builder]"),
         spec("--int4-symmetric/--int4-asymmetric", default=None, help="--dtype int4: symmetric blocks (int4, no zero points) or asymmetric (uint4 with zero points). [default: symmetric, as onnxruntime-genai's builder]"),
         TRT_VERSION,
     ),
@@ -420,8 +441,8 @@ DISTILL_TRAINING = (
     DISTILL_DATA,
     spec("--eval-data", type=PATH, default=None, help="Held-out text (same formats). Default: the first --eval-windows windows of --data, never trained on."),
     DISTILL_TOKENS,
-    spec("--steps", type=int, default=None, help="Optimizer steps, instead of --tokens. [default without --tokens: 40]"),
-    spec("--seq-len", type=int, default=DistillOptions.seq_len, help="Tokens per training window."),
+    spec("--steps", type=WHOLE, default=None, help="Optimizer steps, instead of --tokens. [default without --tokens: 40]"),
+    spec("--seq-len", type=WHOLE, default=DistillOptions.seq_len, help="Tokens per training window."),
     batch_size_spec(None),  # None: the run's default_batch_size()
     spec("--lr", type=FINITE, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: by the student's kind, docs/distill.md]"),
     spec("--train", type=click.Choice(TRAIN_MODES), default=None, help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end. [default: attention for decoders, all for encoders]"),
@@ -433,8 +454,8 @@ DISTILL_TRAINING = (
     SEED,
 )  # fmt: skip
 DISTILL_EVALUATION = (
-    spec("--eval-every", type=int, default=None, help="Evaluate on the held-out windows every N steps. [default: 8 evaluations per run]"),
-    spec("--eval-windows", type=int, default=DistillOptions.eval_windows, help="Held-out windows of --seq-len tokens."),
+    spec("--eval-every", type=WHOLE, default=None, help="Evaluate on the held-out windows every N steps. [default: 8 evaluations per run]"),
+    spec("--eval-windows", type=WHOLE, default=DistillOptions.eval_windows, help="Held-out windows of --seq-len tokens."),
     spec("--until-kl", type=Nats(), default=None, help="Stop once the held-out KL (nats per token) is at most this (checked at each evaluation)."),
     spec("--until-ppl-increase", type=Fraction(), default=None, help="Stop once the held-out perplexity is within this of the teacher's, e.g. 2%."),
 )  # fmt: skip
@@ -548,5 +569,53 @@ def quiet_libraries() -> None:
     # torch.onnx's "torchvision is not installed" lines and friends: torch resets its own loggers when
     # it is imported, so a torch imported later is told through TORCH_LOGS ('-': errors only).
     os.environ.setdefault("TORCH_LOGS", "-onnx,-export")
-    for name in ("torch.onnx", "onnxscript", "torch._dynamo", "torch.export"):
+    for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+QUIET_LOGGERS = ("torch.onnx", "onnxscript", "torch._dynamo", "torch.export")
+_LIBRARY_ENV = ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS", "TORCH_LOGS")
+
+
+@contextmanager
+def api_output(progress: bool) -> Iterator[None]:
+    """The command line's output policy around one Python API call: `progress` True prints what the CLI
+    prints by default (headfold's progress lines and bars, none of the libraries' warnings or bars), False
+    what -q prints (warnings and errors). The caller's logging levels, warning filters and environment
+    are as they were afterwards."""
+    names = (LOGGER, *QUIET_LOGGERS)
+    levels, env = {name: logging.getLogger(name).level for name in names}, {key: os.environ.get(key) for key in _LIBRARY_ENV}
+    handled = _handler in logging.getLogger(LOGGER).handlers
+    hf = _transformers_output()
+    with warnings.catch_warnings():
+        try:
+            configure_logging(0 if progress else -1)
+            quiet_libraries()
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+            if not handled:
+                logging.getLogger(LOGGER).removeHandler(_handler)
+            for key, value in env.items():
+                os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+            _restore_transformers_output(hf)
+
+
+def _transformers_output() -> tuple[int, bool] | None:
+    """transformers' verbosity and whether its progress bars show (None: not imported, its defaults)."""
+    if "transformers" not in sys.modules:
+        return None
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+
+
+def _restore_transformers_output(saved: tuple[int, bool] | None) -> None:
+    if "transformers" not in sys.modules:
+        return
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = saved or (logging.WARNING, True)
+    hf_logging.set_verbosity(verbosity)
+    hf_logging.enable_progress_bar() if bars else hf_logging.disable_progress_bar()

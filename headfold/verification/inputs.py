@@ -25,6 +25,7 @@ from headfold.converter.tokens import TOKENIZER_FILES, find_tokenizer
 from headfold.converter.tokens import read_text as read_text_file
 from headfold.ground.errors import BadInput
 from headfold.ground.settings import DEFAULT_DECODE_STEPS, InputSpec
+from headfold.ground.units import whole_number
 from headfold.verification.seq2seq import pair_feeds
 
 BUILTIN_TEXT = "builtin:heldout"  # headfold.corpus.heldout_text(): never seen in the embedded model's training
@@ -48,9 +49,9 @@ def read_token_ids(path: Path, vocab_size: int) -> list[np.ndarray]:
     rows = []
     for number, line in enumerate(read_text_file(path, "--token-ids").splitlines(), 1):
         try:
-            row = np.array([int(word) for word in line.split()], dtype=np.int64)
+            row = np.array([_token_id(word) for word in line.split()], dtype=np.int64)
         except (ValueError, OverflowError):  # OverflowError: an id beyond int64
-            raise BadInput(f"--token-ids {path} line {number} is not whitespace-separated integers in the vocabulary [0, {vocab_size}); write one row of token ids per line") from None
+            raise BadInput(f"--token-ids {path} line {number} is not whitespace-separated token ids (the digits 0-9) in the vocabulary [0, {vocab_size}); write one row of token ids per line") from None
         if row.size == 1 or (row.size and (row.min() < 0 or row.max() >= vocab_size)):
             raise BadInput(f"--token-ids {path} line {number} needs at least 2 ids, each in the vocabulary [0, {vocab_size})")
         if row.size:
@@ -58,6 +59,12 @@ def read_token_ids(path: Path, vocab_size: int) -> list[np.ndarray]:
     if not rows:
         raise BadInput(f"--token-ids {path} has no rows; write one row of token ids per line")
     return rows
+
+
+def _token_id(word: str) -> int:
+    if (number := whole_number(word)) is None or number < 0:
+        raise ValueError(word)
+    return number
 
 
 def random_rows(vocab_size: int, window: int, rows: int, seed: int) -> list[np.ndarray]:
