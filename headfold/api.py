@@ -10,8 +10,10 @@ function runs, so `import headfold` stays cheap.
 
 from __future__ import annotations
 
+import functools
+import inspect as signatures
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +35,22 @@ if TYPE_CHECKING:
 PathLike = str | os.PathLike
 
 
+def _cli_output(function: Callable) -> Callable:
+    """`function` printing what its command prints: the CLI's default with `progress`, else its -q (options.api_output)."""
+    signature = signatures.signature(function)
+    default = signature.parameters["progress"].default if "progress" in signature.parameters else False
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        from headfold.options import api_output
+
+        with api_output(signature.bind(*args, **kwargs).arguments.get("progress", default)):
+            return function(*args, **kwargs)
+
+    return call
+
+
+@_cli_output
 def convert(
     source: PathLike,
     output: PathLike,
@@ -77,6 +95,7 @@ def convert(
     )  # fmt: skip
 
 
+@_cli_output
 def inspect(
     source: PathLike,
     *,
@@ -117,6 +136,7 @@ def inspect(
     )  # fmt: skip
 
 
+@_cli_output
 def distill(
     teacher: PathLike,
     student: PathLike,
@@ -159,6 +179,7 @@ def distill(
     )  # fmt: skip
 
 
+@_cli_output
 def export(
     source: PathLike,
     output: PathLike,
@@ -192,6 +213,7 @@ def export(
     return export_summary.load(Path(output))
 
 
+@_cli_output
 def build(
     source: PathLike,
     output: PathLike,
@@ -232,6 +254,7 @@ def build(
     return build_engines(plan, overwrite=overwrite, require_fused_attention=require_fused_attention)
 
 
+@_cli_output
 def verify(
     reference: PathLike,
     candidate: PathLike,
@@ -264,6 +287,7 @@ def verify(
     return run_verify(reference, candidate, check=check, revision=revision, progress=progress, inputs=inputs, thresholds=_thresholds(thresholds))
 
 
+@_cli_output
 def run(
     source: PathLike,
     output: PathLike,
@@ -311,6 +335,7 @@ def run(
     )  # fmt: skip
 
 
+@_cli_output
 def load_model(path: PathLike) -> transformers.PreTrainedModel:
     """A runnable torch model (eval mode) for any source or converted checkpoint folder, including
     families whose converted checkpoints plain transformers cannot load (docs/deploying.md); an
@@ -320,6 +345,7 @@ def load_model(path: PathLike) -> transformers.PreTrainedModel:
     return load(path)
 
 
+@_cli_output
 def sentence_transformer(path: PathLike, *, device: str | None = None) -> SentenceTransformer:
     """A sentence-transformers checkpoint folder, converted or not, as a `SentenceTransformer`: its
     own modules (pooling, normalize, …) as saved, the transformer built by `load_model` (plain
