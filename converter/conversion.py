@@ -82,10 +82,6 @@ def convert(
     check_options(max_shard_size, calibration_tokens)
     source = checkpoint_folder(source, revision=revision, allow_pickle=allow_pickle)
     steps = local_step_budget(get_method(method), local_steps)
-    if get_method(method).data_aware:
-        from headfold.converter.calibration import check_settings  # torch and transformers: data-aware methods only
-
-        check_settings()  # a bad $HEADFOLD_DEVICE or $HEADFOLD_CALIBRATION_RAM fails before the slow calibration
     with SourceCheckpoint(source, allow_pickle=allow_pickle) as ckpt:
         targets = target_shapes(ckpt, kv_heads, pool)
         recipe = method_for(ckpt, method)
@@ -94,6 +90,11 @@ def convert(
         out = check_output(Path(output), overwrite=overwrite, sources=(source, *text_file))  # never over an input
         shard_bytes = parse_size(max_shard_size, "--shard-size") if max_shard_size is not None else default_shard_bytes(ckpt)
         pools = targets != list(ckpt.layer_shapes)  # kv heads = heads everywhere: byte-identical, nothing to calibrate
+        if recipe.data_aware and pools:  # the request is valid: say what the seconds before the first bar are
+            log.info(f"convert: loading torch, transformers, the tokenizer and {calibration_tokens} tokens of {calibration or 'the built-in text'}; then calibrating one layer at a time")
+            from headfold.converter.calibration import check_settings  # torch and transformers: data-aware methods only
+
+            check_settings()  # a bad $HEADFOLD_DEVICE or $HEADFOLD_CALIBRATION_RAM fails before the slow calibration
         if ckpt.facts.audio_input and recipe.data_aware and pools:
             text = audio_calibration(calibration)
         else:

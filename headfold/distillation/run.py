@@ -105,6 +105,7 @@ def distill(
     encoder_model = student_ckpt.facts.kind == "encoder"
     opts = resolve_defaults(opts, encoder_model)
     check_options(opts, student_ckpt.facts, encoder_model)
+    log.info(f"distill: tokenising {data or 'the built-in text'} with {teacher}'s tokenizer")  # the request is valid: say what the silence before the budget line is
     decoder_start = seq2seq_start(student_ckpt)
     plan = window_plan(teacher, student_ckpt, data, eval_data, opts, encoder_model)
     plan.check()
