@@ -485,7 +485,7 @@ def test_truncated_onnx_data(src: Path, tmp_path: Path, capsys) -> None:
     data = (tmp_path / "model.onnx.data").read_bytes()
     (tmp_path / "model.onnx.data").write_bytes(data[: len(data) // 2])
     report = tmp_path / "report.json"
-    refused(capsys, src, report, ["verify", src, graph_file, "--max-rows", "2", "--window", "8", "--report", report], "ONNX Runtime cannot load", "model.onnx", "re-run headfold export")
+    refused(capsys, src, report, ["verify", src, graph_file, "--max-rows", "2", "--window", "8", "--report", report], "model.onnx does not match its external data", "model.onnx.data", "re-export")
 
 
 # ---- 6. usability -----------------------------------------------------------------------------
@@ -512,7 +512,7 @@ def test_verify_without_tokenizer(src: Path, tmp_path: Path, capsys) -> None:
     assert code in (0, 1) and json.loads(loss_report.read_text())["checks"][0]["name"] == "conversion-loss"  # 1: pooling lost more than the budget
 
     ids.write_text("5 6 x\n")
-    refused(capsys, src, report.with_name("r2.json"), ["verify", src, src, "--token-ids", ids, "--report", report.with_name("r2.json")], "line 1", "integers")
+    refused(capsys, src, report.with_name("r2.json"), ["verify", src, src, "--token-ids", ids, "--report", report.with_name("r2.json")], "line 1", "token ids")
     ids.write_text("5 6 999\n")
     refused(capsys, src, report.with_name("r2.json"), ["verify", src, src, "--token-ids", ids, "--report", report.with_name("r2.json")], "vocabulary [0, 160)")
 
@@ -626,6 +626,7 @@ HOSTILE_CHECKPOINTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...], tu
     "negative rope_theta": (_config(rope_theta=-10000.0), tuple(ON_CHECKPOINT), ("rope_theta",)),
     "pad_token_id outside the vocabulary": (_config(pad_token_id=10**6), tuple(ON_CHECKPOINT), ("pad_token_id", "[0, 256)")),
     "rms_norm_eps a string": (_config(rms_norm_eps="tiny"), tuple(ON_CHECKPOINT), ("rms_norm_eps",)),
+    "a dtype torch does not have": (_config(dtype="float1024"), tuple(ON_CHECKPOINT), ("'dtype'", "float1024")),
     "tie_word_embeddings not a flag": (_config(tie_word_embeddings="yes"), tuple(ON_CHECKPOINT), ("tie_word_embeddings", "true or false")),
     "unknown hidden_act": (_config(hidden_act="nope"), MODEL_BUILDERS, ("hidden_act", "nope")),
     "1 position": (_config(max_position_embeddings=1), ("verify",), ("max_position_embeddings", "positions")),
