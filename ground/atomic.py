@@ -86,7 +86,7 @@ def check_parent(out: Path) -> None:
     """BadInput when a folder `out` would be made in is a file (or anything else that is not a folder)."""
     existing = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
     if existing is not None and not existing.is_dir():
-        raise BadInput(f"cannot write {out}: {existing} is a file, not a folder; choose a location under a folder")
+        raise BadInput(f"cannot write {out}: {existing} is {'a file, not a folder' if existing.is_file() else 'not a folder'}; choose a location under a folder")
 
 
 def check_disjoint(out: Path, sources: Iterable[Path]) -> Path:
