@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from headfold.converter import layerwise
-from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 from headfold.converter.methods import compute_device
 from headfold.converter.modeling import load_model, parameter_names
 from headfold.converter.tokens import load_tokenizer

@@ -46,7 +46,8 @@ class Recipe:
 
     @property
     def data_aware(self) -> bool:
-        return self.grouped or self.scored or self.aligned or self.refit or self.local
+        """Whether the method calibrates: every modifier reads activations (MODIFIERS), mean and first do not."""
+        return any(getattr(self, m) for m in MODIFIERS)
 
 
 def contiguous_groups(kv_heads: int, target: int) -> list[list[int]]:

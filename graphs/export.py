@@ -325,11 +325,11 @@ def encoder_decoder_graphs(model: transformers.PreTrainedModel, facts: Checkpoin
 def check_opset(opset: int) -> None:
     if opset not in OPSETS:
         why = (
-            "torch.onnx writes an invalid model above 25 (opset_import 18 next to Attention nodes)"
+            f"torch.onnx writes an invalid model above {OPSETS[-1]} (opset_import 18 next to Attention nodes)"
             if opset > OPSETS[-1]
-            else "the fused Attention op exists from opset 23 on"
+            else f"the fused Attention op exists from opset {OPSETS[0]} on"
         )
-        raise BadInput(f"opset {opset} is not supported: {why}; use --opset 23, 24 or 25")
+        raise BadInput(f"opset {opset} is not supported: {why}; use --opset {', '.join(map(str, OPSETS[:-1]))} or {OPSETS[-1]}")
 
 
 def parse_dtype(dtype: Precision | str | None) -> Precision | None:

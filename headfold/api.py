@@ -196,7 +196,7 @@ def export(
     Args:
         source: a checkpoint folder (source or converted) or hub id.
         output: the folder to write.
-        options: ExportOptions, as `headfold export` builds them from its options: opset (23, 24 or 25);
+        options: ExportOptions, as `headfold export` builds them from its options: opset (one of OPSETS);
             dtype ("fp32", "fp16", "bf16", or "int4": MatMul weights in 4 bits, decoders; None: the
             checkpoint's own); attention ("auto", "onnx", "ort-gqa"); graphs ("merged" or "split"; None:
             split for a `trt_version` target, else merged); optimize ("auto", "ort", "none");

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import os
 import sys
 import traceback
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from headfold.converter.recipes import get_method
+from headfold.converter.recipes import MODIFIERS, get_method
 from headfold.converter.seq2seq import KIND_NAMES
 from headfold.converter.sources import checkpoint_folders
 from headfold.ground import manifest
@@ -143,7 +142,7 @@ def convert(
     reads = [src, *([] if calibration.text in (None, "weights") else [Path(calibration.text)])]
     output.check(reads, [out])
     if not get_method(method).data_aware:
-        refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only aligned, grouped, scored, refit and local calibrate)")
+        refuse(("calibration", "calibration_tokens", "seed"), f"to --method {method} (only {', '.join(MODIFIERS[:-1])} and {MODIFIERS[-1]} calibrate)")
     from headfold import corpus  # the built-in text (pydoc's topics) and tqdm: not loaded for `headfold --help`
     from headfold.converter import convert as run_convert
 

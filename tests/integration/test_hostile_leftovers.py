@@ -20,7 +20,6 @@ from support.hostile import World, assert_one_line, cli, entries, make_world
 import headfold.converter.conversion as conversion
 import headfold.distillation.run as distill_run
 from headfold import convert
-from headfold.ground.artifacts import NAME_MAX
 from headfold.ground.errors import BadInput
 
 HEADFOLD = Path(sys.executable).with_name("headfold")

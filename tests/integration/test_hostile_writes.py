@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from support.hostile import World, assert_one_line, cli, digest, entries, make_world
+from support.hostile import World, assert_one_line, cli, entries, make_world
 
 from headfold.cli import main
 from headfold.demo import default_model_path

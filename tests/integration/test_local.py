@@ -21,7 +21,6 @@ from headfold.converter import local
 from headfold import Calibration, convert, corpus
 from headfold.converter.calibration import sample_windows, text_feeds, text_windows
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.converter.conversion import layer_contexts
 from headfold.converter.layerwise import layer_runs
 from headfold.converter.layout import AttentionCodec
 from headfold.converter.methods import expand_kv

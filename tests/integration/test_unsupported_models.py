@@ -62,7 +62,7 @@ def test_one_answer_from_every_command(model: str, why: str, models, tmp_path: P
     assert codes == {2} and len(lines) == 1, answers
     line = lines.pop()
     assert "\n" not in line and f"does not convert model_type '{model}'" in line
-    assert f"it converts {', '.join(supported_model_types())};" in line and f"export does not run on it either: " in line and why in line
+    assert f"it converts {', '.join(supported_model_types())};" in line and "export does not run on it either: " in line and why in line
 
 
 def test_exportable_model_exports_and_verifies_unconverted(models, tmp_path: Path, capsys) -> None:
