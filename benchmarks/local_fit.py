@@ -26,16 +26,16 @@ from pathlib import Path
 
 import method_parts
 
-from headfold.converter import local
 from headfold.converter.recipes import DEFAULT_LOCAL_STEPS, DEFAULT_METHOD
+from headfold.ground.settings import LocalFit
 
 FITS = {
-    "previous": {"VALIDATION": 0.0, "BATCH": 10**9, "FLOOR": 1.0, "EVERY": 1, "PATIENCE": 10**9},
+    "previous": {"validation": 0.0, "batch": 10**9, "floor": 1.0, "every": 1, "patience": 10**9},
     "default": {},
-    "all": {"FREE": "all"},
-    "maps": {"FREE": "maps"},
+    "all": {"free": "all"},
+    "maps": {"free": "maps"},
 }
-TUNABLES = ("VALIDATION", "BATCH", "FLOOR", "EVERY", "PATIENCE", "FREE", "DETERMINED")
+TUNABLES = ("validation", "batch", "floor", "every", "patience", "free", "determined")  # the LocalFit fields each row records
 DEFAULT_JSON = Path(__file__).parent / "results" / "local_fit.json"
 WHAT = (
     "local's fit before held-out selection (`previous`: every window at every step, constant rate, best on the fitted windows) "
@@ -44,12 +44,12 @@ WHAT = (
 )
 
 
-def settings(fit: str) -> dict[str, object]:
-    """A fit's tunables: a name in FITS, or assignments joined by '+' (FREE=maps+PATIENCE=10), typed as local's own."""
+def settings(fit: str) -> LocalFit:
+    """A fit's settings: a name in FITS, or assignments joined by '+' (free=maps+patience=10), typed as LocalFit's fields."""
     if fit in FITS:
-        return FITS[fit]
+        return LocalFit(**FITS[fit])
     pairs = [part.split("=", 1) for part in fit.split("+")]
-    return {name: type(getattr(local, name))(value) for name, value in pairs}
+    return LocalFit(**{name.lower(): type(getattr(LocalFit, name.lower()))(value) for name, value in pairs})
 
 
 def main() -> None:
@@ -62,17 +62,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
-    defaults = {name: getattr(local, name) for name in TUNABLES}
     rows = []
     for name in args.models.split(","):
         model = method_parts.model(name)
         for tokens in (int(t) for t in args.tokens.split(",")):
             for fit in args.fits.split(","):
-                for tunable, value in {**defaults, **settings(fit)}.items():
-                    setattr(local, tunable, value)
+                chosen = settings(fit)
                 with tempfile.TemporaryDirectory() as tmp:
-                    for row in method_parts.rows_for(model, [DEFAULT_METHOD], args.kv, args.steps, Path(tmp), tokens):
-                        rows.append({**row, "fit": fit, "calibration_tokens": tokens, **{name.lower(): getattr(local, name) for name in TUNABLES}})
+                    for row in method_parts.rows_for(model, [DEFAULT_METHOD], args.kv, args.steps, Path(tmp), tokens, chosen):
+                        rows.append({**row, "fit": fit, "calibration_tokens": tokens, **{name: getattr(chosen, name) for name in TUNABLES}})
     old = [] if args.fresh or not args.json.exists() else json.loads(args.json.read_text())["rows"]  # read last: runs beside this one merge
     key = lambda r: (r["model"], r["kv_heads"], r["calibration_tokens"], r["fit"], r["local_steps"])  # noqa: E731
     kept = [r for r in old if key(r) not in {key(n) for n in rows}]

@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 
 from headfold import corpus
-from headfold.converter import conversion, convert, local
+from headfold.converter import conversion, convert
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.recipes import get_method
+from headfold.ground.settings import LocalFit
 from headfold.converter.modeling import load_model
 from headfold.demo import default_model_path
 from headfold.verification.metrics import compare, log_probs, windows
@@ -118,8 +119,8 @@ def kv_counts(spec: str, heads: int) -> list[int]:
     return [heads // int(part[2:]) if part.startswith("h/") else int(part) for part in spec.split(",")]
 
 
-def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path, tokens: int | None = None) -> list[dict]:
-    """One row per method and kv count; `tokens`: --calibration-tokens (None: the default)."""
+def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path, tokens: int | None = None, fit_settings: LocalFit = LocalFit()) -> list[dict]:
+    """One row per method and kv count; `tokens`: --calibration-tokens (None: the default); `fit_settings`: local's fit."""
     config = json.loads((m.folder / "config.json").read_text())
     with SourceCheckpoint(m.folder) as ckpt:
         heads, head_dim, family = ckpt.shape.heads, ckpt.shape.head_dim, ckpt.spec.family
@@ -133,14 +134,14 @@ def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path, 
             start, cpu = time.perf_counter(), time.process_time()
             calibration = {} if tokens is None else {"calibration_tokens": tokens}
             out = convert(m.folder, tmp / f"{m.name}-{kv}-{method}", kv, method, progress=False, builtin_text=m.calibration, local_steps=steps if fit else None, overwrite=True,
-                          **calibration)  # fmt: skip
+                          local_fit=fit_settings, **calibration)  # fmt: skip
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
             report = compare(reference, scored_log_probs(load_model(out), m.heldout)[0], ids)
             row = {
                 "model": m.name, "family": family, "heads": heads, "head_dim": head_dim, "layers": config.get("num_hidden_layers", config.get("n_layer", config.get("num_layers"))),
                 "kv_heads": kv, "method": method, "label": label, "kl": report.kl, "ppl": report.candidate_ppl, "reference_ppl": report.reference_ppl, "top1": report.top1,
                 "convert_s": round(seconds, 1), "convert_cpu_s": round(cpu_seconds, 1), "load_average_1min": round(os.getloadavg()[0], 2), **calibration,
-                **({"local_steps": steps, "local_rate": local.RATE, "local_sequential": local.SEQUENTIAL} if fit else {}),
+                **({"local_steps": steps, "local_rate": fit_settings.rate, "local_sequential": fit_settings.sequential} if fit else {}),
             }  # fmt: skip
             rows.append(row)
             print(_line(row), flush=True)
@@ -252,7 +253,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--kv", default="h/2,h/4,1", help="kv-head counts: h/N or a number")
     parser.add_argument("--steps", type=int, default=conversion.DEFAULT_LOCAL_STEPS, help="--local-steps of the methods with local")
-    parser.add_argument("--rate", type=float, default=local.RATE, help="ablation: local's Adam rate relative to each tensor's RMS")
+    parser.add_argument("--rate", type=float, default=LocalFit.rate, help="ablation: local's Adam rate relative to each tensor's RMS")
     parser.add_argument("--sequential", action="store_true", help="ablation: local's layers read the converted earlier layers")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fresh", action="store_true", help="drop the rows of earlier runs")
@@ -263,7 +264,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    local.RATE, local.SEQUENTIAL = args.rate, args.sequential
+    fit_settings = LocalFit(rate=args.rate, sequential=args.sequential)
     if args.layout:
         path = args.json if args.json != DEFAULT_JSON else DEFAULT_JSON.with_name("method_parts_cost.json")
         rows = ([] if args.no_scored_layer else scored_rows(args.threads)) + layout_rows(args.methods.split(","), [int(x) for x in args.layout_steps.split(",")], args.threads, args.keep)
@@ -273,7 +274,7 @@ def main() -> None:
     kept = [] if args.fresh or not args.json.is_file() else json.loads(args.json.read_text())["rows"]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            rows = rows_for(model(name), args.methods.split(","), args.kv, args.steps, Path(tmp))
+            rows = rows_for(model(name), args.methods.split(","), args.kv, args.steps, Path(tmp), fit_settings=fit_settings)
             kept += rows
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"what": WHAT, "rows": kept}, indent=1) + "\n")

@@ -655,7 +655,7 @@ def local_fit() -> str:
     body = [[model, f"{tokens}", *(cells.get((model, tokens, fit), "") for fit in fits)] for model, tokens in groups]
     note = ("From [`local_fit.json`](benchmarks.md#local_fitjson) (`benchmarks/local_fit.py`): the default method at kv = h/4, "
             "KL(original ‖ converted) per token on each model's held-out text (convert CPU seconds on a shared 2-core machine); "
-            "a fit named by assignments is the default with local's constants changed so:")
+            "a fit named by assignments is the default with those LocalFit settings changed (ground/settings.py):")
     return note + "\n\n" + table(["model", "calibration tokens", *(f"`{fit}`" for fit in fits)], body)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,7 @@ from headfold.ground.hashing import copy_hashed, sha256_file, versions
 from headfold.ground.lazy import lazy_import
 from headfold.ground.manifest import Conversion, Manifest, ManifestSource, load_raw
 from headfold.ground.manifest import load as load_manifest
-from headfold.ground.settings import Calibration
+from headfold.ground.settings import Calibration, LocalFit
 from headfold.ground.units import parse_size, whole
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ def convert(
     builtin_text: str | None = None,
     pool: str | None = None,
     local_steps: int | None = None,
+    local_fit: LocalFit = LocalFit(),
 ) -> Path:
     """Convert the checkpoint folder `source` to `kv_heads` K/V heads; return the output path.
 
@@ -76,7 +77,7 @@ def convert(
     An encoder-decoder (T5, BART, Whisper) pools the attention kinds `pool` names (converter/seq2seq.py:
     self, cross, decoder, encoder or all; None: decoder, its self- and cross-attention); its data-aware
     methods calibrate on text split into source → target, or an audio model on synthesized features.
-    `local_steps`: the Adam steps per layer of a method with `local` (None: DEFAULT_LOCAL_STEPS).
+    `local_steps`: the Adam steps per layer of a method with `local` (None: DEFAULT_LOCAL_STEPS); `local_fit`: how it fits.
     Raises BadInput (nothing written) for anything wrong with the request or the source.
     """
     check_options(max_shard_size, calibration_tokens)
@@ -103,8 +104,8 @@ def convert(
             recipe = without_local(recipe, method)
         fit = recipe.local and pools
         contexts = layer_contexts(ckpt, None if fit else text, calibration_tokens, seed, progress)
-        fitted = fitted_layers(ckpt, targets, recipe, text, calibration_tokens, seed, contexts, steps, progress) if fit else {}
-        fit_record = local_record(fitted, steps)  # before write_weights takes the fitted layers
+        fitted = fitted_layers(ckpt, targets, recipe, text, calibration_tokens, seed, contexts, steps, progress, local_fit) if fit else {}
+        fit_record = local_record(fitted, steps, local_fit)  # before write_weights takes the fitted layers
         with atomic_output(out, overwrite=overwrite) as tmp:
             files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress, retarget, fitted)
             files |= write_config(ckpt, targets, tmp, retarget)
@@ -127,8 +128,8 @@ def check_options(max_shard_size: str | int | None, calibration_tokens: int | No
     whole("--calibration-tokens", calibration_tokens, 1)
 
 
-def local_record(fitted: dict, steps: int) -> dict:
-    """What the manifest says of local's fit: the step budget and, per layer, the steps taken, what the fit changed
+def local_record(fitted: dict, steps: int, settings: LocalFit) -> dict:
+    """What the manifest says of local's fit: the step budget, the fit's settings and, per layer, the steps taken, what the fit changed
     and the relative attention-output error before and after on every calibration window, the fitted ones and the
     held-out ones."""
     error, layers = {}, {}
@@ -137,7 +138,7 @@ def local_record(fitted: dict, steps: int) -> dict:
         layers[str(i)] = {"steps": layer.steps, "free": layer.free, "fit": [layer.start.fit, layer.end.fit]}
         if layer.start.validation is not None:
             layers[str(i)]["validation"] = [layer.start.validation, layer.end.validation]
-    return {"steps": steps, "error": error, "layers": layers}
+    return {"steps": steps, "settings": asdict(settings), "error": error, "layers": layers}
 
 
 def local_step_budget(recipe: Recipe, steps: int | None) -> int:
@@ -151,11 +152,14 @@ def local_step_budget(recipe: Recipe, steps: int | None) -> int:
     return steps
 
 
-def fitted_layers(ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, text: str, tokens: int, seed: int, contexts: list[LayerContext], steps: int, progress: bool) -> dict:
+def fitted_layers(
+    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, text: str, tokens: int, seed: int, contexts: list[LayerContext], steps: int, progress: bool,
+    settings: LocalFit,
+) -> dict:
     """local's layers, converted while calibration runs them (converter/local.py: torch, imported only here)."""
     from headfold.converter import local
 
-    return local.fitted_layers(ckpt, targets, recipe, text, tokens, seed, contexts, steps, progress)
+    return local.fitted_layers(ckpt, targets, recipe, text, tokens, seed, contexts, steps, progress, settings)
 
 
 def target_shape(source: HeadShape, kv_heads: int, layer: int | str | None = None) -> HeadShape:

@@ -7,17 +7,18 @@ layer hands it: rotary cos/sin, masks, ALiBi) and what it returned, the target. 
 parts pool the layer first (the start); then the block itself runs with candidate weights
 (torch.func.functional_call: the family's own projections, rotary, masking and scaling, never a
 re-implementation), a GQA layer run as the MHA block it equals (each pooled kv head repeated for the
-source heads of its group). Adam minimises the squared error of the block's output over the tensors FREE
-names: every attention tensor the GQA layer has ("all": the pooled K/V projections, the per-query-head Q
+source heads of its group). Adam minimises the squared error of the block's output over the tensors `free`
+names (LocalFit, ground/settings.py: every tunable of the fit): every attention tensor the GQA layer has ("all": the pooled K/V projections, the per-query-head Q
 and O, their biases and per-head norms), or the pooled K/V tensors and one head_dim × head_dim map per
 query head on Q and on O ("maps", identity at the start). "maps" frees 2·kv_heads·head_dim + 2·head_dim
 parameters per calibration target whatever the width, "all" about 2·hidden more: at 7B's width "all" is
-under-determined by any calibration a CPU can afford. The calibration windows are split, seeded, into a fitted part and a held-out VALIDATION
-share; each step takes a minibatch of BATCH fitted windows, so its cost does not grow with the tokens.
-Each tensor's step starts at a fixed fraction of its own RMS and shrinks (cosine) over the budget. Every
-EVERY steps the held-out windows are scored: the kept iterate is the best there (the start included, so a
-layer that validation does not improve keeps its start), the fit stops after PATIENCE scores without a new
-best, and a score that runs away (RUNAWAY × the best) sends the weights back to the best at half the rate.
+under-determined by any calibration a CPU can afford. The calibration windows are split, seeded, into a fitted part and a held-out
+`validation` share; each step takes a minibatch of `batch` fitted windows, so its cost does not grow with the
+tokens. Each tensor's step starts at a fixed fraction (`rate`) of its own RMS and shrinks (cosine) over the
+budget. Every `every` steps the held-out windows are scored: the kept iterate is the best there (the start
+included, so a layer that validation does not improve keeps its start), the fit stops after `patience` scores
+without a new best, and a score that runs away (`runaway` × the best) sends the weights back to the best at
+half the rate.
 A start that already reproduces the block (kv = heads, identical heads) is returned untouched.
 """
 
@@ -37,18 +38,9 @@ from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.layout import AttentionCodec, AttentionWeights, HeadShape
 from headfold.converter.methods import convert_attention, expand_kv, moved
 from headfold.converter.recipes import LayerContext, Recipe
+from headfold.ground.settings import LocalFit
 
-RATE = 0.05  # Adam's step, as a fraction of each tensor's RMS
-FLOOR = 0.1  # the steps shrink (cosine) to this fraction of RATE over the step budget
-RUNAWAY = 2.0  # a validation error this many times the best so far: back to the best weights, at half the rate
-SEQUENTIAL = False  # each layer reads the source model's hidden states (teacher-forced); see docs/methods.md
 EXACT = 1e-12  # a start whose squared error is below this fraction of the target's already reproduces the block
-VALIDATION = 0.25  # share of the calibration windows held out: they pick the kept iterate and stop the fit
-BATCH = 8  # windows per step (a minibatch: a step's cost does not grow with the calibration tokens)
-EVERY = 10  # steps between validations
-PATIENCE = 5  # validations in a row without a new best end the fit
-FREE = "auto"  # what the fit changes: "all" (every attention tensor), "maps" (pooled K/V, a head_dim map per query head on Q and on O) or "auto"
-DETERMINED = 0.25  # "auto" frees every tensor up to this many parameters per fitted target, the maps beyond
 KV_FIELDS = ("k", "v", "k_bias", "v_bias", "k_norm")
 
 
@@ -73,7 +65,7 @@ class FittedLayer:
     start: Errors  # the block's output error at the start
     end: Errors  # the same for the kept iterate (its validation error ≤ the start's)
     steps: int  # steps taken (≤ the budget: the fit stops when validation stops improving)
-    free: str = "all"  # what the fit changed: "all" or "maps" (FREE, resolved)
+    free: str = "all"  # what the fit changed: "all" or "maps" (LocalFit.free, resolved)
 
 
 @dataclass(frozen=True)
@@ -85,68 +77,70 @@ class Fit:
     free: str = "all"
 
 
-def split(count: int, seed: int) -> tuple[list[int], list[int]]:
+def split(count: int, seed: int, share: float = LocalFit.validation) -> tuple[list[int], list[int]]:
     """The indices of a run's calls (one window each) that the fit steps on and those held out for validation:
-    a seeded VALIDATION share, at least one call, none where there are fewer than two (or the share is 0)."""
-    held = max(1, round(count * VALIDATION)) if count >= 2 and VALIDATION > 0 else 0
+    a seeded `share`, at least one call, none where there are fewer than two (or the share is 0)."""
+    held = max(1, round(count * share)) if count >= 2 and share > 0 else 0
     validation = set(random.Random(seed).sample(range(count), held))
     return [i for i in range(count) if i not in validation], sorted(validation)
 
 
-def batches(calls: list[int], seed: int) -> Iterator[list[int]]:
-    """BATCH calls a step, every call once per pass, in a seeded order shuffled each pass."""
+def batches(calls: list[int], seed: int, size: int) -> Iterator[list[int]]:
+    """`size` calls a step, every call once per pass, in a seeded order shuffled each pass."""
     rng, order = random.Random(seed), []
     while True:
-        if len(order) < min(BATCH, len(calls)):
+        if len(order) < min(size, len(calls)):
             rng.shuffle(shuffled := list(calls))
             order += shuffled
-        yield order[:BATCH]
-        del order[:BATCH]
+        yield order[:size]
+        del order[:size]
 
 
 def fit(
-    run: layerwise.LayerRun, start: AttentionWeights, block_tensors: Callable[[AttentionWeights], dict[str, torch.Tensor]], steps: int, bar=None, seed: int = 0,
+    run: layerwise.LayerRun, start: AttentionWeights, block_tensors: Callable[[AttentionWeights], dict[str, torch.Tensor]], steps: int,
+    bar=None, seed: int = 0, settings: LocalFit = LocalFit(),
 ) -> Fit:
     """`start` (canonical, on the block's device) fitted for at most `steps` Adam steps to `run`'s block outputs
     on the fit windows; the kept iterate is the best on the held-out windows (the start included), and the fit
-    stops after PATIENCE validations without a new best. `block_tensors` maps canonical weights to the block's
-    parameters by name."""
-    fitted, held = split(len(run.calls), seed)
+    stops after `settings.patience` validations without a new best. `block_tensors` maps canonical weights to
+    the block's parameters by name."""
+    fitted, held = split(len(run.calls), seed, settings.validation)
     norms = [float(out.double().square().sum()) for out in run.outputs]
     first = errors(run, lambda: block_tensors(start), fitted, held, norms)
     if first.whole <= EXACT:  # nothing to fit: the start, untouched
         return Fit(start, first, first, 0)
-    kind = free_kind(start, sum(run.outputs[i].numel() for i in fitted))
+    kind = free_kind(start, sum(run.outputs[i].numel() for i in fitted), settings)
     free = free_tensors(start, kind)
     scale = _scales(free)
     for t in free.values():
         t.requires_grad_(True)
-    optimizer = torch.optim.Adam([{"params": [t], "lr": RATE * scale[name]} for name, t in free.items()])
+    optimizer = torch.optim.Adam([{"params": [t], "lr": settings.rate * scale[name]} for name, t in free.items()])
     rates = [group["lr"] for group in optimizer.param_groups]
     candidate = lambda: block_tensors(applied(start, free))  # noqa: E731
     best, best_error, stale, taken = None, first.selecting, 0, 0  # best: the free tensors of the best iterate (None: the start)
-    for taken, batch in enumerate(batches(fitted, seed + 1), 1):
+    floor = settings.floor
+    for taken, batch in enumerate(batches(fitted, seed + 1, settings.batch), 1):
         optimizer.zero_grad()
         squared_error(run, candidate, batch, backward=True)
-        for group, rate in zip(optimizer.param_groups, rates):  # cosine from the rate down to FLOOR of it
-            group["lr"] = rate * (FLOOR + (1 - FLOOR) * 0.5 * (1 + math.cos(math.pi * (taken - 1) / steps)))
+        for group, rate in zip(optimizer.param_groups, rates):  # cosine from the rate down to `floor` of it
+            group["lr"] = rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (taken - 1) / steps)))
         optimizer.step()
         if bar is not None:
             bar.update()
             bar.set_postfix(layer=run.index, error=f"{first.selecting:.3g}→{best_error:.3g}")
-        if taken % EVERY == 0 or taken == steps:
+        if taken % settings.every == 0 or taken == steps:
             now = squared_error(run, candidate, held or fitted) / sum(norms[i] for i in held or fitted)
             if now < best_error:
                 best, best_error, stale = {name: t.detach().clone() for name, t in free.items()}, now, 0
             else:
                 stale += 1
-                if not now <= RUNAWAY * best_error:  # diverging (or NaN): back to the best weights at half the rate
+                if not now <= settings.runaway * best_error:  # diverging (or NaN): back to the best weights at half the rate
                     with torch.no_grad():
                         for name, t in (best or free_tensors(start, kind)).items():
                             free[name].copy_(t)
                     optimizer.state.clear()
                     rates = [rate / 2 for rate in rates]
-        if stale >= PATIENCE or taken >= steps:
+        if stale >= settings.patience or taken >= steps:
             break
     if bar is not None:
         bar.update(steps - taken)
@@ -156,13 +150,13 @@ def fit(
     return Fit(kept, first, errors(run, lambda: block_tensors(kept), fitted, held, norms), taken, kind)
 
 
-def free_kind(start: AttentionWeights, targets: int) -> str:
-    """FREE, with "auto" resolved: "all" while every attention tensor's parameters per fitted target stay at most
-    DETERMINED, else "maps"."""
-    if FREE != "auto":
-        return FREE
+def free_kind(start: AttentionWeights, targets: int, settings: LocalFit = LocalFit()) -> str:
+    """`settings.free`, with "auto" resolved: "all" while every attention tensor's parameters per fitted target stay
+    at most `settings.determined`, else "maps"."""
+    if settings.free != "auto":
+        return settings.free
     parameters = sum(t.numel() for f in fields(start) if (t := getattr(start, f.name)) is not None)
-    return "all" if parameters <= DETERMINED * targets else "maps"
+    return "all" if parameters <= settings.determined * targets else "maps"
 
 
 def free_tensors(start: AttentionWeights, kind: str) -> dict[str, torch.Tensor]:
@@ -220,8 +214,10 @@ def _scales(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
 class LayerFitter:
     """Converts each layer of `ckpt` that `targets` pools: the recipe's other parts, then the fit."""
 
-    def __init__(self, ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, contexts: list[LayerContext], steps: int, seed: int = 0) -> None:
-        self.ckpt, self.targets, self.contexts, self.steps, self.seed = ckpt, targets, contexts, steps, seed
+    def __init__(
+        self, ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, contexts: list[LayerContext], steps: int, seed: int = 0, settings: LocalFit = LocalFit(),
+    ) -> None:
+        self.ckpt, self.targets, self.contexts, self.steps, self.seed, self.settings = ckpt, targets, contexts, steps, seed, settings
         self.start = replace(recipe, local=False)
 
     def pooled(self, index: int) -> bool:
@@ -239,9 +235,9 @@ class LayerFitter:
             encoded = codec.encode(expand_kv(attn, ckpt.layer_shapes[i].kv_heads))
             return {run.names[names[suffix]]: t for suffix, t in encoded.items()}
 
-        result = fit(run, moved(start.attn, device), block_tensors, self.steps, bar, self.seed)
+        result = fit(run, moved(start.attn, device), block_tensors, self.steps, bar, self.seed, self.settings)
         written = {s: t.to(ckpt.tensors[names[s]].dtype) for s, t in codec.encode(result.attn).items()}  # each in its own source dtype
-        if SEQUENTIAL:  # the next layer reads this one as it will be written
+        if self.settings.sequential:  # the next layer reads this one as it will be written
             with torch.no_grad():
                 rounded = AttentionCodec(ckpt.spec, self.targets[i]).decode({s: t.float() for s, t in written.items()})
                 for name, t in block_tensors(rounded).items():
@@ -251,16 +247,17 @@ class LayerFitter:
 
 def fitted_layers(
     ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, text: str, tokens: int, seed: int, contexts: list[LayerContext], steps: int, progress: bool,
+    settings: LocalFit = LocalFit(),
 ) -> dict[int, FittedLayer]:
     """Every pooled layer converted with `recipe`, its `local` part fitted on `tokens` tokens of `text` (windows
     as calibration samples them), one layer loaded at a time; the converted tensors are kept like
     activations (in RAM up to $HEADFOLD_CALIBRATION_RAM, then memory-mapped)."""
-    fitter = LayerFitter(ckpt, targets, recipe, contexts, steps, seed)
+    fitter = LayerFitter(ckpt, targets, recipe, contexts, steps, seed, settings)
     store = layerwise.ActivationStore(layerwise.ram_limit())
     done: dict[int, FittedLayer] = {}
     total = steps * sum(fitter.pooled(i) for i in range(len(targets)))  # layers, or an encoder-decoder's attention blocks
     with tqdm(total=total, desc="local", unit="step", disable=not progress) as bar:
-        for run in calibration.local_runs(ckpt, text, tokens, seed, SEQUENTIAL, progress):
+        for run in calibration.local_runs(ckpt, text, tokens, seed, settings.sequential, progress):
             if fitter.pooled(run.index):
                 layer = fitter.convert(run, bar)
                 done[run.index] = replace(layer, tensors={name: store.keep(t) for name, t in layer.tensors.items()})

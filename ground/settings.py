@@ -41,6 +41,37 @@ class Calibration:
         return {"calibration": self.text, "calibration_tokens": self.tokens, "seed": self.seed}
 
 
+FREE_KINDS = ("auto", "all", "maps")  # what local's fit changes (converter/local.py)
+
+
+@dataclass(frozen=True)
+class LocalFit:
+    """How `local` fits each pooled layer's attention (converter/local.py; each default chosen on the zoo's
+    trained models, docs/methods.md). Passed whole by the API and the benchmarks; the CLI takes the defaults."""
+
+    free: str = "auto"  # "all" (every attention tensor), "maps" (pooled K/V, a head_dim map per query head on Q and on O), or "auto"
+    determined: float = 0.25  # "auto" frees every tensor up to this many parameters per fitted target, the maps beyond
+    rate: float = 0.05  # Adam's step, as a fraction of each tensor's RMS
+    floor: float = 0.1  # the steps shrink (cosine) to this fraction of `rate` over the step budget
+    runaway: float = 2.0  # a validation error this many times the best so far: back to the best weights, at half the rate
+    validation: float = 0.25  # share of the calibration windows held out: they pick the kept iterate and stop the fit
+    batch: int = 8  # windows per step (a minibatch: a step's cost does not grow with the calibration tokens)
+    every: int = 10  # steps between validations
+    patience: int = 5  # validations in a row without a new best end the fit
+    sequential: bool = False  # each layer reads the converted layers before it (GPTQ's order), not the source's hidden states
+
+    def __post_init__(self) -> None:
+        if self.free not in FREE_KINDS:
+            raise BadOption("local fit", f"free={self.free!r} is not one of {', '.join(FREE_KINDS)}")
+        for name in ("batch", "every", "patience"):
+            whole(name, getattr(self, name), 1)
+        finite("rate", self.rate, above=0)
+        finite("determined", self.determined, least=0)
+        finite("floor", self.floor, least=0, most=1)
+        finite("runaway", self.runaway, above=1)
+        finite("validation", self.validation, least=0, most=0.5)
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """What `headfold export` (and run's export stage) writes: opset, weights and graph layout."""

@@ -2,7 +2,7 @@
 
 One function per command (headfold.api): convert, inspect, distill, export, build, verify, run, and
 load_model; each takes the settings objects its command builds from its options: Calibration,
-ExportOptions, Profile, DistillOptions, DistillStage, InputSpec, Thresholds. The rooms are importable
+LocalFit (convert's local fit), ExportOptions, Profile, DistillOptions, DistillStage, InputSpec, Thresholds. The rooms are importable
 as ``headfold.converter``, ``headfold.graphs`` and ``headfold.plugins``; heavy dependencies (torch,
 transformers, onnx) load only when a function runs (or DistillStage / Thresholds are first named).
 """
@@ -11,13 +11,13 @@ from typing import Any
 
 from headfold.api import build, convert, distill, export, inspect, load_model, run, sentence_transformer, verify
 from headfold.ground import VERSION as __version__
-from headfold.ground.settings import Calibration, DistillOptions, ExportOptions, InputSpec, Profile
+from headfold.ground.settings import Calibration, DistillOptions, ExportOptions, InputSpec, LocalFit, Profile
 
 _LAZY = {"DistillStage": "headfold.distillation.stage", "Thresholds": "headfold.verification.budget"}  # their modules load torch
 
 __all__ = [
     "convert", "inspect", "distill", "export", "build", "verify", "run", "load_model", "sentence_transformer",
-    "Calibration", "ExportOptions", "Profile", "DistillOptions", "DistillStage", "InputSpec", "Thresholds", "__version__",
+    "Calibration", "LocalFit", "ExportOptions", "Profile", "DistillOptions", "DistillStage", "InputSpec", "Thresholds", "__version__",
 ]  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from headfold.converter.recipes import DEFAULT_METHOD
-from headfold.ground.settings import Calibration, DistillOptions, ExportOptions, InputSpec, Profile
+from headfold.ground.settings import Calibration, DistillOptions, ExportOptions, InputSpec, LocalFit, Profile
 
 if TYPE_CHECKING:
     import transformers
@@ -65,6 +65,7 @@ def convert(
     progress: bool = True,
     pool: str | None = None,
     local_steps: int | None = None,
+    local_fit: LocalFit = LocalFit(),
 ) -> Path:
     """Convert a checkpoint to `kv_heads` K/V heads (`headfold convert`); the output folder.
 
@@ -85,13 +86,15 @@ def convert(
         pool: encoder-decoders (T5, BART, Whisper) only: the attentions to pool, "self", "cross",
             "decoder" (both: the default), "encoder" or "all" (`--pool`; docs/convert.md).
         local_steps: Adam steps per layer of a method with local (None: the default budget).
+        local_fit: how local fits each layer (LocalFit: what it frees, its rate, minibatch, validation and stopping).
     """
     from headfold import corpus
     from headfold.converter import convert as convert_checkpoint
 
     return convert_checkpoint(
         source, output, kv_heads, method, revision=revision, overwrite=overwrite, max_shard_size=max_shard_size, allow_pickle=allow_pickle,
-        progress=progress, builtin_text=corpus.calibration_text(), pool=pool, local_steps=local_steps, **_calibration(calibration).kwargs(),
+        progress=progress, builtin_text=corpus.calibration_text(), pool=pool, local_steps=local_steps, local_fit=local_fit,
+        **_calibration(calibration).kwargs(),
     )  # fmt: skip
 
 

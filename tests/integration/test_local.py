@@ -18,7 +18,7 @@ from support.tiny_models import FAMILIES, HEADS
 from test_convert import outputs, read_tensors
 
 from headfold.converter import local
-from headfold import Calibration, convert, corpus
+from headfold import Calibration, LocalFit, convert, corpus
 from headfold.converter.calibration import sample_windows, text_feeds, text_windows
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.layerwise import layer_runs
@@ -73,8 +73,12 @@ def test_every_family_fits_below_its_start(family: str, tiny_checkpoint, tmp_pat
     """No layer ends worse on its held-out windows than it started and the fit lowers the error, and the first
     layer's is the written model's own: its attention block, loaded at its kv heads, differs from the source's by
     exactly what the fit recorded."""
+    assert_fits_below_its_start(family, tiny_checkpoint, tmp_path, LocalFit())
+
+
+def assert_fits_below_its_start(family: str, tiny_checkpoint, tmp_path: Path, settings: LocalFit) -> None:
     src = calibrated(family, tiny_checkpoint)
-    out = local_convert(src, tmp_path / "local")
+    out = local_convert(src, tmp_path / "local", local_fit=settings)
     errors, layers = fit_errors(out), fit_layers(out)
     assert sorted(errors) == sorted(layers) == ["0", "1"]
     assert all(0 < layer["validation"][1] <= layer["validation"][0] for layer in layers.values()), layers
@@ -87,12 +91,11 @@ def test_every_family_fits_below_its_start(family: str, tiny_checkpoint, tmp_pat
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt2", "bloom", "gptj"])
-def test_maps_fit_below_their_start(family: str, tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FREE "maps" (pooled K/V and a map per query head on Q and on O) through q/k norms, fused QKV with biases,
+def test_maps_fit_below_their_start(family: str, tiny_checkpoint, tmp_path: Path) -> None:
+    """free "maps" (pooled K/V and a map per query head on Q and on O) through q/k norms, fused QKV with biases,
     ALiBi and interleaved rotary: never worse on validation, better somewhere, and the written model's first
     block is what the fit recorded."""
-    monkeypatch.setattr(local, "FREE", "maps")
-    test_every_family_fits_below_its_start(family, tiny_checkpoint, tmp_path)
+    assert_fits_below_its_start(family, tiny_checkpoint, tmp_path, LocalFit(free="maps"))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "stablelm"])
@@ -110,15 +113,15 @@ def test_maps_at_their_start_are_the_start(family: str, tiny_checkpoint) -> None
         assert (a is None and b is None) or torch.equal(a, b), name
 
 
-def test_auto_frees_every_tensor_only_where_the_windows_determine_them(tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FREE "auto": every tensor while their parameters per fitted target stay within DETERMINED, else the maps;
-    headfold.json says which each layer fitted."""
+def test_auto_frees_every_tensor_only_where_the_windows_determine_them(tiny_checkpoint, tmp_path: Path) -> None:
+    """free "auto": every tensor while their parameters per fitted target stay within `determined`, else the maps;
+    headfold.json says which each layer fitted, and the settings the fit ran with."""
     src = calibrated("llama", tiny_checkpoint)
-    monkeypatch.setattr(local, "FREE", "auto")
     kinds = {}
     for determined in (1e9, 0.0):
-        monkeypatch.setattr(local, "DETERMINED", determined)
-        kinds[determined] = {layer["free"] for layer in fit_layers(local_convert(src, tmp_path / str(determined), steps=2)).values()}
+        out = local_convert(src, tmp_path / str(determined), steps=2, local_fit=LocalFit(free="auto", determined=determined))
+        kinds[determined] = {layer["free"] for layer in fit_layers(out).values()}
+        assert json.loads((out / "headfold.json").read_text())["conversion"]["calibration"]["local"]["settings"]["determined"] == determined
     assert kinds == {1e9: {"all"}, 0.0: {"maps"}}
 
 
@@ -159,11 +162,10 @@ def seq2seq_block_error(src: Path, out: Path, index: int) -> float:
     return float((kept[out] - kept[src]).square().sum() / kept[src].square().sum())
 
 
-def test_a_diverging_fit_keeps_its_start(tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_diverging_fit_keeps_its_start(tiny_checkpoint, tmp_path: Path) -> None:
     """Every step far too large: each layer ends at its start, so the weights are the start method's, byte for byte."""
     src = calibrated("llama", tiny_checkpoint)
-    monkeypatch.setattr(local, "RATE", 1e3)
-    out = local_convert(src, tmp_path / "local", method="aligned+grouped+refit+local")
+    out = local_convert(src, tmp_path / "local", method="aligned+grouped+refit+local", local_fit=LocalFit(rate=1e3))
     assert all(start == end for start, end in fit_errors(out).values())
     start = convert(src, tmp_path / "start", kv_heads=2, method="aligned+grouped+refit", calibration=Calibration(tokens=TOKENS), progress=False)
     assert (out / "model.safetensors").read_bytes() == (start / "model.safetensors").read_bytes()
@@ -216,14 +218,12 @@ def test_the_held_out_windows_are_a_seeded_share() -> None:
     assert local.split(2, seed=0)[1] != [] and local.split(1, seed=0) == ([0], [])
 
 
-def test_the_fit_stops_when_validation_stops_improving(tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fit_stops_when_validation_stops_improving(tiny_checkpoint, tmp_path: Path) -> None:
     """Validation every step with a patience of one: the fit ends at the first step that does not improve it,
     well inside a budget of 500, records the steps it took, and keeps the best iterate on validation."""
     src = calibrated("llama", tiny_checkpoint)
-    monkeypatch.setattr(local, "EVERY", 1)
-    monkeypatch.setattr(local, "PATIENCE", 1)
-    monkeypatch.setattr(local, "RATE", 0.5)  # large steps: validation turns within a few
-    layers = fit_layers(local_convert(src, tmp_path / "out", steps=500))
+    settings = LocalFit(every=1, patience=1, rate=0.5)  # large steps: validation turns within a few
+    layers = fit_layers(local_convert(src, tmp_path / "out", steps=500, local_fit=settings))
     assert all(1 <= layer["steps"] < 500 for layer in layers.values()), layers
     assert all(layer["validation"][1] <= layer["validation"][0] for layer in layers.values()), layers
 
@@ -241,12 +241,11 @@ def test_each_tensor_keeps_its_source_dtype(tiny_checkpoint, tmp_path: Path) -> 
     assert {t.dtype for n, t in written.items() if n.endswith(("k_proj.weight", "v_proj.weight", "o_proj.weight"))} == {torch.float32}
 
 
-def test_sequential_reads_the_converted_layers(tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sequential_reads_the_converted_layers(tiny_checkpoint, tmp_path: Path) -> None:
     """GPTQ's order: the second layer fits on the first layer as written, so its start differs; the first's does not."""
     src = calibrated("llama", tiny_checkpoint)
     teacher = fit_errors(local_convert(src, tmp_path / "teacher"))
-    monkeypatch.setattr(local, "SEQUENTIAL", True)
-    sequential = fit_errors(local_convert(src, tmp_path / "sequential"))
+    sequential = fit_errors(local_convert(src, tmp_path / "sequential", local_fit=LocalFit(sequential=True)))
     assert teacher["0"] == sequential["0"] and teacher["1"][0] != sequential["1"][0]
     assert all(end <= start for start, end in sequential.values())
 
@@ -335,3 +334,10 @@ def test_peak_memory_is_one_layer(tmp_path: Path) -> None:
     bound = baseline + 2 * layer + converted + activations
     assert bound < baseline + model  # the bound excludes holding the model
     assert peak <= bound, f"peak RSS {peak / 1e9:.2f} GB > {bound / 1e9:.2f} GB"
+
+
+@pytest.mark.parametrize("field, value", [("free", "some"), ("batch", 0), ("rate", 0.0), ("validation", 0.9), ("runaway", 1.0), ("patience", 1.5)])
+def test_local_fit_settings_are_checked(field: str, value: object) -> None:
+    """LocalFit refuses a value outside its field's domain as it is built, naming the field."""
+    with pytest.raises(BadInput, match=field):
+        LocalFit(**{field: value})
