@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -98,29 +97,45 @@ def wide(tmp_path_factory) -> tuple[Path, str]:
     return folder, digest(folder)
 
 
-def start_convert(src: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([HEADFOLD, "convert", src, out, "--kv-heads", "2", "--method", "mean", "-q", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+# headfold in a child process that signals itself at an event of its own work, not at a moment a poller
+# guesses: "bytes" N, at the shard writer's first store once N bytes are written (0: before any byte, the
+# staging folder just made); "staged", as its first output's staging folder appears.
+SIGNAL_AT = """
+import os, sys
+from contextlib import contextmanager
+from headfold.cli import main
+from headfold.converter import writer
+from headfold.ground import atomic
+
+event, value, signum = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if event == "bytes":
+    store, stored = writer.ShardedWriter._store, [0]
+    def counted(self, shard, header, data, last):
+        if stored[0] >= value:
+            os.kill(os.getpid(), signum)
+        store(self, shard, header, data, last)
+        stored[0] += len(header or b"") + data.nbytes
+    writer.ShardedWriter._store = counted
+else:
+    staging = atomic.staging_folder
+    @contextmanager
+    def signalled(*args, **kwargs):
+        with staging(*args, **kwargs) as folder:
+            os.kill(os.getpid(), signum)
+            yield folder
+    atomic.staging_folder = signalled
+sys.exit(main(sys.argv[4:]))
+"""
 
 
-def wait_for(proc: subprocess.Popen, ready, timeout: float = 120) -> bool:
-    """Poll until ready() (True) or the process exits (False)."""
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        if ready():
-            return True
-        time.sleep(0.002)
-    return False
+def signalled_at(event: str, value: int, signum: int, *args, **popen) -> subprocess.Popen:
+    """headfold ARGS in a child that sends itself `signum` at `event` (SIGNAL_AT)."""
+    command = [sys.executable, "-c", SIGNAL_AT, event, str(int(value)), str(int(signum)), *map(str, args)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
 
 
-def partial_bytes(out: Path, pid: int) -> int | None:
-    """Bytes written so far into the writer's hidden `.OUT.partial-PID`, None before it exists."""
-    tmp = out.with_name(f".{out.name}.partial-{pid}")
-    if not tmp.exists():
-        return None
-    try:
-        return sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
-    except FileNotFoundError:  # it vanished while we counted
-        return None
+def convert_args(src: Path, out: Path) -> list:
+    return ["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"]
 
 
 def open_files() -> list[str]:
@@ -312,7 +327,7 @@ def test_a_failed_write_leaves_no_parent_it_made(tmp_path: Path) -> None:
 def test_concurrent_writers_exactly_one_wins(wide, tmp_path: Path) -> None:
     src, before = wide
     out = tmp_path / "out"
-    procs = [start_convert(src, out) for _ in range(3)]
+    procs = [subprocess.Popen([HEADFOLD, *convert_args(src, out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     results = [(p.pid, p.wait(), p.stderr.read().strip()) for p in procs]
     winners = [pid for pid, code, _ in results if code == 0]
     assert len(winners) == 1, results
@@ -332,16 +347,13 @@ def test_kill_9_mid_write_then_the_next_run_cleans_up(wide, tmp_path: Path) -> N
     total = sum(f.stat().st_size for f in src.glob("*.safetensors")) * 0.85  # kv heads halve K and V
     dead: list[int] = []
     for moment in (0, 1, total / 2):
-        proc = start_convert(src, out)
-        caught = wait_for(proc, lambda: (n := partial_bytes(out, proc.pid)) is not None and n >= moment)
-        proc.kill()
-        proc.wait()
-        assert caught, f"the conversion finished before {moment} bytes were written: make the checkpoint wider"
+        proc = signalled_at("bytes", moment, signal.SIGKILL, *convert_args(src, out))
+        assert proc.wait() == -signal.SIGKILL, f"the conversion finished before {moment} bytes were written: make the checkpoint wider"
         if dead:
             assert f".out.partial-{dead[-1]}, left by writer pid {dead[-1]}" in proc.stderr.read()
         dead.append(proc.pid)
         assert beside(tmp_path) == [".out.lock", f".out.partial-{proc.pid}"]  # the lock file, its flock died with it
-    again = subprocess.run([HEADFOLD, "convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"], capture_output=True, text=True)
+    again = subprocess.run([HEADFOLD, *convert_args(src, out)], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     assert f".out.partial-{dead[-1]}, left by writer pid {dead[-1]}" in again.stderr
     assert beside(tmp_path) == ["out"] and digest(src) == before
@@ -356,9 +368,7 @@ def test_sigterm_cleans_up_and_exits_143(command: str, wide, tiny_checkpoint, tm
     before = digest(src)
     out = tmp_path / "out"
     extra = ["--kv-heads", "2", "--method", "mean"] if command == "convert" else []
-    proc = subprocess.Popen([HEADFOLD, command, src, out, "-q", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert wait_for(proc, lambda: partial_bytes(out, proc.pid) is not None)
-    proc.send_signal(signal.SIGTERM)
+    proc = signalled_at("staged", 0, signal.SIGTERM, command, src, out, "-q", *extra)
     assert proc.wait() == 143
     assert proc.stderr.read().strip() == "headfold: terminated (SIGTERM); removing partial outputs"
     assert beside(tmp_path) == [] and digest(src) == before
@@ -366,9 +376,7 @@ def test_sigterm_cleans_up_and_exits_143(command: str, wide, tiny_checkpoint, tm
 
 @pytest.mark.slow
 def test_demo_leaves_no_temp_folder_on_sigterm(tmp_path: Path) -> None:
-    proc = subprocess.Popen([HEADFOLD, "demo"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert wait_for(proc, lambda: (tmp_path / f"headfold-demo-{proc.pid}-0" / "run" / "stages.json").exists())
-    proc.send_signal(signal.SIGTERM)
+    proc = signalled_at("staged", 0, signal.SIGTERM, "demo", env={**os.environ, "TMPDIR": str(tmp_path)})  # as its convert stage stages OUT
     assert proc.wait() == 143
     assert "terminated (SIGTERM)" in proc.stderr.read()
     # onnxruntime 1.32 writes its telemetry session id to $TMPDIR/.ses at its first session: not ours
@@ -677,30 +685,29 @@ def ctrl_c_as_in_a_terminal() -> Iterator[None]:
 
 
 SIGNALS = """
-import _thread, json, os, signal, sys, threading, time
+import json, os, signal, sys
 from pathlib import Path
 from headfold.cli import main
+from headfold.distillation import state, trainer
 
-def when(ready, act):
-    def watch():
-        while True:
-            try:
-                if ready():
-                    break
-            except OSError:  # a folder listed while the command replaces it: look again
-                pass
-            time.sleep(0.01)
-        act()
-    threading.Thread(target=watch, daemon=True).start()
+def once(owner, name, signum):
+    # signal this process as owner.name first returns: an event of the run, not a moment
+    real = getattr(owner, name)
+    def signalled(*args, **kwargs):
+        setattr(owner, name, real)
+        value = real(*args, **kwargs)
+        os.kill(os.getpid(), signum)
+        return value
+    setattr(owner, name, signalled)
 
 args, folder = json.loads(sys.argv[1]), Path(sys.argv[2])
-state, results = folder / ".out.distill-state", []
-when(lambda: (folder / "..out.distill-state.lock").exists(), lambda: (time.sleep(0.5), os.kill(os.getpid(), signal.SIGTERM)))
+results = []
+once(trainer.Trainer, "step", signal.SIGTERM)  # training: after its first step
 try:
     main([*args, "--steps", "100000"])
 except SystemExit as stop:
     results.append([stop.code, sorted(os.listdir(folder))])
-when(lambda: any(state.glob("step-*")), _thread.interrupt_main)
+once(state, "save", signal.SIGINT)  # as its first checkpoint is saved
 results.append([main([*args, "--steps", "100000", "--save-every", "1"]), sorted(os.listdir(folder))])
 results.append([main([*args, "--steps", "2"]), sorted(os.listdir(folder))])
 print(json.dumps(results))
