@@ -26,8 +26,13 @@ def render():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "results").glob("*.json")), ids=lambda p: p.name)
 def test_every_results_file_renders(render, path: Path) -> None:
-    section = render.render_file(path)
+    """Its section says what the file measures and shows every row: each row's model, family and method appear."""
+    section, data = render.render_file(path), json.loads(path.read_text())
     assert section.startswith(f"## `{path.name}`") and "|---|" in section
+    rows, what = (data.get("rows", []), data.get("what")) if isinstance(data, dict) else (data, None)  # some files are a bare list of rows
+    assert not isinstance(what, str) or what[:60] in section
+    named = {row[key] for row in rows if isinstance(row, dict) for key in ("model", "family", "method") if isinstance(row.get(key), str)}
+    assert sorted(name for name in named if name not in section) == []
 
 
 def test_pages_are_what_the_results_give() -> None:
