@@ -66,14 +66,14 @@ def prompt_check(checkpoint: Path, graph: Path) -> dict[str, float]:
     import onnxruntime as ort
 
     from headfold.converter.modeling import load_model
-    from headfold.graphs.export import position_ids
+    from headfold.graphs.export import positions_from_mask
 
     model = load_model(checkpoint, dtype=torch.float32)
     ids = torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
     with torch.no_grad():
-        expected = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits.numpy()
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits.numpy()
     session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
     feeds |= {i.name: np.zeros((2, i.shape[1], 0, i.shape[3]), np.float32) for i in session.get_inputs() if i.name.startswith("past")}

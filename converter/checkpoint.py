@@ -139,7 +139,7 @@ def inside(folder: Path, entry: Any, index: Path) -> Path:
 
 
 # -- config.json ----------------------------------------------------------------------
-def _read_config(folder: Path) -> dict[str, Any]:
+def _read_config_json(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     try:  # open, not is_file(): an unreadable file is "permission denied", never "missing"
         config = inputs.read_json(path, "restore it from the original checkpoint")
@@ -398,7 +398,7 @@ class CheckpointFacts:
         if not _is_dir(folder):
             raise BadInput(f"source {folder} is not a folder; pass a Hugging Face checkpoint folder")
         check_links(folder)
-        config = _read_config(folder)
+        config = _read_config_json(folder)
         spec = _spec_or_refusal(config, convertible)
         _check_config(config, spec)
         keys = spec.config if spec else common_keys(config.get("model_type"))
@@ -566,7 +566,7 @@ def _quantization_scheme(name: str) -> str | None:
     return next((scheme for scheme, endings in QUANTIZATION_TENSORS.items() if last in endings), None)
 
 
-def _check_tensor(info: TensorInfo) -> None:
+def _check_stored_tensor(info: TensorInfo) -> None:
     """No quantization data, no 0-size tensors: both would convert into garbage, exit 0."""
     if scheme := _quantization_scheme(info.name):
         raise BadInput(f"tensor {info.name} in {info.file.name} is {scheme} quantization data: {DEQUANTIZE}")
@@ -586,7 +586,7 @@ def read_tensor_index(folder: Path, allow_pickle: bool) -> TensorIndex:
             pickles[file] = _load_pickle(file)
             infos = [TensorInfo(n, _pickle_code(file, n, t), tuple(t.shape), file) for n, t in pickles[file].items()]
         for info in infos:  # a source's tensors, whatever their format; the header parse itself stays neutral
-            _check_tensor(info)
+            _check_stored_tensor(info)
             if (first := tensors.setdefault(info.name, info)) is not info:
                 raise BadInput(f"tensor {info.name} is in two shards, {first.file.name} and {file.name}; restore the checkpoint (each tensor lives in one shard)")
     if missing := set(index) - set(tensors):
@@ -697,7 +697,7 @@ class SourceCheckpoint:
                     f"tensor '*{suffix}' found for layers {sorted(by_layer)}, expected {_ranges(expected[suffix])}; weights and config.json disagree"
                 )
             for i, name in by_layer.items():
-                self._check_tensor(name, sizes[i][suffix], shapes[i])
+                self._check_attention_tensor(name, sizes[i][suffix], shapes[i])
                 layers[i][suffix] = name
         required = self._required_suffixes()
         if missing := [s for s in required if s not in found]:
@@ -712,7 +712,7 @@ class SourceCheckpoint:
         weights = [p.weight for p in self.spec.projections.values()]
         return weights + ([self.spec.fused_qkv.weight] if self.spec.fused_qkv else [])
 
-    def _check_tensor(self, name: str, expected: tuple[int, ...], s: HeadShape) -> None:
+    def _check_attention_tensor(self, name: str, expected: tuple[int, ...], s: HeadShape) -> None:
         """An attention tensor's full shape and dtype against the spec and config.json."""
         info = self.tensors[name]
         dtype = f"torch.{SAFETENSORS_DTYPES[info.code][0]}"  # the name users know

@@ -417,7 +417,7 @@ def _check_forward_signature(cls: type[_GQA]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_config(facts: CheckpointFacts) -> transformers.PretrainedConfig:
+def _transformers_config(facts: CheckpointFacts) -> transformers.PretrainedConfig:
     """transformers' config for a checkpoint whose facts (sizes, rope, links, quantization) are already checked."""
     facts.check_activations()
     try:
@@ -695,7 +695,7 @@ def load_model(path: str | os.PathLike | CheckpointFacts, *, dtype: torch.dtype 
     """
     facts = _facts(path)  # missing, unreadable, links out, quantized, bad sizes or rope: before transformers sizes anything
     folder = facts.folder
-    config = _read_config(facts)
+    config = _transformers_config(facts)
     _generation_config(folder)  # from_pretrained would skip a broken one with a warning: refused as bad input
     cls = _model_class(config)
     gqa = _gqa_class(config, facts.heads, facts.kv_heads)
@@ -725,7 +725,7 @@ def empty_model(facts: CheckpointFacts, shapes: dict[str, tuple[int, ...]]) -> t
 
     `shapes` are the checkpoint's tensor shapes by name (from its headers); BadInput as for load_model.
     """
-    config = _read_config(facts)
+    config = _transformers_config(facts)
     cls = _model_class(config)
     model = _build(cls, config, facts, _gqa_class(config, facts.heads, facts.kv_heads), torch.float32, device="meta")
     plan = _plan(model, facts, {name: (shape, None) for name, shape in shapes.items()}, converters_ok=False)
@@ -739,7 +739,7 @@ def hollow_model(facts: CheckpointFacts, dtype: torch.dtype) -> tuple[transforme
     persistent buffer, tied names included. An exporter traces it and streams the weights itself.
     BadInput as for load_model.
     """
-    config = _read_config(facts)
+    config = _transformers_config(facts)
     _generation_config(facts.folder)
     cls = _model_class(config)
     with accelerate.init_empty_weights(include_buffers=False):
@@ -783,7 +783,7 @@ def check_loadable(path: str | os.PathLike | CheckpointFacts) -> None:
     stage): config values transformers validates, the architecture, generation_config.json, and every
     tensor's name and shape against the model config.json describes, built on the meta device."""
     facts = _facts(path)
-    config = _read_config(facts)
+    config = _transformers_config(facts)
     cls = _model_class(config)
     _generation_config(facts.folder)
     gqa = _gqa_class(config, facts.heads, facts.kv_heads)

@@ -29,8 +29,9 @@ import torch
 from headfold.converter import alignment
 
 
-def _root(gram: torch.Tensor) -> torch.Tensor:
-    """A symmetric square root of a positive semi-definite [.., d, d] matrix (L with L Lᵀ = gram)."""
+def _root_factor(gram: torch.Tensor) -> torch.Tensor:
+    """A square-root factor L of a positive semi-definite [.., d, d] matrix, L Lᵀ = gram: its eigenvectors
+    scaled by the roots of its eigenvalues, VΛ^½ (not the symmetric root VΛ^½Vᵀ; any factor serves)."""
     values, vectors = torch.linalg.eigh(gram)
     return vectors * values.clamp_min(0).sqrt().unsqueeze(-2)
 
@@ -44,7 +45,7 @@ class PredictedLoss:
         d = keys[0].shape[1]
         self.rotary = key_rotary or 0
         self.fixed_keys = key_rotary is None
-        v_weights = torch.stack([_root(torch.einsum("gdh,geh->de", r.double(), r.double())) for r in readers])  # [n, d, d]
+        v_weights = torch.stack([_root_factor(torch.einsum("gdh,geh->de", r.double(), r.double())) for r in readers])  # [n, d, d]
         self.values = self._blocks([v.double() @ w for v, w in zip(values, v_weights)])
         self.value_energy = float(torch.diagonal(self.values, dim1=-2, dim2=-1).sum(-1).diagonal().sum())
         k = [a.double() for a in keys]
@@ -61,7 +62,7 @@ class PredictedLoss:
             self.pairs = torch.einsum("atp,btp->pab", z.conj(), z)  # [r/2, n, n] Hermitian per pair
             energy += float(self.pairs.diagonal(dim1=-2, dim2=-1).real.sum())
         if self.rotary < d:
-            q_weights = [_root(q[..., self.rotary :].double().flatten(0, 1).T @ q[..., self.rotary :].double().flatten(0, 1)) for q in queries]
+            q_weights = [_root_factor(q[..., self.rotary :].double().flatten(0, 1).T @ q[..., self.rotary :].double().flatten(0, 1)) for q in queries]
             self.plain = self._blocks([a[:, self.rotary :] @ w for a, w in zip(k, q_weights)])
             energy += float(torch.diagonal(self.plain, dim1=-2, dim2=-1).sum(-1).diagonal().sum())
         self.key_energy = energy

@@ -62,7 +62,7 @@ __all__ = [
     "visible_keys",
     "GRAPH_LAYOUTS",
     "encoder_graphs",
-    "position_ids",
+    "positions_from_mask",
     "POSITION_IDS",
     "check_opset",
     "check_options",
@@ -81,7 +81,7 @@ WRAPPED = "model"  # the attribute the graph modules below keep the transformers
 _BATCH, _SEQUENCE, _PAST = 2, 7, 5
 
 
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens (left padding allowed), as transformers' generate does.
 
     Passing them explicitly (B, S) also keeps torch.onnx from fusing RotaryEmbedding with a
@@ -108,7 +108,7 @@ class Prefill(nn.Module):
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask),
+            position_ids=positions_from_mask(attention_mask),
             cache=cache,
             use_cache=True,
         )
@@ -129,7 +129,7 @@ class Decode(nn.Module):
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask)[:, -1:],
+            position_ids=positions_from_mask(attention_mask)[:, -1:],
             cache=cache,
             use_cache=True,
         )
@@ -156,7 +156,7 @@ def visible_keys(attention_mask: torch.Tensor, new_tokens: int, window: int | No
     queries = torch.arange(total - new_tokens, total, device=attention_mask.device)[:, None]  # S exactly, not a slice
     causal_real = (keys <= queries) & attention_mask.bool()[:, None, None, :]
     if window is not None:
-        positions = position_ids(attention_mask)
+        positions = positions_from_mask(attention_mask)
         causal_real = causal_real & (positions[:, None, None, :] > positions[:, None, -new_tokens:, None] - window)
     return causal_real | (keys == queries)
 
@@ -189,25 +189,25 @@ class Decoder(nn.Module):
     """The merged graph: input_ids (B, S), attention_mask (B, P + S), past K/V (B, kvᵢ, P, d), P ≥ 0
     → logits (B, S, V), present K/V (B, kvᵢ, P + S, d).
 
-    With `explicit_positions` a position_ids (B, S) input follows attention_mask and the rotary
+    With `position_ids` a position_ids (B, S) input follows attention_mask and the rotary
     positions are taken from it; otherwise they are counted over the mask's real tokens. Sliding
     windows (`windows`, one per layer) are in the masks; the cache keeps every token.
     """
 
-    def __init__(self, model: transformers.PreTrainedModel, explicit_positions: bool = False, windows: Sequence[int | None] = ()) -> None:
+    def __init__(self, model: transformers.PreTrainedModel, position_ids: bool = False, windows: Sequence[int | None] = ()) -> None:
         super().__init__()
         self.model = model
-        self.explicit_positions = explicit_positions
+        self.position_ids = position_ids
         self.windows = list(windows)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *rest: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        positions, past = (rest[0], rest[1:]) if self.explicit_positions else (None, rest)
+        positions, past = (rest[0], rest[1:]) if self.position_ids else (None, rest)
         cache = DynamicCache(list(zip(past[0::2], past[1::2])))  # no config: no layer drops what its window no longer sees
         new_tokens = input_ids.shape[1]
         if positions is None:
-            positions = position_ids(attention_mask)[:, -new_tokens:]
+            positions = positions_from_mask(attention_mask)[:, -new_tokens:]
         out = self.model(
             input_ids=input_ids,
             attention_mask=layer_masks(attention_mask, new_tokens, self.windows),
@@ -257,9 +257,9 @@ POSITION_IDS = "position_ids"
 
 
 def decoder_graphs(
-    model: transformers.PreTrainedModel, layers: int, layout: str = "merged", *, explicit_positions: bool = False
+    model: transformers.PreTrainedModel, layers: int, layout: str = "merged", *, position_ids: bool = False
 ) -> list[GraphSpec]:
-    """The merged graph (model.onnx), with a position_ids input if `explicit_positions` and each
+    """The merged graph (model.onnx), with a position_ids input if `position_ids` and each
     layer's sliding window in its mask, or prefill.onnx + decode.onnx for layout="split"."""
     batch, sequence, past = Dim("batch"), Dim("sequence"), Dim("past_sequence")
     ids, mask = _example_tokens(model.config, _BATCH, _SEQUENCE)
@@ -269,12 +269,12 @@ def decoder_graphs(
     kv_axes = {0: batch, 2: past}
     if layout == "merged":
         mask = torch.ones(_BATCH, _PAST + _SEQUENCE, dtype=torch.long)
-        positions = (position_ids(mask)[:, -_SEQUENCE:],) if explicit_positions else ()
-        position_axes = ({0: batch, 1: sequence},) if explicit_positions else ()
+        positions = (positions_from_mask(mask)[:, -_SEQUENCE:],) if position_ids else ()
+        position_axes = ({0: batch, 1: sequence},) if position_ids else ()
         return [
             GraphSpec(
                 MODEL_GRAPH,
-                Decoder(model, explicit_positions, attention_windows(model.config, layers)),
+                Decoder(model, position_ids, attention_windows(model.config, layers)),
                 (ids, mask, *positions, *past_kv),
                 ["input_ids", "attention_mask", *[POSITION_IDS] * len(positions), *cache_names(PAST, layers)],
                 ["logits", *cache_names(PRESENT, layers)],
@@ -461,7 +461,7 @@ def export_graph(
 
 
 def _layout(
-    facts: CheckpointFacts, graphs: str, *, attention: str, optimize: str | None, explicit_positions: bool, trt_version: str | None
+    facts: CheckpointFacts, graphs: str, *, attention: str, optimize: str | None, position_ids: bool, trt_version: str | None
 ) -> str:
     """The export's layout (export.json "layout"): merged | split (decoders), encoder, seq2seq; BadInput
     for an option the checkpoint's kind has no graph for."""
@@ -471,7 +471,7 @@ def _layout(
     kind = "an encoder-decoder" if facts.kind == "seq2seq" else "an encoder"
     if attention == "ort-gqa":
         raise BadInput(f"--attention ort-gqa is for decoders (ORT's GroupQueryAttention is causal); {src} is {kind}")
-    if explicit_positions:
+    if position_ids:
         raise BadInput(f"position_ids is an input of decoder graphs; {src} is {kind}")
     if facts.kind == "encoder":
         return "encoder"
@@ -600,7 +600,7 @@ def graph_layout(graphs: str | None, trt_version: str | None) -> str:
 
 def check_options(
     *, opset: int = ExportOptions.opset, dtype: Precision | str | None = None, attention: str = ExportOptions.attention, trt_version: str | None = None, graphs: str | None = None,
-    optimize: str | None = ExportOptions.optimize, explicit_positions: bool = False, int4_block_size: int | None = None, int4_symmetric: bool | None = None,
+    optimize: str | None = ExportOptions.optimize, position_ids: bool = False, int4_block_size: int | None = None, int4_symmetric: bool | None = None,
 ) -> None:
     """What export refuses in its options alone, before the checkpoint is read (run: before its first stage)."""
     check_opset(opset)
@@ -611,7 +611,7 @@ def check_options(
         raise BadInput(f"unknown optimization {optimize!r}; use --optimize {', '.join(OPTIMIZATIONS)}")
     if optimize == "ort" and trt_version:
         raise BadInput("--optimize ort writes ONNX Runtime's own ops, which TensorRT cannot parse; drop --optimize or --trt-version")
-    if explicit_positions and graphs != "merged":
+    if position_ids and graphs != "merged":
         raise BadInput("position_ids is an input of the merged graph only; drop it or use --graphs merged")
     if trt_version is not None:
         rule_set(trt_version)  # an unknown version is bad input before the slow part
@@ -633,7 +633,7 @@ def export(
     trt_version: str | None = None,
     graphs: str | None = None,
     optimize: str | None = ExportOptions.optimize,
-    explicit_positions: bool = False,
+    position_ids: bool = False,
     int4_block_size: int | None = None,
     int4_symmetric: bool | None = None,
 ) -> dict:
@@ -652,7 +652,7 @@ def export(
     split for a `trt_version` target, else merged (graph_layout).
     optimize="ort" applies ONNX Runtime's fusions and records their counts per graph; "auto" (the
     default) applies them to GroupQueryAttention graphs only, "none" (or None) never.
-    explicit_positions=True gives the merged graph a position_ids [B, S] input that the rotary
+    position_ids=True gives the merged graph a position_ids [B, S] input that the rotary
     positions come from (else they are counted over the mask's real tokens); genai_config names it.
 
     attention="auto" (the default) writes com.microsoft.GroupQueryAttention, with a shared K/V
@@ -669,14 +669,14 @@ def export(
     dtype = parse_dtype(dtype)
     check_options(
         opset=opset, dtype=dtype, attention=attention, trt_version=trt_version, graphs=graphs, optimize=optimize,
-        explicit_positions=explicit_positions, int4_block_size=int4_block_size, int4_symmetric=int4_symmetric,
+        position_ids=position_ids, int4_block_size=int4_block_size, int4_symmetric=int4_symmetric,
     )  # fmt: skip
     int4 = int4_settings(dtype, int4_block_size, int4_symmetric, trt_version)
     graphs = graph_layout(graphs, trt_version)
     src, out = checkpoint_folder(src, revision=revision), Path(out_dir)
     out = check_output(out, overwrite=overwrite, sources=(src,))
     facts = CheckpointFacts.read(src)
-    layout = _layout(facts, graphs, attention=attention, optimize=optimize, explicit_positions=explicit_positions, trt_version=trt_version)
+    layout = _layout(facts, graphs, attention=attention, optimize=optimize, position_ids=position_ids, trt_version=trt_version)
     if int4 is not None and facts.kind != "decoder":
         raise BadInput(f"--dtype int4 is for decoders (onnxruntime-genai's int4 folders); {src} is {'an encoder' if facts.kind == 'encoder' else 'an encoder-decoder'}")
     choice = choose_attention(facts, attention, layout=layout, trt_version=trt_version)
@@ -691,7 +691,7 @@ def export(
     def specs(traced_layers: int) -> list[GraphSpec]:
         if layout == "seq2seq":
             return encoder_decoder_graphs(model, facts)
-        return decoder_graphs(model, traced_layers, graphs, explicit_positions=explicit_positions) if decoder else encoder_graphs(model)
+        return decoder_graphs(model, traced_layers, graphs, position_ids=position_ids) if decoder else encoder_graphs(model)
 
     def export_one(folder: Path, spec: GraphSpec, template: LayerTemplate | None) -> dict:
         summary = export_graph(
@@ -713,7 +713,7 @@ def export(
         genai_blocker = seq2seq_genai_blocker(facts) if layout == "seq2seq" else None
         if layout in ("merged", "seq2seq") and genai_blocker is None:
             summary.genai = write_model_folder(
-                facts, tmp, model.config, MODEL_GRAPH, attention=choice.kind, position_ids=explicit_positions
+                facts, tmp, model.config, MODEL_GRAPH, attention=choice.kind, position_ids=position_ids
             )
         elif genai_blocker is not None:  # why onnxruntime-genai cannot run it, in export.json
             summary.genai = {"not_written": genai_blocker, "tokenizer_files": copy_tokenizer(facts.folder, tmp)}

@@ -93,9 +93,7 @@ class ExportOptions:
     def kwargs(self) -> dict[str, Any]:
         """As headfold.graphs.export.export takes them; graphs None: export's default layout (split for
         a TensorRT target, else merged: graph_layout), or run's (split where TensorRT builds)."""
-        values = asdict(self)
-        values["explicit_positions"] = values.pop("position_ids")
-        return values
+        return asdict(self)
 
 
 @dataclass(frozen=True)

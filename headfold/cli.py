@@ -77,7 +77,7 @@ def _kv_text(kv_heads: int | tuple[int, ...]) -> str:
     return str(kv_heads) if isinstance(kv_heads, int) else ",".join(map(str, kv_heads))
 
 
-def _local(*sources: str | Path, revision: str | None, allow_pickle: bool = False) -> list[Path]:
+def _checkpoint_folders(*sources: str | Path, revision: str | None, allow_pickle: bool = False) -> list[Path]:
     """Each checkpoint argument as a local folder: hub ids (ORG/NAME) resolved through the Hugging Face
     cache before any heavy import, so a wrong id fails in a second; other paths as they are."""
     return checkpoint_folders(*sources, revision=revision, allow_pickle=allow_pickle)
@@ -138,7 +138,7 @@ def convert(
         output.emit(line, {"output": str(out), "method": method, **summary}, [src])
         return
 
-    (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
+    (src,) = _checkpoint_folders(src, revision=revision, allow_pickle=allow_pickle)
     reads = [src, *([] if calibration.text in (None, "weights") else [Path(calibration.text)])]
     output.check(reads, [out])
     if not get_method(method).data_aware:
@@ -175,7 +175,7 @@ def export_cmd(src: str, out_dir: Path, export: ExportOptions, revision: str | N
     Weights go to .onnx.data. Exits 1 when an attention layer did not fuse. With --trt-version,
     the ops that release's parser lacks are decomposed and the graphs linted against it.
     """
-    (src,) = _local(src, revision=revision)
+    (src,) = _checkpoint_folders(src, revision=revision)
     output.check([src], [out_dir])
     from headfold.graphs.export import export as run_export
 
@@ -255,7 +255,7 @@ def verify_cmd(reference: str, candidate: str, check: str, inputs: InputSpec, th
     """
     from headfold.verification.api import files_read, verify
 
-    reference, candidate = _local(reference, candidate, revision=revision)
+    reference, candidate = _checkpoint_folders(reference, candidate, revision=revision)
     files = [p for p in (None if output.json_to_stdout else output.json_path, markdown_path, junit_path) if p is not None]
     reads = files_read(reference, candidate, inputs, thresholds)
     check_outputs([(p, False) for p in files], overwrite=output.overwrite, sources=reads)  # before the work
@@ -292,7 +292,7 @@ def run_cmd(
     """
     from headfold.pipeline import run
 
-    (src,) = _local(src, revision=revision, allow_pickle=allow_pickle)
+    (src,) = _checkpoint_folders(src, revision=revision, allow_pickle=allow_pickle)
     output.check([src], [out_dir])
     report = run(
         src, out_dir, kv_heads, method=method, max_shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration, pool=pool,
@@ -338,7 +338,7 @@ def distill_cmd(teacher: str, student: str, out: Path, revision: str | None, out
     from headfold.distillation.sharding import main_process
     from headfold.distillation.state import state_folder
 
-    teacher, student = _local(teacher, student, revision=revision)
+    teacher, student = _checkpoint_folders(teacher, student, revision=revision)
     reads = [teacher, student, *(Path(options[k]) for k in ("data", "eval_data") if options.get(k) is not None)]
     output.check(reads, [out, state_folder(out)])
     result = distill(teacher, student, out, overwrite=output.overwrite, progress=output.progress, **options)
@@ -381,7 +381,7 @@ def inspect_cmd(src: str, candidates: str | None, method: str, kv_budget, calibr
     """
     from headfold.inspection import inspect_checkpoint
 
-    (src,) = _local(src, revision=revision)
+    (src,) = _checkpoint_folders(src, revision=revision)
     json_file = None if output.json_to_stdout else output.json_path
     if heatmap is None and json_file is None:
         refuse(("overwrite",), "without --heatmap or --json FILE (inspect writes no other file)")
@@ -404,7 +404,7 @@ def _demo_rows() -> int:
 
 
 @cli.command()
-@conversion_options(kv_default="4", written=False, pool=False)
+@conversion_options(kv_default="4", written=False, with_pool=False)
 @calibration_options
 @distill_stage_options
 @options(

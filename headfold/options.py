@@ -406,14 +406,14 @@ LOCAL_STEPS = spec(
 )  # fmt: skip
 
 
-def conversion_options(*, kv_default: str | None = None, written: bool = True, pool: bool = True) -> OptionGroup:
+def conversion_options(*, kv_default: str | None = None, written: bool = True, with_pool: bool = True) -> OptionGroup:
     """--kv-heads, --method and --local-steps; where a checkpoint is written (convert, run) --shard-size and
-    --allow-pickle; `pool`: --pool (convert, run: not the demo, whose model is a decoder)."""
+    --allow-pickle; `with_pool`: --pool too (convert, run: not the demo, whose model is a decoder)."""
     checkpoint = (
         spec("--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file)."),
         spec("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin pickles (loaded with weights_only=True; from the hub only when the repo has no safetensors). Off by default: pickles can run code."),
     )  # fmt: skip
-    return options(kv_heads_spec(kv_default), method_spec(), *((POOL,) if pool else ()), LOCAL_STEPS, *(checkpoint if written else ()), title=CONVERSION)
+    return options(kv_heads_spec(kv_default), method_spec(), *((POOL,) if with_pool else ()), LOCAL_STEPS, *(checkpoint if written else ()), title=CONVERSION)
 
 
 # Export (export, run)

@@ -7,7 +7,7 @@ graph for a merged export, through decode.onnx for a split one), fed that token
 (teacher forcing: the row's next real token, not the model's guess) and the previous call's
 present K/V as past K/V. The attention mask grows by one per step, so a row shorter than the
 batch's longest keeps its pads between prefix and new tokens; the graphs derive positions from
-the mask (graphs.export.position_ids), so each new token still gets its own position, as in
+the mask (graphs.export.positions_from_mask), so each new token still gets its own position, as in
 generation. A GroupQueryAttention export runs as onnxruntime-genai runs it (`shared`): one
 max-length K/V buffer per layer bound as both past and present, written in place by every call
 (runners.SharedKvCache). The `<fidelity check>-decode` check compares those positions only, against

@@ -16,7 +16,7 @@ from support.tiny_models import ENCODERS, HEADS, sample_batch
 from headfold import convert
 from headfold.converter.modeling import load_model
 from headfold.graphs import rewrite
-from headfold.graphs.export import export, position_ids
+from headfold.graphs.export import export, positions_from_mask
 from headfold.ground.errors import BadInput, CheckFailed
 
 ATOL = 1e-4
@@ -66,7 +66,7 @@ def _batch(config: transformers.PretrainedConfig, batch: int, seq: int) -> dict[
 def _torch_outputs(model: transformers.PreTrainedModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
         if model.can_generate():
-            return model(**inputs, position_ids=position_ids(inputs["attention_mask"])).logits
+            return model(**inputs, position_ids=positions_from_mask(inputs["attention_mask"])).logits
         return model(**inputs).last_hidden_state
 
 

@@ -27,7 +27,7 @@ from headfold.cli import main
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.modeling import load_model
 from headfold.graphs import weights
-from headfold.graphs.export import decoder_graphs, encoder_decoder_graphs, encoder_graphs, export, export_graph, position_ids
+from headfold.graphs.export import decoder_graphs, encoder_decoder_graphs, encoder_graphs, export, export_graph, positions_from_mask
 
 ATOL = 1e-4  # as the export tests: ORT against torch in fp32
 GB = 1 << 30
@@ -108,7 +108,7 @@ def prompt_error(checkpoint: Path, graph: Path, padded: bool = True) -> float:
         if model.config.model_type in ENCODERS:
             expected = model(**inputs).last_hidden_state
         else:
-            expected = model(**inputs, position_ids=position_ids(inputs["attention_mask"])).logits
+            expected = model(**inputs, position_ids=positions_from_mask(inputs["attention_mask"])).logits
     valid = inputs["attention_mask"].bool().numpy()
     return float(np.abs(ours[valid] - expected.numpy()[valid]).max())
 

@@ -18,7 +18,7 @@ from support.tiny_models import HEADS, MERGED_CASES
 
 from headfold import convert
 from headfold.converter.modeling import load_model
-from headfold.graphs.export import export, position_ids
+from headfold.graphs.export import export, positions_from_mask
 from headfold.ground.errors import BadInput
 
 ATOL = 1e-4
@@ -70,7 +70,7 @@ def _torch_logits(checkpoint: Path, ids: np.ndarray, mask: np.ndarray) -> np.nda
     model = load_model(checkpoint)
     ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
     with torch.no_grad():
-        return model(input_ids=ids_t, attention_mask=mask_t, position_ids=position_ids(mask_t)).logits.numpy()
+        return model(input_ids=ids_t, attention_mask=mask_t, position_ids=positions_from_mask(mask_t)).logits.numpy()
 
 
 @pytest.mark.parametrize(("family", "kv"), CASES)
@@ -167,10 +167,10 @@ def test_optimize_ort_on_gqa_folds_rotary_and_packs_qkv_exactly(merged, family: 
 
 
 def test_explicit_position_ids_equal_the_mask_derived_ones(merged) -> None:
-    """explicit_positions: a position_ids input, named in genai_config; fed the positions the mask
+    """position_ids: a position_ids input, named in genai_config; fed the positions the mask
     gives (left, right and gapped padding, prompt and appends) it yields the same logits."""
     _, plain = merged("llama", 2)
-    _, explicit = merged("llama", 2, explicit_positions=True)
+    _, explicit = merged("llama", 2, position_ids=True)
     graph = onnx.load(explicit / "model.onnx", load_external_data=False).graph
     assert [i.name for i in graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
     inputs = [json.loads((f / "genai_config.json").read_text())["model"]["decoder"]["inputs"] for f in (plain, explicit)]
@@ -210,7 +210,7 @@ def test_explicit_position_ids_on_fused_ort_gqa(merged) -> None:
     positions come from the past length and the mask, which the fed mask-derived position_ids
     equal), and the graph gives the implicit-positions graph's logits (right-padded prompt, steps)."""
     _, implicit = merged("llama", 2, WIDE, attention="auto")
-    _, explicit = merged("llama", 2, WIDE, attention="auto", explicit_positions=True)
+    _, explicit = merged("llama", 2, WIDE, attention="auto", position_ids=True)
     graph = onnx.load(explicit / "model.onnx", load_external_data=False).graph
     assert [i.name for i in graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
     counts = json.loads((explicit / "export.json").read_text())["graphs"]["model.onnx"]["ort_fusions"]

@@ -22,7 +22,7 @@ from headfold import convert
 from headfold.converter.modeling import load_model
 from headfold.corpus import encode, heldout_text
 from headfold.demo import default_model_path
-from headfold.graphs.export import export, position_ids
+from headfold.graphs.export import export, positions_from_mask
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_default_model_prefill_matches_torch(default_export, kv: int | None) -> 
         logits, *present = runner.run(None, {"input_ids": ids, "attention_mask": mask})
         with torch.no_grad():
             tensor_mask = torch.from_numpy(mask)
-            expected = model(input_ids=torch.from_numpy(ids), attention_mask=tensor_mask, position_ids=position_ids(tensor_mask)).logits
+            expected = model(input_ids=torch.from_numpy(ids), attention_mask=tensor_mask, position_ids=positions_from_mask(tensor_mask)).logits
         error = _max_error(logits, expected, mask)
         assert error <= ATOL, f"batch {len(lengths)}: max abs error {error:.2e}"
         kv_heads = model.config.num_key_value_heads

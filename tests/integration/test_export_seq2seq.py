@@ -103,7 +103,7 @@ def test_one_fused_attention_per_block_at_its_kv_heads(family: str, exported) ->
         ({"graphs": "split"}, "export writes encoder.onnx and one merged decoder.onnx; drop --graphs split"),
         ({"attention": "ort-gqa"}, "--attention ort-gqa is for decoders"),
         ({"optimize": "ort"}, "--optimize ort is for decoders and encoders"),
-        ({"explicit_positions": True}, "position_ids is an input of decoder graphs"),
+        ({"position_ids": True}, "position_ids is an input of decoder graphs"),
         ({"trt_version": "10.14", "graphs": "split"}, "--trt-version targets headfold build"),  # the CLI's layout for a TensorRT target
     ],
 )

@@ -34,7 +34,7 @@ OPTIONS = [  # the families' own cases export the default folder: GroupQueryAtte
     {"attention": "onnx", "optimize": "ort"},
     {"checkpoint": WIDE},  # the rotary inside GroupQueryAttention, packed QKV
     {"trt_version": "10.14", "graphs": "split"},
-    {"explicit_positions": True},
+    {"position_ids": True},
 ]
 CASES = [pytest.param(family, {}, id=family, marks=() if family in FAST else pytest.mark.slow) for family in FAMILIES] + [
     pytest.param("llama", options, id="llama-" + "-".join(f"{k}={v}" for k, v in options.items() if k != "checkpoint"), marks=pytest.mark.slow)

@@ -14,7 +14,7 @@ from support.tiny_models import HEADS, sample_batch
 
 from headfold import convert
 from headfold.converter.modeling import load_model
-from headfold.graphs.export import position_ids
+from headfold.graphs.export import positions_from_mask
 from headfold.graphs.onnx_convert import convert_onnx
 from headfold.ground.errors import BadInput
 
@@ -58,7 +58,7 @@ def _torch_greedy(model, inputs: dict[str, torch.Tensor]) -> tuple[np.ndarray, n
     unlike generate(min_new_tokens=...))."""
     ids, mask, logits = inputs["input_ids"], inputs["attention_mask"], []
     for _ in range(STEPS):
-        logits.append(model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits)
+        logits.append(model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits)
         token = logits[-1][:, -1:].argmax(-1)
         ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
     return logits[0].numpy(), ids[:, -STEPS:].numpy()

@@ -23,7 +23,7 @@ from headfold.cli import main
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.modeling import load_model
 from headfold.converter.per_layer import parse_kv_heads
-from headfold.graphs.export import export, position_ids
+from headfold.graphs.export import export, positions_from_mask
 from headfold.graphs.onnx_convert import convert_onnx
 from headfold.ground.errors import BadInput
 from headfold.ground.precision import Precision
@@ -206,7 +206,7 @@ def test_cli_converts_a_list(tiny_checkpoint, tmp_path: Path, capsys) -> None:
 def torch_greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> np.ndarray:
     """Greedy tokens recomputing the whole sequence each step (no cache on the torch side)."""
     for _ in range(steps):
-        token = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -1:].argmax(-1)
+        token = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits[:, -1:].argmax(-1)
         ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
     return ids[:, -steps:].numpy()
 
@@ -227,7 +227,7 @@ def test_export_mixed_matches_torch(family: str, tiny_checkpoint, tmp_path: Path
     ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
     logits, *present = session(tmp_path / "onnx" / "prefill.onnx").run(None, {"input_ids": ids, "attention_mask": mask})
     with torch.no_grad():
-        expected = model(**batch, position_ids=position_ids(batch["attention_mask"])).logits.numpy()
+        expected = model(**batch, position_ids=positions_from_mask(batch["attention_mask"])).logits.numpy()
     error = float(np.abs(logits - expected)[mask.astype(bool)].max())
     assert error <= 1e-4, f"{family} prefill: max abs error {error:.2e}"
     assert [p.shape[1] for p in present] == [4, 4, 2, 2]
@@ -262,7 +262,7 @@ def test_onnx_convert_takes_a_list(tiny_checkpoint, tmp_path: Path) -> None:
     batch = sample_batch(model.config, batch=3, seq=9)
     logits, *present = session(tmp_path / "gqa.onnx").run(None, {k: v.numpy() for k, v in batch.items()})
     with torch.no_grad():
-        expected = model(**batch, position_ids=position_ids(batch["attention_mask"])).logits.numpy()
+        expected = model(**batch, position_ids=positions_from_mask(batch["attention_mask"])).logits.numpy()
     mask = batch["attention_mask"].numpy().astype(bool)
     assert float(np.abs(logits - expected)[mask].max()) <= 1e-4
     assert [p.shape[1] for p in present] == [4, 4, 2, 2]

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from headfold.graphs.export import position_ids
+from headfold.graphs.export import positions_from_mask
 from headfold.ground.artifacts import GENAI_CONFIG
 from headfold.ground.cache_names import PAST, PRESENT, CacheName, cache_names, is_cache
 
@@ -61,7 +61,7 @@ def run_chunks(graph: Path, ids: np.ndarray, mask: np.ndarray, chunks) -> np.nda
     past = {i.name: np.zeros((len(ids), i.shape[1], 0, i.shape[3]), np.float32) for i in sess.get_inputs() if is_cache(i.name, PAST)}
     names = [o.name for o in sess.get_outputs()]
     explicit = any(i.name == "position_ids" for i in sess.get_inputs())  # fed the mask-derived positions
-    positions = position_ids(torch.from_numpy(mask)).numpy()
+    positions = positions_from_mask(torch.from_numpy(mask)).numpy()
     logits, start = [], 0
     for n in chunks:
         feeds = {"input_ids": ids[:, start : start + n], "attention_mask": mask[:, : start + n], **past}
