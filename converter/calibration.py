@@ -23,6 +23,7 @@ from headfold.converter import layerwise
 from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 from headfold.converter.methods import compute_device
 from headfold.converter.modeling import load_model, parameter_names
+from headfold.converter.seq2seq import SynthesizedAudio
 from headfold.converter.tokens import load_tokenizer
 from headfold.ground.errors import BadInput
 
@@ -73,13 +74,13 @@ def calibrate(ckpt: SourceCheckpoint, batch: torch.Tensor, progress: bool = True
 
 
 @torch.no_grad()
-def seq2seq_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool = True) -> list[torch.Tensor]:
+def seq2seq_inputs(ckpt: SourceCheckpoint, text: str | SynthesizedAudio, tokens: int, seed: int, progress: bool = True) -> list[torch.Tensor]:
     """Per attention block [tokens, hidden]: the input of its K/V projections (module doc); the model runs on the
     compute device, the inputs are kept on the CPU as the decoders' are."""
     return [run.inputs for run in _seq2seq_runs(ckpt, text, tokens, seed, progress, blocks=False)]
 
 
-def local_runs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, sequential: bool, progress: bool = True) -> Iterator[layerwise.LayerRun]:
+def local_runs(ckpt: SourceCheckpoint, text: str | SynthesizedAudio, tokens: int, seed: int, sequential: bool, progress: bool = True) -> Iterator[layerwise.LayerRun]:
     """What `local` fits on: each attention block with what it read and returned on the calibration text (or
     Whisper's synthesized audio). A decoder or encoder runs layer by layer (layerwise.layer_runs: `sequential`
     or teacher-forced); an encoder-decoder whole, once, teacher-forced. Each run holds one call per window (an
@@ -90,7 +91,7 @@ def local_runs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, sequen
 
 
 @torch.no_grad()
-def _seq2seq_runs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool, blocks: bool) -> Iterator[layerwise.LayerRun]:
+def _seq2seq_runs(ckpt: SourceCheckpoint, text: str | SynthesizedAudio, tokens: int, seed: int, progress: bool, blocks: bool) -> Iterator[layerwise.LayerRun]:
     """Every attention block after one pass of the whole model: its K/V projections' input (on the CPU) and, with
     `blocks`, the block's arguments and output (on the compute device, as the model)."""
     device = compute_device()

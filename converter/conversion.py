@@ -113,7 +113,7 @@ def convert(
             files |= copied
             manifest = build_manifest(ckpt, targets, recipe, groups, files, skipped, retarget, pool)
             if recipe.data_aware and pools:
-                used = "weights" if text is None else seq2seq.SYNTHESIZED_AUDIO if text == seq2seq.SYNTHESIZED_AUDIO else str(calibration or "built-in")
+                used = "weights" if text is None else str(text) if isinstance(text, seq2seq.SynthesizedAudio) else str(calibration or "built-in")
                 manifest.conversion.calibration = {"text": used, "tokens": calibration_tokens, "seed": seed}
                 if fit:
                     manifest.conversion.calibration["local"] = fit_record
@@ -153,7 +153,7 @@ def local_step_budget(recipe: Recipe, steps: int | None) -> int:
 
 
 def fitted_layers(
-    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, text: str, tokens: int, seed: int, contexts: list[LayerContext], steps: int, progress: bool,
+    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, text: str | seq2seq.SynthesizedAudio, tokens: int, seed: int, contexts: list[LayerContext], steps: int, progress: bool,
     settings: LocalFit,
 ) -> dict:
     """local's layers, converted while calibration runs them (converter/local.py: torch, imported only here)."""
@@ -202,7 +202,7 @@ def seq2seq_targets(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int], kinds
     return targets
 
 
-def audio_calibration(calibration: str | Path | None) -> str | None:
+def audio_calibration(calibration: str | Path | None) -> seq2seq.SynthesizedAudio | None:
     """What an audio encoder-decoder (Whisper) calibrates on: synthesized log-mel features (None, the
     default: SYNTHESIZED_AUDIO), or the weights alone; BadInput for a text file, which it cannot read."""
     if calibration is None:
@@ -312,7 +312,7 @@ def calibration_text(calibration: str | Path | None, builtin: str | None) -> str
     return read_text(Path(calibration), "--calibration")
 
 
-def layer_contexts(ckpt: SourceCheckpoint, text: str | None, tokens: int, seed: int, progress: bool) -> list[LayerContext]:
+def layer_contexts(ckpt: SourceCheckpoint, text: str | seq2seq.SynthesizedAudio | None, tokens: int, seed: int, progress: bool) -> list[LayerContext]:
     """What a method may know about each layer: calibration inputs, RoPE dims, whether K may rotate."""
     if text is None:
         inputs = [None] * ckpt.layers

@@ -38,6 +38,7 @@ from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.layout import AttentionCodec, AttentionWeights, HeadShape
 from headfold.converter.methods import convert_attention, expand_kv, moved
 from headfold.converter.recipes import LayerContext, Recipe
+from headfold.converter.seq2seq import SynthesizedAudio
 from headfold.ground.settings import LocalFit
 
 EXACT = 1e-12  # a start whose squared error is below this fraction of the target's already reproduces the block
@@ -246,7 +247,7 @@ class LayerFitter:
 
 
 def fitted_layers(
-    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, text: str, tokens: int, seed: int, contexts: list[LayerContext], steps: int, progress: bool,
+    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, text: str | SynthesizedAudio, tokens: int, seed: int, contexts: list[LayerContext], steps: int, progress: bool,
     settings: LocalFit = LocalFit(),
 ) -> dict[int, FittedLayer]:
     """Every pooled layer converted with `recipe`, its `local` part fitted on `tokens` tokens of `text` (windows

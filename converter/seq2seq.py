@@ -28,9 +28,16 @@ POOL_CHOICES: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_POOL = "decoder"
 KIND_NAMES = {ENCODER_SELF: "encoder self-attention", DECODER_SELF: "decoder self-attention", DECODER_CROSS: "decoder cross-attention"}
-# What an audio encoder-decoder (Whisper) calibrates on, as the manifest records it: seeded Gaussian
-# features at the scale of its normalised log-mel input, the decoder reading its own greedy transcript.
-SYNTHESIZED_AUDIO = "synthesized log-mel features"
+class SynthesizedAudio:
+    """What an audio encoder-decoder (Whisper) calibrates on instead of text: seeded Gaussian features at the
+    scale of its normalised log-mel input, the decoder reading its own greedy transcript. str(): as the
+    manifest records it."""
+
+    def __str__(self) -> str:
+        return "synthesized log-mel features"
+
+
+SYNTHESIZED_AUDIO = SynthesizedAudio()
 
 
 def pooled_kinds(spec: ArchitectureSpec, pool: str | None) -> tuple[str, ...] | None:

@@ -70,7 +70,7 @@ def pair_feeds(facts: CheckpointFacts, rows: list[np.ndarray], batch_size: int, 
         decoder = [np.concatenate([[start], t])[: limit or None] for t in targets]
         ids, mask = _right_padded(decoder, pad)
         feeds.append({**source, DECODER_IDS: ids, DECODER_MASK: mask})
-    pairs = SYNTHESIZED_AUDIO + " → each row as the target" if facts.audio_input else "each row's first half → its second half"
+    pairs = f"{SYNTHESIZED_AUDIO} → each row as the target" if facts.audio_input else "each row's first half → its second half"
     return feeds, {"pairs": pairs, "target_tokens": int(sum(f[DECODER_MASK].sum() - len(f[DECODER_MASK]) for f in feeds))}
 
 
