@@ -31,7 +31,7 @@ from headfold.converter.support import common_keys, export_blocker, unconverted_
 from headfold.ground import inputs
 from headfold.ground.errors import BadInput
 from headfold.ground.lazy import lazy_import
-from headfold.ground.precision import Precision
+from headfold.ground.precision import CODE_OF_DTYPE, FLOAT_CODES, FP8_CODES, SAFETENSORS_DTYPES, Precision
 
 if TYPE_CHECKING:
     import torch
@@ -40,21 +40,9 @@ else:  # torch loads where tensors are made: a mean/first conversion runs withou
 # transformers' activation table imports torch: checked when a model is built, never in read()
 activations = lazy_import("transformers.activations")
 
-# safetensors dtype code -> (torch dtype name, bytes per element)
-SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
-    "U8": ("uint8", 1), "BOOL": ("bool", 1),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
-}  # fmt: skip
-CODE_OF_DTYPE = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
-# Files that hold weights in some format: never copied into a converted checkpoint,
-# because they would still describe the MHA model.
-FLOAT_CODES = ("F16", "BF16", "F32", "F64")
-FP8_CODES = ("F8_E4M3", "F8_E5M2")
 MAX_LAYERS = 10_000  # far above any real model; guards allocations sized by config.json
 MAX_SIZE = 1 << 24  # 16 777 216: above any real width, head count, vocabulary, mel bins or context (the longest, ~10M tokens)
 # Config keys that size a model, under every name the families give them: layer stacks (at most
@@ -95,7 +83,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return SAFETENSORS_DTYPES[self.code][1] * math.prod(self.shape)
+        return SAFETENSORS_DTYPES[self.code].itemsize * math.prod(self.shape)
 
 
 def dtype_code(dtype: Any) -> str:
@@ -104,7 +92,7 @@ def dtype_code(dtype: Any) -> str:
 
 
 def torch_dtype(code: str) -> torch.dtype:
-    return getattr(torch, SAFETENSORS_DTYPES[code][0])
+    return getattr(torch, SAFETENSORS_DTYPES[code].torch)
 
 
 @dataclass(frozen=True)
@@ -715,7 +703,7 @@ class SourceCheckpoint:
     def _check_attention_tensor(self, name: str, expected: tuple[int, ...], s: HeadShape) -> None:
         """An attention tensor's full shape and dtype against the spec and config.json."""
         info = self.tensors[name]
-        dtype = f"torch.{SAFETENSORS_DTYPES[info.code][0]}"  # the name users know
+        dtype = f"torch.{SAFETENSORS_DTYPES[info.code].torch}"  # the name users know
         if info.code in FP8_CODES:
             raise BadInput(f"tensor {name} is {dtype} (quantized): {DEQUANTIZE}")
         if info.code not in FLOAT_CODES:

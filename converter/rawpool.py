@@ -17,8 +17,9 @@ import numpy as np
 
 from headfold.converter.checkpoint import FileRange, SourceCheckpoint
 from headfold.converter.layout import HeadShape, merge_fused, merge_heads, split_fused, split_heads
+from headfold.ground.precision import SAFETENSORS_DTYPES
 
-STORAGE = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}  # what numpy holds each as
+STORAGE = {code: np.dtype(stored.numpy) for code, stored in SAFETENSORS_DTYPES.items() if stored.numpy}  # what numpy holds each float as
 BF16_NAN = 0xFFFF  # what torch's vectorised fp32 → bf16 cast writes for a NaN
 
 

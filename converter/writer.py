@@ -30,13 +30,14 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from headfold.converter.checkpoint import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, FileRange, dtype_code
+from headfold.converter.checkpoint import SAFETENSORS_INDEX, FileRange, dtype_code
+from headfold.ground.precision import SAFETENSORS_DTYPES
 from headfold.ground.hashing import update_from_file
 from headfold.ground.lazy import lazy_import
 
 torch = lazy_import("torch")  # loaded already wherever a tensor is written: `tensor` is one
 
-DTYPE_SIZES = {code: size for code, (_, size) in SAFETENSORS_DTYPES.items()}
+DTYPE_SIZES = {code: stored.itemsize for code, stored in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ a table of its own. The values are the names users type and files hold (export.j
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,28 @@ _FACTS = {
     "bf16": (7, 2.0, "bfloat16", "BFLOAT16", "BF16"),
     "int4": (3, 0.5, None, None, None),
 }
+
+
+@dataclass(frozen=True)
+class StoredDtype:
+    """A safetensors dtype code's facts (the dtypes checkpoints are stored in)."""
+
+    torch: str  # torch's dtype name
+    itemsize: int  # bytes per element
+    kind: str  # "float", "fp8" (quantized), "int" or "bool"
+    numpy: str | None = None  # the numpy dtype that holds its bytes for pooling without torch (bf16: its bits, uint16)
+
+
+SAFETENSORS_DTYPES: dict[str, StoredDtype] = {
+    "F64": StoredDtype("float64", 8, "float", "float64"), "F32": StoredDtype("float32", 4, "float", "float32"),
+    "F16": StoredDtype("float16", 2, "float", "float16"), "BF16": StoredDtype("bfloat16", 2, "float", "uint16"),
+    "I64": StoredDtype("int64", 8, "int"), "I32": StoredDtype("int32", 4, "int"), "I16": StoredDtype("int16", 2, "int"),
+    "I8": StoredDtype("int8", 1, "int"), "U8": StoredDtype("uint8", 1, "int"), "BOOL": StoredDtype("bool", 1, "bool"),
+    "F8_E4M3": StoredDtype("float8_e4m3fn", 1, "fp8"), "F8_E5M2": StoredDtype("float8_e5m2", 1, "fp8"),
+}  # fmt: skip
+CODE_OF_DTYPE = {stored.torch: code for code, stored in SAFETENSORS_DTYPES.items()}  # torch dtype name → code
+FLOAT_CODES = tuple(code for code, stored in SAFETENSORS_DTYPES.items() if stored.kind == "float")
+FP8_CODES = tuple(code for code, stored in SAFETENSORS_DTYPES.items() if stored.kind == "fp8")
 
 
 class Precision(StrEnum):
