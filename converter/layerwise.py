@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only  # torch's own nested-container map (export and compile use it)
 from tqdm.auto import tqdm
 
 from headfold.converter.checkpoint import SourceCheckpoint
@@ -191,13 +192,7 @@ class LayerwiseModel:
 
 def _moved(obj: Any, device: torch.device) -> Any:
     """Tensors inside nested tuples / lists / dicts, on `device`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_moved(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _moved(v, device) for k, v in obj.items()}
-    return obj
+    return tree_map_only(torch.Tensor, lambda t: t.to(device), obj)
 
 
 @torch.no_grad()
@@ -314,10 +309,4 @@ def record_block(block: nn.Module, calls: list, outputs: list, stop: bool) -> li
 def _copied(obj: Any) -> Any:
     """Tensors inside nested tuples / lists / dicts, copied: a block's input may be a view of the hidden
     states that the layer's output then overwrites (BERT, BLOOM's residual)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_copied(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _copied(v) for k, v in obj.items()}
-    return obj
+    return tree_map_only(torch.Tensor, torch.clone, obj)
