@@ -42,7 +42,6 @@ import zoo  # noqa: E402
 
 from headfold import convert  # noqa: E402
 from headfold.converter.checkpoint import SourceCheckpoint  # noqa: E402
-from headfold.converter.conversion import refused_modifiers  # noqa: E402
 from headfold.distillation import distill  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "distill_zoo.json"
@@ -76,7 +75,7 @@ WHAT = ("Distillation recipes on the zoo's trained models (benchmarks/distill_zo
 
 def student(model: str, subject: zoo.Subject, students: Path) -> tuple[Path, str, int]:
     """The model's h/4 student (converted once, kept in `students`), the method it ran as, its kv heads."""
-    method = METHOD if "grouped" not in refused_modifiers(SourceCheckpoint(subject.folder)) else METHOD.replace("+grouped", "")
+    method = zoo.ran_as(subject.folder, METHOD)
     kv = subject.facts["heads"] // 4
     folder = students / f"{model}-kv{kv}-{method}"
     if not folder.is_dir():

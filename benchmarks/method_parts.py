@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import zoo_models
 
 from headfold import corpus
 from headfold.converter import conversion, convert
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.converter.recipes import get_method
 from headfold.ground.settings import LocalFit
 from headfold.converter.modeling import load_model
 from headfold.demo import default_model_path
@@ -92,8 +92,6 @@ def scored_log_probs(model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch
 
 def zoo(name: str) -> Model:
     """A quality-zoo member (benchmarks/zoo_models.py), trained by benchmarks/zoo.py."""
-    import zoo_models
-
     folder = zoo_models.CACHE / name
     if not (folder / "training.json").is_file():
         sys.exit(f"{folder} is not trained yet: python benchmarks/zoo.py train --models {name}")
@@ -105,20 +103,6 @@ def model(name: str) -> Model:
     return embedded() if name == "embedded" else trained_here(name) if name in TRAINED_HERE else zoo(name)
 
 
-def resolved(source: Path, method: str) -> str | None:
-    """`method` without the parts the family refuses (as convert runs its default there), or None when
-    nothing of it is left."""
-    with SourceCheckpoint(source) as ckpt:
-        refused = set(conversion.refused_modifiers(ckpt))
-    parts = [p for p in method.split("+") if p not in refused]
-    return get_method("+".join(parts)).name if parts else None
-
-
-def kv_counts(spec: str, heads: int) -> list[int]:
-    """'h/2,h/4,1' → [heads // 2, heads // 4, 1]."""
-    return [heads // int(part[2:]) if part.startswith("h/") else int(part) for part in spec.split(",")]
-
-
 def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path, tokens: int | None = None, fit_settings: LocalFit = LocalFit()) -> list[dict]:
     """One row per method and kv count; `tokens`: --calibration-tokens (None: the default); `fit_settings`: local's fit."""
     config = json.loads((m.folder / "config.json").read_text())
@@ -126,8 +110,10 @@ def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path, 
         heads, head_dim, family = ckpt.shape.heads, ckpt.shape.head_dim, ckpt.spec.family
     reference, ids = scored_log_probs(load_model(m.folder), m.heldout)
     rows = []
-    for kv in kv_counts(kv_spec, heads):
-        for label, method in ((x, resolved(m.folder, x)) for x in methods):
+    with SourceCheckpoint(m.folder) as ckpt:
+        runnable = {x: conversion.without_refused(ckpt, x) for x in methods}
+    for kv in zoo_models.kv_counts(kv_spec, heads).values():
+        for label, method in runnable.items():
             if method is None:
                 continue
             fit = "local" in method.split("+")

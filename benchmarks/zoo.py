@@ -44,7 +44,7 @@ from conversion_quality import embeddings  # noqa: E402
 import headfold  # noqa: E402
 from headfold import corpus  # noqa: E402
 from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint  # noqa: E402
-from headfold.converter.conversion import refused_modifiers  # noqa: E402
+from headfold.converter.conversion import without_refused  # noqa: E402
 from headfold.converter.modeling import load_model  # noqa: E402
 from headfold.converter.recipes import DEFAULT_METHOD, METHODS, get_method  # noqa: E402
 from headfold.demo import default_model_path  # noqa: E402
@@ -165,26 +165,11 @@ class Scorer:
 # -- the quality harness -------------------------------------------------------------------------------
 
 
-def kv_counts(spec: str, heads: int) -> dict[str, int]:
-    """'h/2,h/4,1' → {'h/2': heads // 2, 'h/4': heads // 4, 'MQA': 1}, leaving out counts that do not
-    divide the heads or repeat an earlier one."""
-    out: dict[str, int] = {}
-    for part in spec.split(","):
-        kv = heads // int(part[2:]) if part.startswith("h/") else int(part)
-        label = "MQA" if kv == 1 else part
-        if kv >= 1 and heads % kv == 0 and kv not in out.values():
-            out[label] = kv
-    return out
-
-
 def ran_as(folder: Path, method: str) -> str | None:
-    """The method the model's maths allows `method` to run as: without the parts the family refuses
-    (BLOOM, T5: grouped and scored), as `headfold convert` runs the default there, so that every
-    candidate has a row on every model; None when nothing of it is left."""
+    """The method the model's maths allows `method` to run as (BLOOM, T5: without grouped and scored), as
+    `headfold convert` runs the default there, so that every candidate has a row on every model."""
     with SourceCheckpoint(folder) as ckpt:
-        refused = refused_modifiers(ckpt)
-    kept = [p for p in method.split("+") if p not in refused]
-    return "+".join(kept) if kept else None
+        return without_refused(ckpt, method)
 
 
 def own_excerpt(text: str, pieces: int = 64, size: int = 8192) -> str:
@@ -202,7 +187,7 @@ def quality_rows(s: Subject, methods: list[str], kv_spec: str, tmp: Path, log: C
         own = tmp / f"{s.name}-train.txt"
         own.write_text(own_excerpt(s.own_text))
     rows, measured = [], {}  # (kv, method it runs as, calibration) → scores: BLOOM's and T5's candidates often run alike
-    for label, kv in kv_counts(kv_spec, s.facts["heads"]).items():
+    for label, kv in zoo_models.kv_counts(kv_spec, s.facts["heads"]).items():
         for method in methods:
             if not (runs := ran_as(s.folder, method)):
                 log(f"{s.name}: {method} left out: the family refuses all of it")

@@ -301,3 +301,15 @@ def toy(m: Member, steps: int = 3) -> Member:
     narrow = {"hidden_size": 8 * heads, "n_embd": 8 * heads, "d_model": 8 * heads, "d_kv": 8, "intermediate_size": 16 * heads, "n_inner": 16 * heads,
               "d_ff": 16 * heads, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "num_decoder_layers": 2}  # fmt: skip
     return replace(m, config={k: narrow.get(k, v) for k, v in m.config.items()}, steps=steps, batch_size=2, warmup_steps=1, threads=1, eval_windows=8)
+
+
+def kv_counts(spec: str, heads: int) -> dict[str, int]:
+    """'h/2,h/4,1' → {'h/2': heads // 2, 'h/4': heads // 4, 'MQA': 1}, leaving out counts that do not
+    divide the heads or repeat an earlier one (the zoo's and method_parts' kv counts)."""
+    out: dict[str, int] = {}
+    for part in spec.split(","):
+        kv = heads // int(part[2:]) if part.startswith("h/") else int(part)
+        label = "MQA" if kv == 1 else part
+        if kv >= 1 and heads % kv == 0 and kv not in out.values():
+            out[label] = kv
+    return out

@@ -224,6 +224,13 @@ def refused_modifiers(ckpt: SourceCheckpoint) -> dict[str, str]:
     return why
 
 
+def without_refused(ckpt: SourceCheckpoint, method: str) -> str | None:
+    """`method` without the parts this model refuses (refused_modifiers), as the default runs here: its name,
+    or None when nothing of it is left. The benchmarks run every method so, to have a row on every model."""
+    parts = [p for p in method.split("+") if p not in refused_modifiers(ckpt)]
+    return get_method("+".join(parts)).name if parts else None
+
+
 def method_for(ckpt: SourceCheckpoint, method: str) -> Recipe:
     """The recipe `method` names for this model. The default (DEFAULT_METHOD) leaves out what the model
     refuses, saying so in a warning; any other method that needs a refused modifier is BadInput."""

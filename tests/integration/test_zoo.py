@@ -67,9 +67,9 @@ def test_quality_rows_score_each_conversion_on_held_out_text(zoo, cache: Path, t
 
 def test_kv_counts_name_distinct_divisors(zoo) -> None:
     harness, _, _ = zoo
-    assert harness.kv_counts("h/2,h/4,1", 8) == {"h/2": 4, "h/4": 2, "MQA": 1}
-    assert harness.kv_counts("h/2,h/4,1", 12) == {"h/2": 6, "h/4": 3, "MQA": 1}
-    assert harness.kv_counts("h/2,h/4,1", 4) == {"h/2": 2, "MQA": 1}  # h/4 is MQA: counted once
+    assert harness.zoo_models.kv_counts("h/2,h/4,1", 8) == {"h/2": 4, "h/4": 2, "MQA": 1}
+    assert harness.zoo_models.kv_counts("h/2,h/4,1", 12) == {"h/2": 6, "h/4": 3, "MQA": 1}
+    assert harness.zoo_models.kv_counts("h/2,h/4,1", 4) == {"h/2": 2, "MQA": 1}  # h/4 is MQA: counted once
 
 
 def test_the_default_is_chosen_by_mean_rank(zoo) -> None:
