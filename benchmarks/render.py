@@ -181,17 +181,18 @@ def sweep_models(data: dict) -> list[str]:
 
 def distill_zoo_ranks(data: dict) -> list[tuple[str, float, dict[str, float]]]:
     """The recipes run on every model of the sweep at every budget with a goal, best first: (recipe, mean
-    rank over those models and budgets by perplexity increase, the mean increase per budget); a tie goes
-    to the lower mean increase. The zoo's other models check the chosen recipe only."""
+    rank over those models and budgets by perplexity increase (rank_in), the mean increase per budget); a tie
+    goes to the lower mean increase. The zoo's other models check the chosen recipe only."""
     rows, models = data["rows"], sweep_models(data)
     budgets = sorted(map(float, data["goals"]))
     final = {(r["model"], r["recipe"], r["budget"]): r["points"][-1]["ppl_increase"] for r in rows}
     complete = [rc for rc in dict.fromkeys(r["recipe"] for r in rows) if all((m, rc, b) in final for m in models for b in budgets)]
-    ranks: dict[str, list[int]] = {rc: [] for rc in complete}
+    ranks: dict[str, list[float]] = {rc: [] for rc in complete}
     for m in models:
         for b in budgets:
-            for i, rc in enumerate(sorted(complete, key=lambda rc: final[m, rc, b])):
-                ranks[rc].append(i + 1)
+            here = {rc: final[m, rc, b] for rc in complete}
+            for rc in complete:
+                ranks[rc].append(rank_in(here, rc))  # the zoo's rule: ties share the mean of their ranks
     means = {rc: {f"{b:.1%}": sum(final[m, rc, b] for m in models) / len(models) for b in budgets} for rc in complete}
     return sorted(((rc, sum(v) / len(v), means[rc]) for rc, v in ranks.items()), key=lambda item: (item[1], sum(item[2].values())))
 
