@@ -710,14 +710,17 @@ def export(
     )  # fmt: skip
     with atomic_output(out, overwrite=overwrite) as tmp, _answered_for_unconverted(facts):
         summary.graphs = _export_all(specs, partial(export_one, tmp), template, layers, progress=progress)
-        genai_blocker = seq2seq_genai_blocker(facts) if layout == "seq2seq" else None
-        if layout in ("merged", "seq2seq") and genai_blocker is None:
-            summary.genai = write_model_folder(
-                facts, tmp, model.config, MODEL_GRAPH, attention=choice.kind, position_ids=position_ids
-            )
-        elif genai_blocker is not None:  # why onnxruntime-genai cannot run it, in export.json
-            summary.genai = {"not_written": genai_blocker, "tokenizer_files": copy_tokenizer(facts.folder, tmp)}
-        else:  # encoder and split graphs: ORT users tokenize with the folder's own files too
-            copy_tokenizer(facts.folder, tmp)
+        summary.genai = _runtime_files(facts, tmp, model.config, layout, choice.kind, position_ids)
         summary.save_in(tmp)
     return summary.to_dict()
+
+
+def _runtime_files(facts: CheckpointFacts, folder: Path, config, layout: str, attention: str, position_ids: bool) -> dict | None:
+    """What a runtime needs beside the graphs: onnxruntime-genai's config and the tokenizer files (a merged
+    decoder or an encoder-decoder genai runs: export.json's `genai`), else the tokenizer files alone, with
+    why genai cannot run the folder where that is the reason."""
+    blocker = seq2seq_genai_blocker(facts) if layout == "seq2seq" else None
+    if layout in ("merged", "seq2seq") and blocker is None:
+        return write_model_folder(facts, folder, config, MODEL_GRAPH, attention=attention, position_ids=position_ids)
+    tokenizer_files = copy_tokenizer(facts.folder, folder)  # encoder and split graphs: ORT users tokenize with the folder's own files too
+    return {"not_written": blocker, "tokenizer_files": tokenizer_files} if blocker is not None else None
