@@ -454,7 +454,7 @@ DISTILL_TRAINING = (
     SEED,
 )  # fmt: skip
 DISTILL_EVALUATION = (
-    spec("--eval-every", type=WHOLE, default=None, help="Evaluate on the held-out windows every N steps. [default: 8 evaluations per run]"),
+    spec("--eval-every", type=WHOLE, default=None, help="Evaluate on every held-out window every N steps. [default: up to 8 evaluations, at most a tenth of the run's compute: fewer, on fewer windows, on short runs]"),
     spec("--eval-windows", type=WHOLE, default=DistillOptions.eval_windows, help="Held-out windows of --seq-len tokens."),
     spec("--until-kl", type=Nats(), default=None, help="Stop once the held-out KL (nats per token) is at most this (checked at each evaluation)."),
     spec("--until-ppl-increase", type=Fraction(), default=None, help="Stop once the held-out perplexity is within this of the teacher's, e.g. 2%."),

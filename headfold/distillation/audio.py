@@ -205,6 +205,9 @@ class AudioBatch:
     def __len__(self) -> int:
         return len(self.features)
 
+    def __getitem__(self, clips: slice) -> AudioBatch:
+        return AudioBatch(self.features[clips], None if self.ids is None else self.ids[clips])
+
     def split(self, rows: int) -> Iterator[AudioBatch]:
         for start in range(0, len(self), rows):
             yield AudioBatch(self.features[start : start + rows], None if self.ids is None else self.ids[start : start + rows])

@@ -166,7 +166,7 @@ def run_record(teacher: Path, student: Path, manifest: dict, identity: dict, pla
             "data": {"train": plan.train.name, "train_sha256": plan.train.sha256,
                      "heldout": plan.heldout.name if plan.heldout else f"first {opts.eval_windows} windows of the training data",
                      "heldout_sha256": (plan.heldout or plan.train).sha256, "tokenizer": plan.encoder.name, **plan.notes},
-            "options": asdict(opts), "processes": accelerator.num_processes, "fsdp": accelerator.is_fsdp2, "steps": trainer.progress.step,
+            "options": asdict(opts), "evaluation": {"every": trainer.eval_every, "windows": len(trainer.eval_batch)}, "processes": accelerator.num_processes, "fsdp": accelerator.is_fsdp2, "steps": trainer.progress.step,
             "tokens": trainer.progress.tokens, "target_reached": reached, "final_eval": final,
             "initial_eval": trainer.progress.log["eval"][0], "seconds": round(seconds, 1)}  # fmt: skip
 

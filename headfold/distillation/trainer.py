@@ -21,6 +21,22 @@ from headfold.ground.atomic import raise_if_signalled
 from headfold.ground.errors import BadInput, first_line
 
 MAX_GRAD_NORM = 1.0
+# Without --eval-every, evaluation takes at most EVAL_SHARE of a run's compute: up to EVALUATIONS after the one
+# before training, on every held-out window while that fits, else fewer evaluations, then fewer windows (at
+# least MIN_EVAL_WINDOWS). Compute counted in forward passes of one window: a training window runs the teacher
+# and the student forward and the student backward (about two forwards), an evaluated one both forward.
+EVAL_SHARE, EVALUATIONS, MIN_EVAL_WINDOWS = 0.1, 8, 8
+TRAIN_PASSES, EVAL_PASSES = 4, 2
+
+
+def evaluation_schedule(steps: int, windows_per_step: int, held_out: int, eval_every: int | None) -> tuple[int, int]:
+    """(steps between evaluations, held-out windows each evaluation reads); `eval_every` given: it, on every window."""
+    if eval_every is not None:
+        return eval_every, held_out
+    budget = EVAL_SHARE * steps * windows_per_step * TRAIN_PASSES
+    evaluations = min(EVALUATIONS, max(1, int(budget // (held_out * EVAL_PASSES)) - 1))  # besides the one before training
+    affordable = int(budget // ((evaluations + 1) * EVAL_PASSES))
+    return math.ceil(steps / evaluations), min(held_out, max(MIN_EVAL_WINDOWS, affordable))
 
 
 class Trainer:
@@ -46,7 +62,8 @@ class Trainer:
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         # not accelerator.prepare'd: its wrapper would step once per process
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(steps, opts.warmup))
-        self.eval_batch = plan.complete(plan.eval_batch().to(device), self.teacher, opts.batch_size)
+        self.eval_every, evaluated = evaluation_schedule(steps, opts.batch_size * accelerator.num_processes, opts.eval_windows, opts.eval_every)
+        self.eval_batch = plan.complete(plan.eval_batch()[:evaluated].to(device), self.teacher, opts.batch_size)
         self.progress = state.Progress()
 
     @property
@@ -98,12 +115,13 @@ class Trainer:
     def train(self, folder: Path, save_every: int | None, show: bool) -> tuple[dict[str, float], bool | None]:
         """Run to the last step (or the --until target); (final held-out scores, target reached or None)."""
         acc, p = self.accelerator, self.progress
-        eval_every = self.opts.eval_every or max(1, math.ceil(self.steps / 8))
         per_process, rank = self.opts.batch_size, acc.process_index
         stream = self.plan.train_windows(skip=p.windows)
-        scores = self._record_eval() if p.step == 0 else p.log["eval"][-1]
         bar = tqdm(total=self.steps * per_process * acc.num_processes * self.plan.seq_len, initial=p.tokens, unit="tok", unit_scale=True,
                    desc="distill", disable=not (show and acc.is_main_process), dynamic_ncols=True)  # fmt: skip
+        if p.step == 0:
+            bar.set_postfix_str(f"evaluating on {len(self.eval_batch)} held-out windows")  # the start's scores, said while they run
+        scores = self._record_eval() if p.step == 0 else p.log["eval"][-1]
         targeted = self.opts.until_kl is not None or self.opts.until_ppl_increase is not None
         with bar:
             while p.step < self.steps and not (targeted and self.reached(scores)):
@@ -113,7 +131,8 @@ class Trainer:
                 tokens = len(rows) * self.plan.seq_len
                 p.step, p.windows, p.tokens = p.step + 1, p.windows + len(rows), p.tokens + tokens
                 p.log["train"].append({"step": p.step, "tokens": p.tokens, "loss": loss, "lr": self.schedule.get_last_lr()[0]})
-                if p.step % eval_every == 0 or p.step == self.steps or p.step in self.opts.eval_at:
+                if p.step % self.eval_every == 0 or p.step == self.steps or p.step in self.opts.eval_at:
+                    bar.set_postfix_str(f"evaluating on {len(self.eval_batch)} held-out windows")  # said while it runs
                     scores = self._record_eval()
                 if save_every and p.step % save_every == 0 and p.step < self.steps:
                     self.save(folder)
