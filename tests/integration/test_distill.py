@@ -318,7 +318,7 @@ def students(teacher: Path, tiny_checkpoint, tmp_path_factory) -> dict[str, Path
         ("missing-data", "does not exist"),
         ("empty-data", "is empty"),
         ("short-data", "shorter than one window of 32 tokens"),
-        ("binary-data", "cannot be read as text"),
+        ("binary-data", "is binary (a NUL byte at offset 2)"),
         ("no-text-field", "has no 'text' field (it has body)"),
         ("few-tokens", "--tokens 10 is below one batch"),
         ("hidden-weight", "--hidden-weight must be a finite number of at least 0, got -1.0"),
