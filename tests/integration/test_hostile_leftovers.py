@@ -43,8 +43,8 @@ def nothing_beside(out: Path) -> None:
 @pytest.mark.parametrize(
     "signum, line, flags",
     [
-        (signal.SIGTERM, "distill: reading", []),  # while the models load
-        (signal.SIGINT, "distill: reading", []),
+        (signal.SIGTERM, "distill: tokenising", []),  # the request checked, the data being read
+        (signal.SIGINT, "distill: tokenising", []),
         (signal.SIGTERM, "distill: 4 steps", ["--save-every", "2"]),  # data tokenised, no step taken: nothing a resume could use
     ],
 )
