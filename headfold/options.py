@@ -598,7 +598,10 @@ def api_output(progress: bool) -> Iterator[None]:
             if not handled:
                 logging.getLogger(LOGGER).removeHandler(_handler)
             for key, value in env.items():
-                os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             _restore_transformers_output(hf)
 
 
