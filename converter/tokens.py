@@ -105,14 +105,19 @@ def in_vocabulary(ids: list[int], vocab_size: int | None, folder: Path) -> list[
 
 def read_text(path: Path, option: str) -> str:
     """The UTF-8 text file given to `option`; BadInput for a missing, special, huge, binary or empty file."""
-    check_text_file(path, option, most=MAX_TEXT_BYTES)
-    return path.read_text(encoding="utf-8")
+    return "".join(_text_pieces(path, option, most=MAX_TEXT_BYTES))
 
 
-def check_text_file(path: Path, option: str, most: int | None = None, chunk: int = 1 << 20) -> None:
-    """The one rule for a text file, in every command: a regular file of UTF-8 text without NUL bytes, not
-    blank, of at most `most` bytes (None: any size; read in chunks, distill's --data may be large); else
-    BadInput naming what is wrong."""
+def check_text_file(path: Path, option: str, digest: Any = None) -> None:
+    """The one rule for a text file, in every command (read_text's), on a file of any size: read once, in
+    chunks, each also fed to `digest` (a hashlib object; distill hashes its --data as it checks it)."""
+    for _ in _text_pieces(path, option, digest=digest):
+        pass
+
+
+def _text_pieces(path: Path, option: str, most: int | None = None, digest: Any = None, chunk: int = 1 << 20) -> Iterator[str]:
+    """The file's text, chunk by chunk; BadInput (naming the file and, for a NUL or an invalid byte, its offset)
+    unless it is a regular file of UTF-8 text without NUL bytes, not blank, of at most `most` bytes."""
     try:
         info = path.stat()
     except FileNotFoundError:
@@ -124,13 +129,17 @@ def check_text_file(path: Path, option: str, most: int | None = None, chunk: int
     decoder, blank, offset = codecs.getincrementaldecoder("utf-8")(), True, 0
     with path.open("rb") as f:
         while data := f.read(chunk):
+            if digest is not None:
+                digest.update(data)
             if (nul := data.find(b"\0")) >= 0:
                 raise BadInput(f"{option} {path} is binary (a NUL byte at offset {offset + nul}); pass a UTF-8 text file")
             try:
-                blank = not decoder.decode(data).strip() and blank
+                piece = decoder.decode(data)
             except UnicodeDecodeError as err:
                 raise BadInput(f"{option} {path} is not UTF-8 text (invalid byte at offset {offset + err.start}); pass a UTF-8 text file") from None
+            blank = blank and not piece.strip()
             offset += len(data)
+            yield piece
         try:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError:

@@ -87,7 +87,11 @@ def file_source(path: Path, option: str = "--data", pairs: bool = False) -> Text
         raise BadInput(f"{option} {path} is empty; pass a file with text in it")
     builder = BUILDERS.get(path.suffix.lower(), "text")
     if builder == "text":
-        check_text_file(path, option)  # the rule --calibration and --text follow
+        digest = hashlib.sha256()
+        check_text_file(path, option, digest)  # the rule --calibration and --text follow, hashing the file as it reads it
+        sha256 = digest.hexdigest()
+    else:
+        sha256 = _digest([path])
     options = {"keep_linebreaks": True} if builder == "text" else {}
 
     def docs() -> Iterator[str]:
@@ -95,7 +99,7 @@ def file_source(path: Path, option: str = "--data", pairs: bool = False) -> Text
             stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
             yield from _texts(stream, path, option, pairs)
 
-    return TextSource(str(path), _digest([path]), docs)
+    return TextSource(str(path), sha256, docs)
 
 
 @contextmanager
