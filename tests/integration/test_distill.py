@@ -220,14 +220,15 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(teacher: Path, text_fil
     subprocess.run(_cli(str(teacher), str(student), str(tmp_path / "whole"), *options), check=True, env=_env())
     out = tmp_path / "resumed"
     state = tmp_path / ".resumed.distill-state"
-    proc = subprocess.Popen(_cli(str(teacher), str(student), str(out), *options), env=_env())
+    killed_env = {**_env(), "TMPDIR": str(tmp_path)}  # a killed run's scratch folder stays here, not where other tests' commands would report it
+    proc = subprocess.Popen(_cli(str(teacher), str(student), str(out), *options), env=killed_env)
     deadline = time.monotonic() + 120
     while not any(state.glob("step-*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL and not out.exists()  # killed mid-run: no output, a checkpoint
     assert any(state.glob("step-*"))
-    subprocess.run(_cli(str(teacher), str(student), str(out), *options, "--resume"), check=True, env=_env())
+    subprocess.run(_cli(str(teacher), str(student), str(out), *options, "--resume"), check=True, env=killed_env)
     whole, resumed = weights(tmp_path / "whole"), weights(out)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert record(out)["final_eval"] == record(tmp_path / "whole")["final_eval"] and not state.exists()

@@ -339,21 +339,23 @@ def test_concurrent_writers_exactly_one_wins(wide, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_kill_9_mid_write_then_the_next_run_cleans_up(wide, tmp_path: Path) -> None:
+def test_kill_9_mid_write_then_the_next_run_cleans_up(wide, tmp_path: Path, tmp_path_factory) -> None:
     """kill -9 as the hidden folder appears, after its first bytes, and half-way through; each next
     writer removes the dead one's folder and says so; the last convert succeeds with nothing left."""
     src, before = wide
     out = tmp_path / "out"
     total = sum(f.stat().st_size for f in src.glob("*.safetensors")) * 0.85  # kv heads halve K and V
+    # the killed writers' scratch folders stay in a TMPDIR of their own, not where other tests' commands would report them
+    own_tmp = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("killed-scratch"))}
     dead: list[int] = []
     for moment in (0, 1, total / 2):
-        proc = signalled_at("bytes", moment, signal.SIGKILL, *convert_args(src, out))
+        proc = signalled_at("bytes", moment, signal.SIGKILL, *convert_args(src, out), env=own_tmp)
         assert proc.wait() == -signal.SIGKILL, f"the conversion finished before {moment} bytes were written: make the checkpoint wider"
         if dead:
             assert f".out.partial-{dead[-1]}, left by writer pid {dead[-1]}" in proc.stderr.read()
         dead.append(proc.pid)
         assert beside(tmp_path) == [".out.lock", f".out.partial-{proc.pid}"]  # the lock file, its flock died with it
-    again = subprocess.run([HEADFOLD, *convert_args(src, out)], capture_output=True, text=True)
+    again = subprocess.run([HEADFOLD, *convert_args(src, out)], capture_output=True, text=True, env=own_tmp)
     assert again.returncode == 0, again.stderr
     assert f".out.partial-{dead[-1]}, left by writer pid {dead[-1]}" in again.stderr
     assert beside(tmp_path) == ["out"] and digest(src) == before

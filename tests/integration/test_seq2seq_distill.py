@@ -239,13 +239,14 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(family: str, t5: dict[s
     options = ["--data", str(data), "--steps", "40", "--seq-len", seq_len, "--batch-size", "2", "--eval-windows", "2", "--save-every", "4"]
     subprocess.run(_cli(str(teacher), str(student), str(tmp_path / "whole"), *options), check=True, env=_env())
     out, state = tmp_path / "resumed", tmp_path / ".resumed.distill-state"
-    proc = subprocess.Popen(_cli(str(teacher), str(student), str(out), *options), env=_env())
+    killed_env = {**_env(), "TMPDIR": str(tmp_path)}  # a killed run's scratch folder stays here, not where other tests' commands would report it
+    proc = subprocess.Popen(_cli(str(teacher), str(student), str(out), *options), env=killed_env)
     deadline = time.monotonic() + 120
     while not any(state.glob("step-*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL and not out.exists() and any(state.glob("step-*"))
-    subprocess.run(_cli(str(teacher), str(student), str(out), *options, "--resume"), check=True, env=_env())
+    subprocess.run(_cli(str(teacher), str(student), str(out), *options, "--resume"), check=True, env=killed_env)
     whole, resumed = read_tensors(tmp_path / "whole"), read_tensors(out)
     assert any(not torch.equal(whole[k], read_tensors(student)[k]) for k in whole)  # training moved something
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
