@@ -108,10 +108,9 @@ def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path, 
     config = json.loads((m.folder / "config.json").read_text())
     with SourceCheckpoint(m.folder) as ckpt:
         heads, head_dim, family = ckpt.shape.heads, ckpt.shape.head_dim, ckpt.spec.family
+        runnable = {x: conversion.without_refused(ckpt, x) for x in methods}
     reference, ids = scored_log_probs(load_model(m.folder), m.heldout)
     rows = []
-    with SourceCheckpoint(m.folder) as ckpt:
-        runnable = {x: conversion.without_refused(ckpt, x) for x in methods}
     for kv in zoo_models.kv_counts(kv_spec, heads).values():
         for label, method in runnable.items():
             if method is None:

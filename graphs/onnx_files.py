@@ -39,13 +39,13 @@ def external_data_files(model: ir.Model, path: Path) -> list[Path]:
     """The files `model` (loaded from `path`) keeps its weights in; BadInput for a location outside the graph's
     folder, a missing file, or one that does not hold the bytes the graph says its tensors are at."""
     fix = "re-export the graph with its weights beside it"
-    found: dict[Path, int] = {}
+    found: dict[Path, int] = {}  # each data file → its size
     for tensor in _external_tensors(model):
         file = contained(path.parent, tensor.location, path, fix, "external data")
         if file not in found:
-            found[file] = file.stat().st_size if file.is_file() else -1
-        if found[file] < 0:
-            raise BadInput(f"{path} keeps its weights in {file}, which does not exist; {fix}")
+            if not file.is_file():
+                raise BadInput(f"{path} keeps its weights in {file}, which does not exist; {fix}")
+            found[file] = file.stat().st_size
         end = tensor.offset + tensor.nbytes
         if (tensor.length is not None and tensor.length != tensor.nbytes) or end > found[file]:
             raise BadInput(

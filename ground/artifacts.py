@@ -55,7 +55,8 @@ def hidden_stem(path: Path) -> str:
     encoded = os.fsencode(path.name)
     if len(encoded) + 1 + _TAG_ROOM <= NAME_MAX:
         return f".{path.name}"
-    return f".{os.fsdecode(encoded[:200])}~{hashlib.sha256(encoded).hexdigest()[:16]}"
+    digest = hashlib.sha256(encoded).hexdigest()[:16]
+    return f".{os.fsdecode(encoded[: NAME_MAX - 1 - _TAG_ROOM - 1 - len(digest)])}~{digest}"
 
 
 def hidden_sibling(path: Path, tag: str) -> Path:

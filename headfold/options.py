@@ -97,13 +97,13 @@ class KvHeads(click.ParamType):
         return parse_kv_heads(value) if isinstance(value, str) else value
 
 
-class _AsciiDigits:
+class _AsciiDigits(click.ParamType):
     """An integer option written in the digits 0-9 (click's int() would also take '5_0', '+9' and '٥٠')."""
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and whole_number(value) is None:
             self.fail(f"{value!r} is not a whole number; write it in the digits 0-9", param, ctx)
-        return super().convert(value, param, ctx)  # type: ignore[misc]
+        return super().convert(value, param, ctx)
 
 
 class Whole(_AsciiDigits, click.types.IntParamType):
@@ -621,4 +621,7 @@ def _restore_transformers_output(saved: tuple[int, bool] | None) -> None:
 
     verbosity, bars = saved or (logging.WARNING, True)
     hf_logging.set_verbosity(verbosity)
-    hf_logging.enable_progress_bar() if bars else hf_logging.disable_progress_bar()
+    if bars:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()

@@ -87,7 +87,9 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         return evaluate(self.objective, self.plain, self.teacher, self.eval_batch, self.opts.batch_size)
 
-    def _record_eval(self) -> dict[str, float]:
+    def _record_eval(self, bar=None) -> dict[str, float]:
+        if bar is not None:
+            bar.set_postfix_str(f"evaluating on {len(self.eval_batch)} held-out windows")  # said while it runs
         scores = self.evaluate()
         if not all(math.isfinite(v) for v in scores.values()):
             if self.progress.step == 0:
@@ -119,9 +121,7 @@ class Trainer:
         stream = self.plan.train_windows(skip=p.windows)
         bar = tqdm(total=self.steps * per_process * acc.num_processes * self.plan.seq_len, initial=p.tokens, unit="tok", unit_scale=True,
                    desc="distill", disable=not (show and acc.is_main_process), dynamic_ncols=True)  # fmt: skip
-        if p.step == 0:
-            bar.set_postfix_str(f"evaluating on {len(self.eval_batch)} held-out windows")  # the start's scores, said while they run
-        scores = self._record_eval() if p.step == 0 else p.log["eval"][-1]
+        scores = self._record_eval(bar) if p.step == 0 else p.log["eval"][-1]
         targeted = self.opts.until_kl is not None or self.opts.until_ppl_increase is not None
         with bar:
             while p.step < self.steps and not (targeted and self.reached(scores)):
@@ -132,8 +132,7 @@ class Trainer:
                 p.step, p.windows, p.tokens = p.step + 1, p.windows + len(rows), p.tokens + tokens
                 p.log["train"].append({"step": p.step, "tokens": p.tokens, "loss": loss, "lr": self.schedule.get_last_lr()[0]})
                 if p.step % self.eval_every == 0 or p.step == self.steps or p.step in self.opts.eval_at:
-                    bar.set_postfix_str(f"evaluating on {len(self.eval_batch)} held-out windows")  # said while it runs
-                    scores = self._record_eval()
+                    scores = self._record_eval(bar)
                 if save_every and p.step % save_every == 0 and p.step < self.steps:
                     self.save(folder)
                 bar.update(tokens)

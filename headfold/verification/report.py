@@ -35,10 +35,14 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _percent(metric: str) -> bool:
+    return metric.split(".")[-1] in _PERCENT
+
+
 def fmt(metric: str, value: Any) -> str:
     if isinstance(value, (int, str)) or value is None:
         return str(value)
-    if metric.split(".")[-1] in _PERCENT:
+    if _percent(metric):
         return f"{value:.2%}"
     return f"{value:.4g}"
 
@@ -107,7 +111,7 @@ class Report:
             if gate is None:
                 rows.append((metric, fmt(metric, value), "", ""))
                 continue
-            shown, budget = gate.shown(percent=metric.split(".")[-1] in _PERCENT)
+            shown, budget = gate.shown(percent=_percent(metric))
             rows.append((metric, shown, f"{gate.op} {budget}", "PASS" if gate.passed else "FAIL"))
         return rows
 
