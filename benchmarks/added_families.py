@@ -37,8 +37,16 @@ CONFIGS = {  # (config class, model class, kwargs): byte-level, 8 heads of 16 di
     "stablelm": (
         "StableLmConfig",
         "StableLmForCausalLM",
-        dict(hidden_size=WIDTH, num_attention_heads=HEADS, num_key_value_heads=HEADS, num_hidden_layers=LAYERS, intermediate_size=3 * WIDTH,
-             max_position_embeddings=512, partial_rotary_factor=0.5, qk_layernorm=True),
+        dict(
+            hidden_size=WIDTH,
+            num_attention_heads=HEADS,
+            num_key_value_heads=HEADS,
+            num_hidden_layers=LAYERS,
+            intermediate_size=3 * WIDTH,
+            max_position_embeddings=512,
+            partial_rotary_factor=0.5,
+            qk_layernorm=True,
+        ),
     ),  # fmt: skip
 }
 
@@ -62,7 +70,13 @@ def train(family: str, folder: Path, steps: int, seed: int = 0) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step(), schedule.step(), optimizer.zero_grad()
     model.eval().save_pretrained(folder)
-    return {"train_steps": steps, "train_batch": 16, "train_window": WINDOW, "train_s": round(time.perf_counter() - start, 1), "final_train_loss": round(loss.item(), 4)}
+    return {
+        "train_steps": steps,
+        "train_batch": 16,
+        "train_window": WINDOW,
+        "train_s": round(time.perf_counter() - start, 1),
+        "final_train_loss": round(loss.item(), 4),
+    }
 
 
 def allowed(source: Path, method: str) -> bool:
@@ -106,8 +120,10 @@ def _line(row: dict) -> str:
             f"(orig {row['reference_ppl']:.3f})  top-1 {row['top1']:.1%}")  # fmt: skip
 
 
-WHAT = ("Tiny byte-level models of the added families, trained by this script on the offline corpus: KL to the original and "
-        "perplexity on held-out text for every training-free method the family allows at kv h/2, h/4 and MQA, then the best h/4 start distilled")
+WHAT = (
+    "Tiny byte-level models of the added families, trained by this script on the offline corpus: KL to the original and "
+    "perplexity on held-out text for every training-free method the family allows at kv h/2, h/4 and MQA, then the best h/4 start distilled"
+)
 
 
 def main() -> None:

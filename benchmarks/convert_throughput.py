@@ -93,9 +93,9 @@ def _save(shards: list[dict[str, torch.Tensor]], folder: Path, last: bool = Fals
         files = sorted(folder.glob("part-*.safetensors"))
         names = [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
         weight_map = {}
-        for part, name in zip(files, names):
+        for part, name in zip(files, names, strict=True):
             part.rename(folder / name)
-        for shard, name in zip(shards, names):
+        for shard, name in zip(shards, names, strict=True):
             weight_map.update(dict.fromkeys(shard, name))
         (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     else:
@@ -179,7 +179,10 @@ def measure(root: Path, src: Path, kv_heads: int, cold: bool, runs: int) -> dict
         "convert": median([r["seconds_with_sync"] for r in convert]),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in convert),
         "torch_imported": any(r["torch_imported"] for r in convert),
-        **{f"{label}_ratio": median([c["seconds"] / p["seconds"] for c, p in zip(copy, samples[label])]) for label in ("convert_process", "api_process")},
+        **{
+            f"{label}_ratio": median([c["seconds"] / p["seconds"] for c, p in zip(copy, samples[label], strict=True)])
+            for label in ("convert_process", "api_process")
+        },
     }
 
 

@@ -163,7 +163,13 @@ def main() -> None:
             print(f"embedded default model not found at {default_model_path()}; synthetic model only")
         src = synthetic_checkpoint(Path(tmp) / "synthetic" / "src", args.layers, args.heads, args.head_dim, args.vocab)
         rows += bench_model(f"synthetic-{args.layers}L-{args.heads}x{args.head_dim}", src, Path(tmp) / "synthetic", args)
-    result = {"load_avg_before": load_before, "load_avg_after": os.getloadavg(), "cpus": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    result = {
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": rows,
+    }
     print(format_table(rows))
     print(f"load average before {load_before[0]:.2f}, after {result['load_avg_after'][0]:.2f} ({os.cpu_count()} CPUs)")
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,10 @@ def one_run(source: Path, kv: int, start: str, tmp: Path, data: Path | None, eva
                   eval_at=tuple(steps[1:-1]), eval_windows=eval_windows, progress=False)  # fmt: skip
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     evals = {e["step"]: e for e in json.loads((out / "distill-log.json").read_text())["eval"]}
-    points = [{"budget": b, "tokens": evals[s]["tokens"], **{k: v for k, v in evals[s].items() if k not in ("step", "tokens")}} for b, s in zip(budgets, steps)]
+    points = [
+        {"budget": b, "tokens": evals[s]["tokens"], **{k: v for k, v in evals[s].items() if k not in ("step", "tokens")}}
+        for b, s in zip(budgets, steps, strict=True)
+    ]
     used = json.loads((out / "headfold.json").read_text())["distillation"]["options"]  # as run: lr is the kind's default without --lr
     recipe = {k: used[k] for k in ("lr", "hidden_weight", "train", "loss", "temperature", "batch_size", "seq_len", "eval_windows")}
     return {"kv_heads": kv, "start": start, "points": points, "distill_s": round(seconds, 1), "cpu_s": round(cpu, 1), "steps": steps[-1], "recipe": recipe}
@@ -120,7 +123,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=DistillOptions.temperature)
     parser.add_argument("--batch-size", type=int, default=None, help="default: what `--tokens` of each run's budget gets")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--eval-windows", type=int, default=None, help=f"default: the whole held-out split (decoder), up to {ENCODER_EVAL_WINDOWS} windows (MiniLM: all its 52)")
+    parser.add_argument(
+        "--eval-windows", type=int, default=None, help=f"default: the whole held-out split (decoder), up to {ENCODER_EVAL_WINDOWS} windows (MiniLM: all its 52)"
+    )
     parser.add_argument("--starts", default=",".join(STARTS), help="conversion methods to start from, comma-separated")
     parser.add_argument("--results", type=Path, default=RESULTS, help="JSON file to update (rows of other runs are kept)")
     args = parser.parse_args()

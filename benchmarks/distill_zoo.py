@@ -94,7 +94,9 @@ def texts(subject: zoo.Subject, tmp: Path, eval_windows: int) -> tuple[Path, Pat
     return train, heldout
 
 
-def one_run(subject: zoo.Subject, folder: Path, recipe: str, budget: float, on_the_way: tuple[float, ...], data: Path, eval_data: Path, eval_windows: int, tmp: Path) -> dict:
+def one_run(
+    subject: zoo.Subject, folder: Path, recipe: str, budget: float, on_the_way: tuple[float, ...], data: Path, eval_data: Path, eval_windows: int, tmp: Path
+) -> dict:
     """One distillation of `budget` × the pre-training tokens with `recipe`, read at `on_the_way` budgets too."""
     options = recipe_options(recipe)
     pretraining = subject.facts["pretraining_tokens"]
@@ -111,7 +113,11 @@ def one_run(subject: zoo.Subject, folder: Path, recipe: str, budget: float, on_t
     used = json.loads((out / "headfold.json").read_text())["distillation"]
     keep = ("tokens", "kl", "ppl", "teacher_ppl", "ppl_increase", "top1")
     points = [{"budget": round(e["tokens"] / pretraining, 4), **{k: e[k] for k in keep}} for e in evals if e["step"] in (0, *eval_at, used["steps"])]
-    resolved = {k: used["options"][k] for k in ("train", "lr", "hidden_weight", "attention_weight", "warmup", "loss", "seq_len", "batch_size", "eval_windows") if k in used["options"]}
+    resolved = {
+        k: used["options"][k]
+        for k in ("train", "lr", "hidden_weight", "attention_weight", "warmup", "loss", "seq_len", "batch_size", "eval_windows")
+        if k in used["options"]
+    }
     return {"model": subject.name, "recipe": recipe, "budget": budget, "steps": used["steps"], "options": resolved, "points": points,
             "wall_s": round(seconds, 1), "cpu_s": round(cpu, 1)}  # fmt: skip
 
@@ -149,9 +155,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--recipes", default=";".join(RECIPES), help="`;`-separated: base, or base's options changed: lr=3e-4,hidden_weight=0")
-    parser.add_argument("--budgets", type=lambda text: tuple(map(float, text.split(","))), default=BUDGETS, help="each a run of its own; the largest is also read on the way at the smaller of BUDGETS")
-    parser.add_argument("--students", type=Path, default=Path(tempfile.gettempdir()) / "headfold-distill-zoo", help="where the converted students are kept between runs")
-    parser.add_argument("--eval-windows", type=int, choices=(32, 64, 128), default=EVAL_WINDOWS, help="of the zoo's 128 held-out windows, evenly spaced; one number per model across its rows")
+    parser.add_argument(
+        "--budgets",
+        type=lambda text: tuple(map(float, text.split(","))),
+        default=BUDGETS,
+        help="each a run of its own; the largest is also read on the way at the smaller of BUDGETS",
+    )
+    parser.add_argument(
+        "--students", type=Path, default=Path(tempfile.gettempdir()) / "headfold-distill-zoo", help="where the converted students are kept between runs"
+    )
+    parser.add_argument(
+        "--eval-windows",
+        type=int,
+        choices=(32, 64, 128),
+        default=EVAL_WINDOWS,
+        help="of the zoo's 128 held-out windows, evenly spaced; one number per model across its rows",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -80,7 +80,9 @@ def measure(engines: Path, kv: int, args: argparse.Namespace) -> list[dict[str, 
         prefill = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
         rows.append({"kv_heads": kv, "graph": "prefill", "batch": batch, "tokens": args.seq, "ms": _median_ms(engines / "prefill.engine", prefill, args.runs)})
         for past in args.past:
-            cache = {f"past_key_values.{i}.{k}": rng.standard_normal((batch, kv_heads, past, dim)).astype(dtype) for i in range(layers) for k in ("key", "value")}
+            cache = {
+                f"past_key_values.{i}.{k}": rng.standard_normal((batch, kv_heads, past, dim)).astype(dtype) for i in range(layers) for k in ("key", "value")
+            }
             step = {"input_ids": ids[:, :1], "attention_mask": np.ones((batch, past + 1), np.int64), **cache}
             rows.append({"kv_heads": kv, "graph": "decode", "batch": batch, "tokens": past, "ms": _median_ms(engines / "decode.engine", step, args.runs)})
     return rows

@@ -39,7 +39,9 @@ from support.synthetic import llama_checkpoint  # noqa: E402  (export_throughput
 RESULTS = ROOT / "benchmarks" / "results" / "export_at_scale.json"
 SHAPE = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, vocab_size=32000)
 CONVERT = "import sys; from headfold.converter import convert; convert(sys.argv[1], sys.argv[2], int(sys.argv[3]), method='mean', progress=False)"
-EXPORT = "import sys; from headfold.graphs.export import export; export(sys.argv[1], sys.argv[2], progress=False, dtype=sys.argv[3] if len(sys.argv) > 3 else None)"
+EXPORT = (
+    "import sys; from headfold.graphs.export import export; export(sys.argv[1], sys.argv[2], progress=False, dtype=sys.argv[3] if len(sys.argv) > 3 else None)"
+)
 
 
 def truncated(folder: Path, out: Path, layers: int) -> Path:
@@ -55,7 +57,9 @@ def truncated(folder: Path, out: Path, layers: int) -> Path:
         if keep:
             save_file(keep, out / file.name, metadata={"format": "pt"})
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    names = {n: f for n, f in index["weight_map"].items() if (out / f).is_file() and (not (m := re.match(r"model\.layers\.(\d+)\.", n)) or int(m.group(1)) < layers)}
+    names = {
+        n: f for n, f in index["weight_map"].items() if (out / f).is_file() and (not (m := re.match(r"model\.layers\.(\d+)\.", n)) or int(m.group(1)) < layers)
+    }
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
     _copy_tokenizer(out)
     return out

@@ -135,7 +135,9 @@ def paired_ratios(rows: list[dict], exporters: list[str]) -> list[dict]:
     for key in sorted({(r["variant"], r["batch"], r["round"]) for r in rows}, key=str):
         same = {r["exporter"]: r["tokens_per_s"] for r in rows if (r["variant"], r["batch"], r["round"]) == key}
         for exporter in exporters[1:]:
-            pairs.append({"variant": key[0], "batch": key[1], "round": key[2], "exporter": exporter, "vs_builder": round(same[exporter] / same[exporters[0]], 3)})
+            pairs.append(
+                {"variant": key[0], "batch": key[1], "round": key[2], "exporter": exporter, "vs_builder": round(same[exporter] / same[exporters[0]], 3)}
+            )
     return pairs
 
 
@@ -184,12 +186,16 @@ def main() -> None:
     pairs = paired_ratios(rows, args.exporters)
     print(f"\n{'variant':8} {'exporter':12} {'batch':>5} {'round':>5} {'tokens/s':>9} {'prompt s':>8} {'nodes':>5} {'load':>5}")
     for r in rows:
-        print(f"{r['variant']:8} {r['exporter']:12} {r['batch']:>5} {r['round']:>5} {r['tokens_per_s']:>9} {r['prompt_s']:>8} {r['nodes']:>5} {r['load_1min']:>5}")
+        print(
+            f"{r['variant']:8} {r['exporter']:12} {r['batch']:>5} {r['round']:>5} {r['tokens_per_s']:>9} {r['prompt_s']:>8} {r['nodes']:>5} {r['load_1min']:>5}"
+        )
     for p in pairs:
         print(f"{p['variant']:8} batch {p['batch']} round {p['round']}: {p['exporter']} / builder = {p['vs_builder']}")
     medians = median_ratios(pairs)
     for m in medians:
-        print(f"{m['variant']:8} batch {m['batch']}: {m['exporter']} / builder, median of {m['rounds']} rounds = {m['median_vs_builder']} ({m['min']}–{m['max']})")
+        print(
+            f"{m['variant']:8} batch {m['batch']}: {m['exporter']} / builder, median of {m['rounds']} rounds = {m['median_vs_builder']} ({m['min']}–{m['max']})"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "rows": rows, "pairs": pairs, "medians": medians}, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -34,9 +34,9 @@ import zoo_models
 from headfold import corpus
 from headfold.converter import conversion, convert
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.ground.settings import LocalFit
 from headfold.converter.modeling import load_model
 from headfold.demo import default_model_path
+from headfold.ground.settings import LocalFit
 from headfold.verification.metrics import compare, log_probs, windows
 
 METHODS = ("mean", "aligned+grouped+refit", "aligned+scored+refit", "local", "aligned+grouped+refit+local", "aligned+scored+refit+local")
@@ -86,7 +86,10 @@ def scored_log_probs(model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch
     half, start = batch.shape[1] // 2, model.config.decoder_start_token_id
     target = torch.cat([torch.full_like(batch[:, :1], start), batch[:, half:]], 1)  # [start, t_0, …]: position i predicts t_i
     with torch.no_grad():
-        logits = [model(input_ids=s, decoder_input_ids=t[:, :-1], use_cache=False).logits.float().log_softmax(-1) for s, t in zip(batch[:, :half].split(16), target.split(16))]
+        logits = [
+            model(input_ids=s, decoder_input_ids=t[:, :-1], use_cache=False).logits.float().log_softmax(-1)
+            for s, t in zip(batch[:, :half].split(16), target.split(16), strict=True)
+        ]
     return torch.cat(logits), target
 
 
@@ -252,7 +255,9 @@ def main() -> None:
     fit_settings = LocalFit(rate=args.rate, sequential=args.sequential)
     if args.layout:
         path = args.json if args.json != DEFAULT_JSON else DEFAULT_JSON.with_name("method_parts_cost.json")
-        rows = ([] if args.no_scored_layer else scored_rows(args.threads)) + layout_rows(args.methods.split(","), [int(x) for x in args.layout_steps.split(",")], args.threads, args.keep)
+        rows = ([] if args.no_scored_layer else scored_rows(args.threads)) + layout_rows(
+            args.methods.split(","), [int(x) for x in args.layout_steps.split(",")], args.threads, args.keep
+        )
         kept = [] if args.fresh or not path.is_file() else json.loads(path.read_text())["rows"]
         path.write_text(json.dumps({"what": COST, "default_local_steps": conversion.DEFAULT_LOCAL_STEPS, "rows": kept + rows}, indent=1) + "\n")
         return

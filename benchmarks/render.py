@@ -91,7 +91,19 @@ def per_layer_plans(data: list[dict]) -> str:
     body = []
     for r in data:
         held_out = f"KL {r['kl']:.4g}" if "kl" in r else f"cosine {r['cosine']:.4g}"
-        body.append([r["model"], f"{r['budget']:.0%}", r["choice"], f"`{fmt(r['kv_heads'])}`", f"{r['cache_fraction']:.1%}", r["predicted"], r["calibration_measured"], held_out, r["inspect_s"]])
+        body.append(
+            [
+                r["model"],
+                f"{r['budget']:.0%}",
+                r["choice"],
+                f"`{fmt(r['kv_heads'])}`",
+                f"{r['cache_fraction']:.1%}",
+                r["predicted"],
+                r["calibration_measured"],
+                held_out,
+                r["inspect_s"],
+            ]
+        )
     header = ["model", "budget", "choice", "--kv-heads", "cache", "predicted (sum of layers)", "measured (calibration)", "held-out", "inspect s"]
     return "Predicted and measured losses are on the calibration text's held-out windows; *held-out* on the evaluation text.\n\n" + table(header, body)
 
@@ -206,7 +218,15 @@ def distill_zoo(data: dict) -> str:
         for recipe in dict.fromkeys(r["recipe"] for r in rows if r["model"] == model):
             points = _zoo_points(rows, model, recipe)
             last = max((r for r in rows if (r["model"], r["recipe"]) == (model, recipe)), key=lambda r: r["budget"])
-            body.append([f"{model} (kv {m['kv_heads']} of {m['heads']})", f"`{recipe}`", *(_zoo_cell(points.get(c)) for c in columns), f"{last['points'][-1]['top1']:.1%}", last["cpu_s"]])
+            body.append(
+                [
+                    f"{model} (kv {m['kv_heads']} of {m['heads']})",
+                    f"`{recipe}`",
+                    *(_zoo_cell(points.get(c)) for c in columns),
+                    f"{last['points'][-1]['top1']:.1%}",
+                    last["cpu_s"],
+                ]
+            )
     header = ["model", "recipe", *(c.replace("%", " %") for c in columns), "top-1, last", "CPU s, last"]
     base = "*base*: " + ", ".join(f"{k} {fmt(v)}" for k, v in data["base"].items())
     return "\n\n".join([about(data, "what", "machine"), base, table(header, body), distill_zoo_summary(data)])
@@ -216,7 +236,10 @@ def distill_zoo_summary(data: dict) -> str:
     """The recipes run everywhere ranked, the other changes against the recipe they change, and the goals per model for the best."""
     ranked = distill_zoo_ranks(data)
     budgets = sorted(map(float, data["goals"]))
-    ranks = table(["recipe", "mean rank", *(f"mean increase, {b:.1%}" for b in budgets)], [[f"`{rc}`", f"{rank:.2f}", *(f"{v:+.2%}" for v in means.values())] for rc, rank, means in ranked])
+    ranks = table(
+        ["recipe", "mean rank", *(f"mean increase, {b:.1%}" for b in budgets)],
+        [[f"`{rc}`", f"{rank:.2f}", *(f"{v:+.2%}" for v in means.values())] for rc, rank, means in ranked],
+    )
     best = ranked[0][0]
     others = []
     for r in data["rows"]:
@@ -224,7 +247,13 @@ def distill_zoo_summary(data: dict) -> str:
             points = _zoo_points(data["rows"], r["model"], r["recipe"])
             changed = ",".join(part for part in r["recipe"].split(",") if part.startswith("lr="))  # the recipe this one changes
             against = _zoo_points(data["rows"], r["model"], changed or "base")
-            others.append([r["model"], f"`{r['recipe']}`", *(f"{_zoo_cell(points.get(k))} ({_zoo_cell(against.get(k)).split(' /')[0]})" for k in ("1.0% on the way", f"{budgets[-1]:.1%}"))])
+            others.append(
+                [
+                    r["model"],
+                    f"`{r['recipe']}`",
+                    *(f"{_zoo_cell(points.get(k))} ({_zoo_cell(against.get(k)).split(' /')[0]})" for k in ("1.0% on the way", f"{budgets[-1]:.1%}")),
+                ]
+            )
     other_table = table(["model", "recipe", "1.0 % on the way", f"{budgets[-1]:.1%}"], others)
     goals = {float(b): v for b, v in data["goals"].items()}
     body = []
@@ -256,7 +285,12 @@ def generate_throughput(data: dict) -> str:
         body.append([p["variant"], p["batch"], p["round"], *(r["tokens_per_s"] for r in here), p["vs_builder"], here[0]["load_1min"]])
     parts = [setup, table(["model", "batch", "round", *(f"{e} tok/s" for e in exporters), "ratio to the builder", "load"], body)]
     if data.get("medians"):
-        parts.append(table(["model", "batch", "rounds", "median ratio", "range"], [[m["variant"], m["batch"], m["rounds"], m["median_vs_builder"], f"{m['min']:.3g}–{m['max']:.3g}"] for m in data["medians"]]))
+        parts.append(
+            table(
+                ["model", "batch", "rounds", "median ratio", "range"],
+                [[m["variant"], m["batch"], m["rounds"], m["median_vs_builder"], f"{m['min']:.3g}–{m['max']:.3g}"] for m in data["medians"]],
+            )
+        )
     return "\n\n".join(parts)
 
 
@@ -282,7 +316,18 @@ def side_by_side_tables(data: dict) -> str:
          f"{s['headfold_vs_builder']:.2f} ({s['ratio_range'][0]:.2f}–{s['ratio_range'][1]:.2f})", f"{s['headfold_vs_builder_cpu']:.2f}"]
         for s in data["summary"]
     ]  # fmt: skip
-    header = ["weights", "model", "batch", "past", "builder ms/step", "headfold ms/step", "builder tok/s", "headfold tok/s", "headfold ÷ builder (range)", "by CPU time"]
+    header = [
+        "weights",
+        "model",
+        "batch",
+        "past",
+        "builder ms/step",
+        "headfold ms/step",
+        "builder tok/s",
+        "headfold tok/s",
+        "headfold ÷ builder (range)",
+        "by CPU time",
+    ]
     gqa = [
         [g["precision"], g["batch"], g["past"], f"{g['speedup']:.2f}×", f"{g['speedup_cpu']:.2f}×", f"{g['ideal_bytes_ratio']:.2f}×", f"{g['of_ideal']:.0%}",
          f"{g['builder_speedup']:.2f}× ({g['builder_of_ideal']:.0%})"]
@@ -302,7 +347,10 @@ def _profile_table(profile: dict) -> str:
     ops = sorted({op for f in folders for op in profile[f] if op != "kernel_us_per_step"}, key=lambda op: (-max(profile[f].get(op, 0) for f in folders), op))
     body = [[op, *(f"{profile[f][op]:.1%}" if op in profile[f] else "" for f in folders)] for op in ops]
     body.append(["kernel µs per step", *(fmt(profile[f]["kernel_us_per_step"]) for f in folders)])
-    shares = f"ONNX Runtime's profile of the decode steps ({profile['setup']}): each op type's share of a step's kernel time (the median step per op type)\n\n" + table(["op", *folders], body)
+    shares = (
+        f"ONNX Runtime's profile of the decode steps ({profile['setup']}): each op type's share of a step's kernel time (the median step per op type)\n\n"
+        + table(["op", *folders], body)
+    )
     optimized = profile.get("optimized_ops", {})
     graphs = [[f, counts["nodes"], ", ".join(f"{n} {op}" for op, n in counts.items() if op != "nodes")] for f, counts in optimized.items()]
     return shares + ("\n\nThe graph ONNX Runtime runs, after its own optimizer:\n\n" + table(["folder", "nodes", "op types"], graphs) if graphs else "")
@@ -311,16 +359,35 @@ def _profile_table(profile: dict) -> str:
 def calibration_memory(data: dict) -> str:
     """benchmarks/calibration_memory.py: a data-aware conversion's memory and time, and the scaling plan from them."""
     labels = sorted({k.split("_")[0] for k in data if k.endswith("_peak_rss_mb")})
-    fields = [("peak_rss_mb", "peak RSS MB"), ("total_s", "wall s"), ("calibration_s", "of which calibration"), ("cpu_s", "CPU s"), ("calibration_cpu_s", "of which calibration")]
+    fields = [
+        ("peak_rss_mb", "peak RSS MB"),
+        ("total_s", "wall s"),
+        ("calibration_s", "of which calibration"),
+        ("cpu_s", "CPU s"),
+        ("calibration_cpu_s", "of which calibration"),
+    ]
     runs = table(["run", *(name for _, name in fields)], [[label, *(data[f"{label}_{key}"] for key, _ in fields)] for label in labels])
-    bound = f"bound: 2 × largest fp32 layer ({data['largest_fp32_layer_mb']} MB) + activations ({data['activations_mb']} MB) + 500 MB = {data['rss_bound_mb']} MB"
+    bound = (
+        f"bound: 2 × largest fp32 layer ({data['largest_fp32_layer_mb']} MB) + activations ({data['activations_mb']} MB) + 500 MB = {data['rss_bound_mb']} MB"
+    )
     return about(data, "what", "machine") + "\n\n" + runs + "\n\n" + bound + "\n\n" + scaling_table(data)
 
 
 def scaling_table(data: dict) -> str:
     rows = [[r["model"], f"{r['checkpoint_gb']} GB", f"{_duration(r['mean_s'])}, {r['mean_rss_gb']} GB", _duration(r["calibration_cpu_s"]), _duration(r["conversion_cpu_s"]),
              _duration(r["calibration_gpu_s"]), _duration(r["conversion_gpu_s"]), f"{r['rss_gb']} GB", f"{r['disk_gb']} GB", f"{r['local_disk_gb']} GB"] for r in data["scaling_plan"]]  # fmt: skip
-    header = ["layout (MHA K/V, bf16)", "checkpoint", "`mean`: time, RSS", "calibration, CPU", "a+g+r maths, CPU", "calibration, 1 GPU", "maths, 1 GPU", "RSS (calibrating)", "scratch disk", "+ with `local`"]
+    header = [
+        "layout (MHA K/V, bf16)",
+        "checkpoint",
+        "`mean`: time, RSS",
+        "calibration, CPU",
+        "a+g+r maths, CPU",
+        "calibration, 1 GPU",
+        "maths, 1 GPU",
+        "RSS (calibrating)",
+        "scratch disk",
+        "+ with `local`",
+    ]
     return table(header, rows)
 
 
@@ -344,14 +411,18 @@ def local_cost(data: dict) -> list[str]:
     lines, default = [], data.get("default_local_steps")
     for r in data["rows"]:
         if r.get("fit"):  # today's fit stops early: its conversion is measured at the default budget, not extrapolated
-            lines.append(f"`{r['method']}` with {r['fit']}, at its default budget of at most {r['local_steps']} steps: {r['convert_cpu_s']:,.0f} CPU s "
-                         f"({r['convert_cpu_s'] / 60:.0f} CPU minutes), of which local's fits {r['local_fit_cpu_s']:,.0f}; the rows before it ran the previous fit.")
+            lines.append(
+                f"`{r['method']}` with {r['fit']}, at its default budget of at most {r['local_steps']} steps: {r['convert_cpu_s']:,.0f} CPU s "
+                f"({r['convert_cpu_s'] / 60:.0f} CPU minutes), of which local's fits {r['local_fit_cpu_s']:,.0f}; the rows before it ran the previous fit."
+            )
         elif r.get("local_steps") and "local_fit_cpu_s" in r and default:
             step, rest = r["local_fit_cpu_s"] / r["local_steps"], r["convert_cpu_s"] - r["local_fit_cpu_s"]
             total = rest + default * step
-            lines.append(f"`{r['method']}`: one local step (every layer) costs {step:.1f} CPU s on this layout, the rest of the conversion "
-                         f"{rest:,.0f} CPU s; at the default {default} steps the conversion costs about {total:,.0f} CPU s "
-                         f"({total / 3600:.1f} CPU hours; from the run with {r['local_steps']} steps).")
+            lines.append(
+                f"`{r['method']}`: one local step (every layer) costs {step:.1f} CPU s on this layout, the rest of the conversion "
+                f"{rest:,.0f} CPU s; at the default {default} steps the conversion costs about {total:,.0f} CPU s "
+                f"({total / 3600:.1f} CPU hours; from the run with {r['local_steps']} steps)."
+            )
     return lines
 
 
@@ -359,16 +430,35 @@ def method_parts(data: dict) -> str:
     """benchmarks/method_parts.py: the training-free method parts on several trained models, and what they cost."""
     rows = data["rows"]
     if "layout" in rows[0]:
-        shown = [[r["layout"], r["kv_heads"], _part_name(r) if "local_steps" in r else r["method"], r["convert_cpu_s"], r["convert_s"], r.get("peak_rss_mb", ""), r["load_average_1min"]] for r in rows]
+        shown = [
+            [
+                r["layout"],
+                r["kv_heads"],
+                _part_name(r) if "local_steps" in r else r["method"],
+                r["convert_cpu_s"],
+                r["convert_s"],
+                r.get("peak_rss_mb", ""),
+                r["load_average_1min"],
+            ]
+            for r in rows
+        ]
         return "\n\n".join([about(data, "what"), table(["layout", "kv heads", "method", "CPU s", "wall s", "peak RSS MB", "load"], shown), *local_cost(data)])
-    parts = [about(data, "what"), "Each cell: KL(original ‖ converted) per token, how many times less than `mean`'s at that kv count, and the conversion's CPU seconds."]
+    parts = [
+        about(data, "what"),
+        "Each cell: KL(original ‖ converted) per token, how many times less than `mean`'s at that kv count, and the conversion's CPU seconds.",
+    ]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         kvs = sorted({r["kv_heads"] for r in mine}, reverse=True)
         mean = {r["kv_heads"]: r["kl"] for r in mine if r["method"] == "mean"}
         cell = {(_part_name(r), r["kv_heads"]): r for r in mine}
         names = list(dict.fromkeys(_part_name(r) for r in mine))
-        show = lambda r: "" if r is None else f"{r['kl']:.3g}" + ("" if r["method"] == "mean" else f" ({mean[r['kv_heads']] / r['kl']:.1f}×)") + f" · {r['convert_cpu_s']:.0f} s"  # noqa: E731
+
+        def show(r: dict | None, mean: dict = mean) -> str:
+            if r is None:
+                return ""
+            return f"{r['kl']:.3g}" + ("" if r["method"] == "mean" else f" ({mean[r['kv_heads']] / r['kl']:.1f}×)") + f" · {r['convert_cpu_s']:.0f} s"
+
         first = mine[0]
         intro = f"**{model}** ({first['family']}, {first['layers']} layers, {first['heads']} heads of {first['head_dim']}; original perplexity {first['reference_ppl']:.4g}):"
         parts += [intro, table(["method", *(f"kv {k}" for k in kvs)], [[name, *(show(cell.get((name, k))) for k in kvs)] for name in names])]
@@ -408,7 +498,9 @@ def zoo_grid(data: dict, show: Callable, decoders_only: bool = False) -> str:
         here = [cell.get((model, kv, m, "built-in")) for m in methods] + [cell.get((model, kv, m, "training split")) for m in own]
         body.append([model, f"{kv} ({heads})", *(show(r) + ("†" if "ran_as" in r else "") if r else "" for r in here)])
     ran_as = sorted({f"`{r['method']}` as `{r['ran_as']}`" for r in rows if "ran_as" in r})
-    note = f"\n\n† the family refuses a part of the method, which ran without it (as `headfold convert` runs the default): {', '.join(ran_as)}." if ran_as else ""
+    note = (
+        f"\n\n† the family refuses a part of the method, which ran without it (as `headfold convert` runs the default): {', '.join(ran_as)}." if ran_as else ""
+    )
     return table(["model", "kv", *(f"`{m}`" for m in methods), *(f"`{m}`, own text" for m in own)], body) + note
 
 
@@ -426,11 +518,16 @@ def zoo_summary(data: dict) -> str:
     default, cell = data["default_method"], {(r["model"], r["kv"], r["method"], r["calibration"]): r for r in data["rows"]}
     body = []
     for m in data["models"]:
-        mean, best, own = (cell.get((m["model"], "h/4", method, calibration)) for method, calibration in (("mean", "built-in"), (default, "built-in"), (default, "training split")))
+        mean, best, own = (
+            cell.get((m["model"], "h/4", method, calibration))
+            for method, calibration in (("mean", "built-in"), (default, "built-in"), (default, "training split"))
+        )
         if mean and best:
-            ratio = lambda r: f"{_zoo_loss(mean) / _zoo_loss(r):.2f}×" if r else ""  # noqa: E731
+            ratio = lambda r, mean=mean: f"{_zoo_loss(mean) / _zoo_loss(r):.2f}×" if r else ""  # noqa: E731
             body.append([m["model"], f"{_zoo_loss(mean):.3g}", f"{_zoo_loss(best):.3g}", ratio(best), f"{_zoo_loss(own):.3g}" if own else "", ratio(own)])
-    intro = f"**At h/4: `mean` against the default `{default}`** (KL, or 1 − cosine for the encoder; ratio: `mean`'s over the default's, the goal is 3× or more)"
+    intro = (
+        f"**At h/4: `mean` against the default `{default}`** (KL, or 1 − cosine for the encoder; ratio: `mean`'s over the default's, the goal is 3× or more)"
+    )
     header = ["model", "`mean`", "default", "ratio", "default, own text", "ratio"]
     if not any(row[4] for row in body):  # the default not measured on own text (yet): no empty columns
         header, body = header[:4], [row[:4] for row in body]
@@ -457,7 +554,9 @@ def zoo_ranks(data: dict, kv: str = "h/4", leave_out: str | None = None) -> dict
     rank, a tie by the second."""
     losses = {model: here for model, here in zoo_losses(data, kv).items() if model != leave_out}
     methods = list(next(iter(losses.values()), {}))
-    scores = {m: (sum(rank_in(here, m) for here in losses.values()) / len(losses), max(here[m] / min(here.values()) for here in losses.values())) for m in methods}
+    scores = {
+        m: (sum(rank_in(here, m) for here in losses.values()) / len(losses), max(here[m] / min(here.values()) for here in losses.values())) for m in methods
+    }
     return dict(sorted(scores.items(), key=lambda item: item[1]))
 
 
@@ -469,8 +568,10 @@ def zoo_leave_one_out(data: dict) -> str:
         best = min(here, key=here.get)
         agreed += here[chosen] == here[best]
         rows.append([model, f"`{chosen}`", f"{rank_in(here, chosen):g} of {len(here)}", f"{here[chosen] / here[best]:.3f}", f"`{best}`"])
-    intro = (f"**Left out**: the rule applied to every model but one chooses the method in the second column; on the model left "
-             f"out, that method was the best (or tied with it) on {agreed} of {len(rows)} models.")
+    intro = (
+        f"**Left out**: the rule applied to every model but one chooses the method in the second column; on the model left "
+        f"out, that method was the best (or tied with it) on {agreed} of {len(rows)} models."
+    )
     return intro + "\n\n" + table(["left-out model", "chosen on the others", "its rank there", "its loss over the best there", "best there"], rows)
 
 
@@ -524,8 +625,14 @@ def render_file(path: Path) -> str:
     try:
         body = render(json.loads(path.read_text()))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration) as err:
-        hint = f"its renderer {render.__name__}" if render is not standard else 'no renderer in RENDERERS, and it lacks the standard shape {"what": text, "rows": [flat objects]}'
-        raise RenderError(f"{path.relative_to(ROOT)}: cannot render it ({type(err).__name__}: {err}) with {hint}; fix the file or benchmarks/render.py") from None
+        hint = (
+            f"its renderer {render.__name__}"
+            if render is not standard
+            else 'no renderer in RENDERERS, and it lacks the standard shape {"what": text, "rows": [flat objects]}'
+        )
+        raise RenderError(
+            f"{path.relative_to(ROOT)}: cannot render it ({type(err).__name__}: {err}) with {hint}; fix the file or benchmarks/render.py"
+        ) from None
     title = (render.__doc__ or "").strip().splitlines()[0] if render is not standard else ""
     return "\n\n".join(filter(None, [f"## `{path.name}`", title, body]))
 
@@ -539,8 +646,7 @@ def benchmarks_page() -> str:
         "<!-- Generated by `python benchmarks/render.py` from benchmarks/results/*.json: edit those or the script, not this page. -->\n\n"
         "Every figure below comes from a results file in [`benchmarks/results/`](../benchmarks/results/), written by the\n"
         "benchmark script its section names (each prints a table and writes its JSON: see [benchmarks/](../benchmarks/)).\n"
-        "All ran on a 2-core CPU without a GPU; each file says how loaded the machine was.\n\n"
-        + "\n".join(f"- [`{p.name}`](#{p.stem}json)" for p in files)
+        "All ran on a 2-core CPU without a GPU; each file says how loaded the machine was.\n\n" + "\n".join(f"- [`{p.name}`](#{p.stem}json)" for p in files)
     )
     return head + "\n\n" + "\n\n".join(render_file(p) for p in files) + "\n"
 
@@ -574,10 +680,26 @@ def headline() -> str:
     speeds = {r["variant"]: r["tokens_per_s"] for r in generate}
     rows = [
         [f"pooled 8 → {kv} kv heads, no training: `mean`", f"KL {mean['kl']:.3g}, perplexity {pct(mean['ppl_increase'])}", _source("distill_recovery.json")],
-        [f"pooled 8 → {kv} kv heads, no training: the default `{default}`", f"KL {best['kl']:.3g}, perplexity {pct(best['ppl_increase'])}", _source("zoo_quality.json")],
-        [f"the default's KL against `mean`'s at h/4 on each of the quality zoo's {len(ratios)} models", f"{min(ratios):.3g}× to {max(ratios):,.0f}× less", _source("zoo_quality.json")],
-        [f"`aligned+grouped+refit` (no local), then distilled on {distilled['budget']:.0%} of its pre-training tokens", f"KL {distilled['kl']:.3g}, perplexity {pct(distilled['ppl_increase'])}", _source("distill_recovery.json")],
-        ["onnxruntime-genai tokens/s at batch 8, GQA h/4 over MHA (a random 4-layer Llama, CPU)", f"{speeds['GQA h/4'] / speeds['MHA']:.2f}×", _source("generate_throughput_idle.json")],
+        [
+            f"pooled 8 → {kv} kv heads, no training: the default `{default}`",
+            f"KL {best['kl']:.3g}, perplexity {pct(best['ppl_increase'])}",
+            _source("zoo_quality.json"),
+        ],
+        [
+            f"the default's KL against `mean`'s at h/4 on each of the quality zoo's {len(ratios)} models",
+            f"{min(ratios):.3g}× to {max(ratios):,.0f}× less",
+            _source("zoo_quality.json"),
+        ],
+        [
+            f"`aligned+grouped+refit` (no local), then distilled on {distilled['budget']:.0%} of its pre-training tokens",
+            f"KL {distilled['kl']:.3g}, perplexity {pct(distilled['ppl_increase'])}",
+            _source("distill_recovery.json"),
+        ],
+        [
+            "onnxruntime-genai tokens/s at batch 8, GQA h/4 over MHA (a random 4-layer Llama, CPU)",
+            f"{speeds['GQA h/4'] / speeds['MHA']:.2f}×",
+            _source("generate_throughput_idle.json"),
+        ],
     ]
     intro = "Measured: the embedded model's KL to the original and perplexity change on held-out text, and generation speed ([docs/benchmarks.md](docs/benchmarks.md) has every figure):"
     return intro + "\n\n" + table(["", "measured", "from"], rows)
@@ -618,10 +740,14 @@ def method_parts_h4() -> str:
         first = next(r for r in rows if r["model"] == model)
         at = {r["label"]: r for r in rows if r["model"] == model and r["kv_heads"] == first["heads"] // 4}
         mean = at["mean"]["kl"]
-        cell = lambda r: f"{r['kl']:.3g} ({mean / r['kl']:.1f}×)" if r["label"] != "mean" else f"{r['kl']:.3g}"  # noqa: E731
-        body.append([f"{model} ({first['family']}, {first['heads']} heads of {first['head_dim']})", *(cell(at[label]) if label in at else "" for label in labels)])
-    note = (f"From [`method_parts.json`](../benchmarks/results/method_parts.json) (`benchmarks/method_parts.py`): KL at kv = h/4 and how many times less "
-            f"than `mean`'s; each method as the family allows it (BLOOM: without `grouped` and `scored`; benchmarks.md names what ran), local ran {budget} steps:")
+        cell = lambda r, mean=mean: f"{r['kl']:.3g} ({mean / r['kl']:.1f}×)" if r["label"] != "mean" else f"{r['kl']:.3g}"  # noqa: E731
+        body.append(
+            [f"{model} ({first['family']}, {first['heads']} heads of {first['head_dim']})", *(cell(at[label]) if label in at else "" for label in labels)]
+        )
+    note = (
+        f"From [`method_parts.json`](../benchmarks/results/method_parts.json) (`benchmarks/method_parts.py`): KL at kv = h/4 and how many times less "
+        f"than `mean`'s; each method as the family allows it (BLOOM: without `grouped` and `scored`; benchmarks.md names what ran), local ran {budget} steps:"
+    )
     return note + "\n\n" + table(["model", *(f"`{label}`" for label in labels)], body)
 
 
@@ -635,7 +761,11 @@ def layout_cost() -> str:
     """docs/scaling.md: what the default method (and mean) cost on the generated 1.29 GB Llama layout."""
     data = _load("method_parts_cost.json")
     rows = [r for r in data["rows"] if r["layout"].startswith("Llama")]
-    note = "Measured ([`method_parts_cost.json`](benchmarks.md#method_parts_costjson), `benchmarks/method_parts.py --layout`), " + rows[0]["layout"] + ", to 4 kv heads:"
+    note = (
+        "Measured ([`method_parts_cost.json`](benchmarks.md#method_parts_costjson), `benchmarks/method_parts.py --layout`), "
+        + rows[0]["layout"]
+        + ", to 4 kv heads:"
+    )
     shown = [[_part_name(r), r["convert_cpu_s"], r["convert_s"], r.get("peak_rss_mb", "")] for r in rows]
     return "\n\n".join([note, table(["method", "CPU s", "wall s", "peak RSS MB"], shown), *local_cost(data)])
 
@@ -654,9 +784,11 @@ def local_fit() -> str:
     cells = {(r["model"], r["calibration_tokens"], r["fit"]): f"{r['kl']:.3g} ({r['convert_cpu_s']:.0f} s)" for r in data["rows"]}
     groups = sorted({(r["model"], r["calibration_tokens"]) for r in data["rows"]}, key=lambda g: ([r["model"] for r in data["rows"]].index(g[0]), g[1]))
     body = [[model, f"{tokens}", *(cells.get((model, tokens, fit), "") for fit in fits)] for model, tokens in groups]
-    note = ("From [`local_fit.json`](benchmarks.md#local_fitjson) (`benchmarks/local_fit.py`): the default method at kv = h/4, "
-            "KL(original ‖ converted) per token on each model's held-out text (convert CPU seconds on a shared 2-core machine); "
-            "a fit named by assignments is the default with those LocalFit settings changed (ground/settings.py):")
+    note = (
+        "From [`local_fit.json`](benchmarks.md#local_fitjson) (`benchmarks/local_fit.py`): the default method at kv = h/4, "
+        "KL(original ‖ converted) per token on each model's held-out text (convert CPU seconds on a shared 2-core machine); "
+        "a fit named by assignments is the default with those LocalFit settings changed (ground/settings.py):"
+    )
     return note + "\n\n" + table(["model", "calibration tokens", *(f"`{fit}`" for fit in fits)], body)
 
 

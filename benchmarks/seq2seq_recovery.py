@@ -62,7 +62,12 @@ def train(folder: Path, steps: int, seed: int = 0) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step(), schedule.step(), optimizer.zero_grad()
     model.eval().save_pretrained(folder)
-    return {"pretraining_tokens": steps * TRAIN_BATCH * WINDOW, "train_steps": steps, "train_s": round(time.perf_counter() - start, 1), "final_train_loss": round(loss.item(), 4)}
+    return {
+        "pretraining_tokens": steps * TRAIN_BATCH * WINDOW,
+        "train_steps": steps,
+        "train_s": round(time.perf_counter() - start, 1),
+        "final_train_loss": round(loss.item(), 4),
+    }
 
 
 def quality_rows(source: Path, kv: int, tmp: Path, text: dict[str, Path], pretraining: int, args) -> tuple[list[dict], Path]:
@@ -76,7 +81,7 @@ def quality_rows(source: Path, kv: int, tmp: Path, text: dict[str, Path], pretra
     seconds = round(time.perf_counter() - began, 1)
     evals = {e["step"]: e for e in json.loads((out / "distill-log.json").read_text())["eval"]}
     rows = []
-    for budget, step in zip((0.0, *args.budgets), (0, *steps)):
+    for budget, step in zip((0.0, *args.budgets), (0, *steps), strict=True):
         e = evals[step]
         rows.append({"model": f"GQA-{kv}" if kv > 1 else "MQA", "kv_heads": kv, "distilled": f"{budget:.0%}", "distill_tokens": step * batch * WINDOW,
                      "kl": e["kl"], "target_ppl": e["ppl"], "ppl_increase": e["ppl_increase"], "top1": e["top1"], "teacher_ppl": e["teacher_ppl"],
@@ -90,12 +95,12 @@ def decoder_feeds(export: Path, kv: int, args) -> dict[str, np.ndarray]:
     ids = np.array(corpus.encode(corpus.heldout_text())[: args.batch * args.source], dtype=np.int64).reshape(args.batch, args.source)
     mask = np.ones_like(ids)
     encoder = session(export / "encoder.onnx", args.threads)
-    cross = dict(zip(cross_names(PAST, LAYERS), encoder.run(cross_names(PRESENT, LAYERS), {"input_ids": ids, "attention_mask": mask})))
+    cross = dict(zip(cross_names(PAST, LAYERS), encoder.run(cross_names(PRESENT, LAYERS), {"input_ids": ids, "attention_mask": mask}), strict=True))
     decoder = session(export / "decoder.onnx", args.threads)
     empty = {name: np.zeros((args.batch, kv, 0, HEAD_DIM), np.float32) for name in self_names(PAST, LAYERS)}
     prompt = np.concatenate([np.zeros((args.batch, 1), np.int64), ids[:, : args.prompt - 1]], 1)  # decoder_start_token_id, then text
     past = decoder.run(self_names(PRESENT, LAYERS), {"input_ids": prompt, ENCODER_MASK: mask, **empty, **cross})
-    return {"input_ids": ids[:, args.prompt : args.prompt + 1], ENCODER_MASK: mask, **dict(zip(self_names(PAST, LAYERS), past)), **cross}
+    return {"input_ids": ids[:, args.prompt : args.prompt + 1], ENCODER_MASK: mask, **dict(zip(self_names(PAST, LAYERS), past, strict=True)), **cross}
 
 
 def latency_rows(models: dict[int, Path], tmp: Path, args) -> dict[int, dict]:
@@ -130,7 +135,12 @@ def main() -> None:
     parser.add_argument("--source", type=int, default=512, help="source bytes in the latency measurement")
     parser.add_argument("--prompt", type=int, default=16, help="decoder tokens in the self cache before the timed step")
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
-    parser.add_argument("--torch-threads", type=int, default=1, help="training and distillation (more threads than free cores oversubscribe a shared machine and run far slower)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="training and distillation (more threads than free cores oversubscribe a shared machine and run far slower)",
+    )
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--json", type=Path, default=RESULTS)
@@ -149,7 +159,10 @@ def main() -> None:
             kv_rows, models[kv] = quality_rows(tmp / "mha", kv, tmp, text, training["pretraining_tokens"], args)
             rows += kv_rows
             for r in kv_rows:
-                print(f"{r['model']:6} distilled {r['distilled']:>3}: KL {r['kl']:.4f}  target ppl {r['target_ppl']:.3f} (MHA {r['teacher_ppl']:.3f})  top-1 {r['top1']:.1%}", flush=True)
+                print(
+                    f"{r['model']:6} distilled {r['distilled']:>3}: KL {r['kl']:.4f}  target ppl {r['target_ppl']:.3f} (MHA {r['teacher_ppl']:.3f})  top-1 {r['top1']:.1%}",
+                    flush=True,
+                )
         mha = {"model": "MHA", "kv_heads": HEADS, "distilled": "", "kl": 0.0, "target_ppl": rows[0]["teacher_ppl"], "ppl_increase": 0.0, "top1": 1.0}
         latency = latency_rows(models, tmp, args)
     rows = [mha, *rows]
@@ -157,7 +170,9 @@ def main() -> None:
         r.pop("teacher_ppl", None)
         if r["distilled"] in ("", "0%"):  # latency and cache size: one per model, on its training-free row
             r.update(latency[r["kv_heads"]])
-            print(f"{r['model']:6} decoder step {r['decoder_step_ms']:.3f} ms ({r['speedup_vs_mha']:.2f}×)  cache B/token self {r['self_cache_bytes_per_token']}, cross {r['cross_cache_bytes_per_token']}")
+            print(
+                f"{r['model']:6} decoder step {r['decoder_step_ms']:.3f} ms ({r['speedup_vs_mha']:.2f}×)  cache B/token self {r['self_cache_bytes_per_token']}, cross {r['cross_cache_bytes_per_token']}"
+            )
     machine = f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; torch {args.torch_threads} thread(s); training {training['train_s']} s, final train loss {training['final_train_loss']}"
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"what": what(args, training), "machine": machine, "rows": rows}, indent=2) + "\n")

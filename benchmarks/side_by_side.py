@@ -109,7 +109,7 @@ class ConcatCache:
         self.past = {i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), np.float32) for i in session.get_inputs() if is_cache(i.name, PAST)}
 
     def infer(self, feed: dict) -> dict:
-        out = dict(zip(self.names, self.session.run(None, {**feed, **self.past})))
+        out = dict(zip(self.names, self.session.run(None, {**feed, **self.past}), strict=True))
         self.past = past_from_present(out)
         return out
 
@@ -178,7 +178,11 @@ def summarize(rows: list[dict]) -> list[dict]:
                 entry[f"{exporter}_{metric}"] = median_ratio([cell[exporter, rnd][metric] for rnd in rounds])
         ratios = [cell["headfold", rnd]["tokens_per_s"] / cell["builder", rnd]["tokens_per_s"] for rnd in rounds]
         cpu = [cell["builder", rnd]["cpu_ms"] / cell["headfold", rnd]["cpu_ms"] for rnd in rounds]
-        entry |= {"headfold_vs_builder": median_ratio(ratios), "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)], "headfold_vs_builder_cpu": median_ratio(cpu)}
+        entry |= {
+            "headfold_vs_builder": median_ratio(ratios),
+            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+            "headfold_vs_builder_cpu": median_ratio(cpu),
+        }
         summary.append(entry)
     return summary
 
@@ -248,7 +252,9 @@ def main() -> None:
     speedups = gqa_speedups(summary, bytes_moved)
     print(f"\n{'precision':9} {'model':8} {'batch':>5} {'past':>5} {'builder tok/s':>13} {'headfold tok/s':>14} {'ratio':>6}")
     for s in summary:
-        print(f"{s['precision']:9} {s['model']:8} {s['batch']:>5} {s['past']:>5} {s['builder_tokens_per_s']:>13} {s['headfold_tokens_per_s']:>14} {s['headfold_vs_builder']:>6}")
+        print(
+            f"{s['precision']:9} {s['model']:8} {s['batch']:>5} {s['past']:>5} {s['builder_tokens_per_s']:>13} {s['headfold_tokens_per_s']:>14} {s['headfold_vs_builder']:>6}"
+        )
     for s in speedups:
         print(f"{s['precision']} batch {s['batch']} past {s['past']}: MHA → h/4 {s['speedup']}× of ideal {s['ideal_bytes_ratio']}× ({s['of_ideal']:.0%})")
     machine = f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), onnxruntime {ort.__version__}, onnxruntime-genai {og.__version__}"

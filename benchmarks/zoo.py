@@ -84,7 +84,17 @@ def trained(name: str, cache: Path, log: Callable = print) -> Subject:
     folder = zoo_models.ensure(member, cache, log)
     record = json.loads((folder / "training.json").read_text())
     text = zoo_models.stdlib_corpus()
-    keys = ("heads", "head_dim", "layers", "parameters", "pretraining_tokens", "heldout_perplexity", "train_wall_seconds", "train_cpu_seconds", "weights_sha256")
+    keys = (
+        "heads",
+        "head_dim",
+        "layers",
+        "parameters",
+        "pretraining_tokens",
+        "heldout_perplexity",
+        "train_wall_seconds",
+        "train_cpu_seconds",
+        "weights_sha256",
+    )
     facts = {k: record[k] for k in keys} | {"corpus_sha256": record["corpus"]["sha256"]}
     heldout = zoo_models.spread_windows(text.ids("heldout"), count=record["heldout_windows"])
     return Subject(name, member.family, folder, "seq2seq" if member.seq2seq else "decoder", heldout, text.train, facts)
@@ -132,7 +142,7 @@ def predictions(model: torch.nn.Module, batch: torch.Tensor, kind: str, chunk: i
         half, start = batch.shape[1] // 2, model.config.decoder_start_token_id
         source, target = batch[:, :half], batch[:, half:]
         decoder = torch.cat([torch.full_like(target[:, :1], start), target[:, :-1]], 1)
-        logits = [model(input_ids=s, decoder_input_ids=d, use_cache=False).logits for s, d in zip(source.split(chunk), decoder.split(chunk))]
+        logits = [model(input_ids=s, decoder_input_ids=d, use_cache=False).logits for s, d in zip(source.split(chunk), decoder.split(chunk), strict=True)]
         return torch.cat(logits).float().log_softmax(-1).flatten(0, 1), target.flatten()
     logits = [model(input_ids=part, use_cache=False).logits[:, :-1] for part in batch.split(chunk)]
     return torch.cat(logits).float().log_softmax(-1).flatten(0, 1), batch[:, 1:].flatten()

@@ -193,7 +193,10 @@ def train(m: Member, folder: Path, text: Corpus, log=print) -> dict:
     model = m.build()
     data = text.ids("train")
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": m.weight_decay}, {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": m.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=m.lr, betas=m.betas)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, m))
     gen = torch.Generator().manual_seed(m.seed)
@@ -212,7 +215,9 @@ def train(m: Member, folder: Path, text: Corpus, log=print) -> dict:
         recent = (recent + [loss.item()])[-m.log_every :]
         if (step + 1) % m.log_every == 0 or step + 1 == m.steps:
             elapsed = time.perf_counter() - start
-            log(f"{m.name}: step {step + 1}/{m.steps}  loss {sum(recent) / len(recent):.4f}  {elapsed:.0f}s, eta {elapsed / (step + 1) * (m.steps - step - 1):.0f}s")
+            log(
+                f"{m.name}: step {step + 1}/{m.steps}  loss {sum(recent) / len(recent):.4f}  {elapsed:.0f}s, eta {elapsed / (step + 1) * (m.steps - step - 1):.0f}s"
+            )
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     load = (load, os.getloadavg()[0])
     heldout = heldout_loss(model, spread_windows(text.ids("heldout"), count=m.eval_windows), m.seq2seq)

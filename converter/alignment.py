@@ -91,14 +91,14 @@ def generalized_procrustes(acts: list[torch.Tensor], rotary: int = 0, iterations
     d = acts[0].shape[1]
     phases = _gpa_phases([_complex(a, rotary) for a in acts], iterations) if rotary else [None] * len(acts)
     rotations = _gpa_orthogonal([a[:, rotary:].double() for a in acts], iterations) if rotary < d else [None] * len(acts)
-    return [_assemble(p, r, rotary, d).to(acts[0].dtype) for p, r in zip(phases, rotations)]
+    return [_assemble(p, r, rotary, d).to(acts[0].dtype) for p, r in zip(phases, rotations, strict=True)]
 
 
 def _gpa_orthogonal(acts: list[torch.Tensor], iterations: int) -> list[torch.Tensor]:
     cross = [[ai.T @ aj for aj in acts] for ai in acts]
     rotations = [_polar(cross[i][0]) for i in range(len(acts))]  # first target: head 0
     for _ in range(iterations):  # target = mean_j A_j R_j, so A_iᵀ target = mean_j cross_ij R_j
-        rotations = [_polar(torch.stack([c @ r for c, r in zip(row, rotations)]).mean(0)) for row in cross]
+        rotations = [_polar(torch.stack([c @ r for c, r in zip(row, rotations, strict=True)]).mean(0)) for row in cross]
     return rotations
 
 
@@ -107,7 +107,7 @@ def _gpa_phases(zs: list[torch.Tensor], iterations: int) -> list[torch.Tensor]:
     cross = [[(zi.conj() * zj).sum(0) for zj in zs] for zi in zs]
     phases = [_unit(cross[i][0]) for i in range(len(zs))]
     for _ in range(iterations):
-        phases = [_unit(torch.stack([c * p for c, p in zip(row, phases)]).mean(0)) for row in cross]
+        phases = [_unit(torch.stack([c * p for c, p in zip(row, phases, strict=True)]).mean(0)) for row in cross]
     return phases
 
 

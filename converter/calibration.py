@@ -80,7 +80,9 @@ def seq2seq_inputs(ckpt: SourceCheckpoint, text: str | SynthesizedAudio, tokens:
     return [run.inputs for run in _seq2seq_runs(ckpt, text, tokens, seed, progress, blocks=False)]
 
 
-def local_runs(ckpt: SourceCheckpoint, text: str | SynthesizedAudio, tokens: int, seed: int, sequential: bool, progress: bool = True) -> Iterator[layerwise.LayerRun]:
+def local_runs(
+    ckpt: SourceCheckpoint, text: str | SynthesizedAudio, tokens: int, seed: int, sequential: bool, progress: bool = True
+) -> Iterator[layerwise.LayerRun]:
     """What `local` fits on: each attention block with what it read and returned on the calibration text (or
     Whisper's synthesized audio). A decoder or encoder runs layer by layer (layerwise.layer_runs: `sequential`
     or teacher-forced); an encoder-decoder whole, once, teacher-forced. Each run holds one call per window (an
@@ -101,9 +103,11 @@ def _seq2seq_runs(ckpt: SourceCheckpoint, text: str | SynthesizedAudio, tokens: 
     paths = [names[layer[key]][: -len(key) - 1] for layer in ckpt.attention.layers]  # each attention block's module
     runs = [layerwise.LayerRun(i, [], model.get_submodule(path), {}, [], []) for i, path in enumerate(paths)]
     per_feed = 1 if blocks else 4  # local splits a block's calls: one window each
-    feeds = audio_feeds(ckpt.facts, model, tokens, seed, per_feed) if ckpt.facts.audio_input else text_feeds(ckpt, model, text, tokens, seed, per_feed)  # before the hooks: Whisper's generates
+    feeds = (
+        audio_feeds(ckpt.facts, model, tokens, seed, per_feed) if ckpt.facts.audio_input else text_feeds(ckpt, model, text, tokens, seed, per_feed)
+    )  # before the hooks: Whisper's generates
     hooks = []
-    for run, path in zip(runs, paths):
+    for run, path in zip(runs, paths, strict=True):
         run.names = {source: names[source][len(path) + 1 :] for source in ckpt.attention.layers[run.index].values()}
         hooks.append(run.block.get_submodule(key.removesuffix(".weight")).register_forward_pre_hook(_keep_input(run.inputs)))
         if blocks:
@@ -128,7 +132,10 @@ def text_feeds(ckpt: SourceCheckpoint, model: torch.nn.Module, text: str, tokens
     half = min(WINDOW // 2, ckpt.facts.position_limit or WINDOW)  # source and target each within the position table
     batch = sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed, 2 * half)
     start = torch.full_like(batch[:, :1], model.config.decoder_start_token_id)
-    return [{"input_ids": rows[:, :half], "decoder_input_ids": torch.cat([s, rows[:, half:-1]], 1)} for rows, s in zip(batch.split(per_feed), start.split(per_feed))]
+    return [
+        {"input_ids": rows[:, :half], "decoder_input_ids": torch.cat([s, rows[:, half:-1]], 1)}
+        for rows, s in zip(batch.split(per_feed), start.split(per_feed), strict=True)
+    ]
 
 
 def audio_feeds(facts: CheckpointFacts, model: torch.nn.Module, tokens: int, seed: int, per_feed: int = 4) -> list[dict[str, torch.Tensor]]:

@@ -205,7 +205,9 @@ def _check_values(config: dict[str, Any]) -> None:
                 raise BadInput(f"config.json: {key!r} must be {kind}{where}, found {inputs.shown(config[key])}; fix config.json")
     architectures = config.get("architectures")
     if architectures is not None and not (isinstance(architectures, list) and architectures and all(isinstance(a, str) for a in architectures)):
-        raise BadInput(f"config.json: 'architectures' must be a list of class names like [\"LlamaForCausalLM\"], found {inputs.shown(architectures)}; fix config.json")
+        raise BadInput(
+            f"config.json: 'architectures' must be a list of class names like [\"LlamaForCausalLM\"], found {inputs.shown(architectures)}; fix config.json"
+        )
 
 
 def _check_rope(config: dict[str, Any]) -> None:
@@ -216,7 +218,7 @@ def _check_rope(config: dict[str, Any]) -> None:
         nested = params.values() if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()) else [params]
         for entry in nested:  # one dict, or one per layer type (sliding / full attention)
             if not isinstance(entry, dict):
-                raise BadInput(f"config.json: {key!r} must be an object like {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}, found {inputs.shown(params)}")
+                raise BadInput(f'config.json: {key!r} must be an object like {{"rope_type": "default", "rope_theta": 10000.0}}, found {inputs.shown(params)}')
             for name in ("rope_theta", "factor"):
                 if name in entry and not _positive_number(entry[name]):
                     raise BadInput(f"config.json: {key}.{name} must be a positive number, found {inputs.shown(entry[name])}")
@@ -276,6 +278,7 @@ def _head_shape(config: dict[str, Any], keys: ConfigKeys) -> HeadShape:
 def head_terms(config: dict[str, Any], keys: ConfigKeys, shape: HeadShape) -> str:
     """A head shape with the values named as config.json names them (T5's d_kv, Whisper's d_model), for
     a message about a tensor that does not fit it."""
+
     def named(key: str | None, value: int, otherwise: str) -> str:
         return f"{key} {value}" if key and config.get(key) is not None else otherwise
 
@@ -302,7 +305,9 @@ def _attention_blocks(config: dict[str, Any], spec: ArchitectureSpec) -> tuple[A
     stated = config.get(KV_HEADS_PER_ATTENTION) or {}
     names = [kind.name for kind in spec.attentions]
     if not isinstance(stated, dict) or set(stated) - set(names):
-        raise BadInput(f"config.json: {KV_HEADS_PER_ATTENTION} must map {', '.join(names)} to kv-head counts, found {inputs.shown(stated)}; re-run headfold convert or fix config.json")
+        raise BadInput(
+            f"config.json: {KV_HEADS_PER_ATTENTION} must map {', '.join(names)} to kv-head counts, found {inputs.shown(stated)}; re-run headfold convert or fix config.json"
+        )
     keys, blocks = spec.config, []
     for kind in spec.attentions:  # head_dim: the family's key (T5's d_kv), else the width over this kind's heads
         layers, heads = _kind_layers(config, kind), _positive_int(config, kind.heads)
@@ -450,7 +455,9 @@ class CheckpointFacts:
         in read(): transformers' activation table imports torch, which a mean conversion never loads."""
         for key in ACTIVATION_KEYS:
             if isinstance(name := self.config.get(key), str) and name not in activations.ACT2FN:
-                raise BadInput(f"config.json: {key!r} is {inputs.shown(name)}, which transformers does not know; use one of {', '.join(sorted(activations.ACT2FN)[:8])}, …")
+                raise BadInput(
+                    f"config.json: {key!r} is {inputs.shown(name)}, which transformers does not know; use one of {', '.join(sorted(activations.ACT2FN)[:8])}, …"
+                )
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -576,11 +583,15 @@ def read_tensor_index(folder: Path, allow_pickle: bool) -> TensorIndex:
         for info in infos:  # a source's tensors, whatever their format; the header parse itself stays neutral
             _check_stored_tensor(info)
             if (first := tensors.setdefault(info.name, info)) is not info:
-                raise BadInput(f"tensor {info.name} is in two shards, {first.file.name} and {file.name}; restore the checkpoint (each tensor lives in one shard)")
+                raise BadInput(
+                    f"tensor {info.name} is in two shards, {first.file.name} and {file.name}; restore the checkpoint (each tensor lives in one shard)"
+                )
     if missing := set(index) - set(tensors):
         raise BadInput(f"the weight index names {len(missing)} tensor(s) absent from the shards (e.g. {min(missing)}); the checkpoint is incomplete")
     if wrong := next((n for n, f in sorted(index.items()) if tensors[n].file != f), None):
-        raise BadInput(f"the weight index maps tensor {wrong} to {index[wrong].name}, which does not hold it ({tensors[wrong].file.name} does); restore the index from the original checkpoint")
+        raise BadInput(
+            f"the weight index maps tensor {wrong} to {index[wrong].name}, which does not hold it ({tensors[wrong].file.name} does); restore the index from the original checkpoint"
+        )
     return TensorIndex(files, tensors, pickles)
 
 

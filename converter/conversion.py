@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import asdict, replace
 from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +92,9 @@ def convert(
         shard_bytes = parse_size(max_shard_size, "--shard-size") if max_shard_size is not None else default_shard_bytes(ckpt)
         pools = targets != list(ckpt.layer_shapes)  # kv heads = heads everywhere: byte-identical, nothing to calibrate
         if recipe.data_aware and pools:  # the request is valid: say what the seconds before the first bar are
-            log.info(f"convert: loading torch, transformers, the tokenizer and {calibration_tokens} tokens of {calibration or 'the built-in text'}; then calibrating one layer at a time")
+            log.info(
+                f"convert: loading torch, transformers, the tokenizer and {calibration_tokens} tokens of {calibration or 'the built-in text'}; then calibrating one layer at a time"
+            )
             from headfold.converter.calibration import check_settings  # torch and transformers: data-aware methods only
 
             check_settings()  # a bad $HEADFOLD_DEVICE or $HEADFOLD_CALIBRATION_RAM fails before the slow calibration
@@ -153,7 +155,15 @@ def local_step_budget(recipe: Recipe, steps: int | None) -> int:
 
 
 def fitted_layers(
-    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, text: str | seq2seq.SynthesizedAudio, tokens: int, seed: int, contexts: list[LayerContext], steps: int, progress: bool,
+    ckpt: SourceCheckpoint,
+    targets: list[HeadShape],
+    recipe: Recipe,
+    text: str | seq2seq.SynthesizedAudio,
+    tokens: int,
+    seed: int,
+    contexts: list[LayerContext],
+    steps: int,
+    progress: bool,
     settings: LocalFit,
 ) -> dict:
     """local's layers, converted while calibration runs them (converter/local.py: torch, imported only here)."""
@@ -181,12 +191,9 @@ def target_shapes(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int], pool: s
         return seq2seq_targets(ckpt, kv_heads, kinds)
     per_layer = expand(kv_heads, ckpt.layers)
     by_layer = not isinstance(kv_heads, int) or len(set(ckpt.layer_shapes)) > 1  # name the layer in errors
-    targets = [target_shape(src, kv, i if by_layer else None) for i, (src, kv) in enumerate(zip(ckpt.layer_shapes, per_layer))]
+    targets = [target_shape(src, kv, i if by_layer else None) for i, (src, kv) in enumerate(zip(ckpt.layer_shapes, per_layer, strict=True))]
     if ckpt.spec.mqa_only and len({t.kv_heads for t in targets} | {1}) > 1:
-        raise BadInput(
-            f"transformers' {ckpt.spec.family} has multi-query attention (1 kv head) or none, nothing between: "
-            "use --kv-heads 1 for every layer"
-        )
+        raise BadInput(f"transformers' {ckpt.spec.family} has multi-query attention (1 kv head) or none, nothing between: use --kv-heads 1 for every layer")
     return targets
 
 
@@ -197,7 +204,7 @@ def seq2seq_targets(ckpt: SourceCheckpoint, kv_heads: int | Sequence[int], kinds
     for kind in kinds:
         indices = [i for i, b in enumerate(ckpt.facts.blocks) if b.kind == kind]
         name = seq2seq.KIND_NAMES[kind]
-        for layer, (i, kv) in enumerate(zip(indices, expand(kv_heads, len(indices)))):
+        for layer, (i, kv) in enumerate(zip(indices, expand(kv_heads, len(indices)), strict=True)):
             targets[i] = target_shape(targets[i], kv, name if isinstance(kv_heads, int) else f"{name} layer {layer}")
     return targets
 
@@ -216,9 +223,13 @@ def refused_modifiers(ckpt: SourceCheckpoint) -> dict[str, str]:
     """Modifier → why this model's maths does not allow it (its function would change)."""
     why: dict[str, str] = {}
     if ckpt.spec.alibi:
-        why["grouped"] = why["scored"] = f"{ckpt.spec.family} uses ALiBi, whose slope belongs to each query head's position, so grouped and scored (which move query heads) would change the model"
+        why["grouped"] = why["scored"] = (
+            f"{ckpt.spec.family} uses ALiBi, whose slope belongs to each query head's position, so grouped and scored (which move query heads) would change the model"
+        )
     if ckpt.spec.head_position_bias:
-        why["grouped"] = why["scored"] = f"{ckpt.spec.family}'s relative attention bias belongs to each query head, so grouped and scored (which move query heads) would change the model"
+        why["grouped"] = why["scored"] = (
+            f"{ckpt.spec.family}'s relative attention bias belongs to each query head, so grouped and scored (which move query heads) would change the model"
+        )
     if ckpt.config.get("clip_qkv") is not None:
         why["aligned"] = why["refit"] = "config.json sets clip_qkv: the q/k/v clamp does not commute with the rotations and refits of aligned and refit"
     return why
@@ -251,9 +262,13 @@ def without_local(recipe: Recipe, method: str) -> Recipe:
     """The default method where there is no calibration text (the weights alone): its other parts, with a
     warning; any other method with local is BadInput (local fits attention outputs on text)."""
     if method != DEFAULT_METHOD:
-        raise BadInput("local fits each layer's attention output on calibration text: pass --calibration TEXT_FILE (a checkpoint with tokenizer files), not the weights alone")
+        raise BadInput(
+            "local fits each layer's attention output on calibration text: pass --calibration TEXT_FILE (a checkpoint with tokenizer files), not the weights alone"
+        )
     kept = replace(recipe, local=False)
-    log.warning(f"headfold: the default method is {kept.name} here, without local: local fits each layer's attention output on calibration text, and this conversion has the weights alone")
+    log.warning(
+        f"headfold: the default method is {kept.name} here, without local: local fits each layer's attention output on calibration text, and this conversion has the weights alone"
+    )
     return kept
 
 
@@ -274,7 +289,7 @@ def dropped_tensors(ckpt: SourceCheckpoint, targets: list[HeadShape], retarget: 
     the retarget family lacks."""
     hidden = ckpt.config[ckpt.spec.config.hidden]
     dropped = tensors_matching(ckpt, retarget.drop) if retarget else set()
-    for layer, target in zip(ckpt.attention.layers, targets):
+    for layer, target in zip(ckpt.attention.layers, targets, strict=True):
         kept = expected_shapes(ckpt.spec, target, hidden)
         dropped |= {name for suffix, name in layer.items() if suffix not in kept}
     return dropped
@@ -290,7 +305,7 @@ def default_shard_bytes(ckpt: SourceCheckpoint) -> int:
 def plan_outputs(ckpt: SourceCheckpoint, targets: list[HeadShape], retarget: Retarget | None = None) -> list[PlannedTensor]:
     """Every output tensor's name, dtype and shape, in source storage order."""
     resized: dict[str, tuple[int, int]] = {}  # attention tensor → (head axis, its new size)
-    for layer, target in zip(ckpt.attention.layers, targets):
+    for layer, target in zip(ckpt.attention.layers, targets, strict=True):
         sizes = head_axis_sizes(ckpt.spec, target)
         resized |= {name: sizes[suffix] for suffix, name in layer.items() if suffix in sizes}
     dropped = dropped_tensors(ckpt, targets, retarget)
@@ -312,7 +327,9 @@ def calibration_text(calibration: str | Path | None, builtin: str | None) -> str
     "weights" → no activations (weight-space methods); else the text file."""
     if calibration is None:
         if builtin is None:
-            log.warning("headfold: no text to calibrate on (the checkpoint has no tokenizer files): the method works on the weights alone; pass --calibration TEXT_FILE with a tokenizer to calibrate on text")
+            log.warning(
+                "headfold: no text to calibrate on (the checkpoint has no tokenizer files): the method works on the weights alone; pass --calibration TEXT_FILE with a tokenizer to calibrate on text"
+            )
         return builtin
     if str(calibration) == "weights":
         return None
@@ -368,8 +385,15 @@ def untouched_suffixes(ckpt: SourceCheckpoint, recipe: Recipe) -> set[str]:
 
 
 def write_weights(
-    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, contexts: list[LayerContext], folder: Path, shard_bytes: int, progress: bool,
-    retarget: Retarget | None = None, fitted: dict | None = None,
+    ckpt: SourceCheckpoint,
+    targets: list[HeadShape],
+    recipe: Recipe,
+    contexts: list[LayerContext],
+    folder: Path,
+    shard_bytes: int,
+    progress: bool,
+    retarget: Retarget | None = None,
+    fitted: dict | None = None,
 ) -> tuple[dict[str, str], list[list[list[int]]]]:
     """Stream every tensor to the output; return file hashes and each layer's head groups. `fitted`: layers
     local already converted (converter/local.py FittedLayer, tensors kept in fp32)."""
@@ -439,7 +463,7 @@ def _write_json(folder: Path, config: dict[str, Any]) -> dict[str, str]:
 def kinds_kv_heads(ckpt: SourceCheckpoint, per_block: Sequence[int]) -> dict[str, int | list[int]]:
     """An encoder-decoder's kv heads per attention kind (one count, or one per layer) from one per block."""
     by_kind: dict[str, list[int]] = {}
-    for block, kv in zip(ckpt.facts.blocks, per_block):
+    for block, kv in zip(ckpt.facts.blocks, per_block, strict=True):
         by_kind.setdefault(block.kind, []).append(kv)
     return {kind: collapse(counts) for kind, counts in by_kind.items()}
 
@@ -485,8 +509,14 @@ def load_hint(folder: Path) -> str | None:
 
 
 def build_manifest(
-    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, groups: list[list[list[int]]], files: dict[str, str], skipped: list[str],
-    retarget: Retarget | None = None, pool: str | None = None,
+    ckpt: SourceCheckpoint,
+    targets: list[HeadShape],
+    recipe: Recipe,
+    groups: list[list[list[int]]],
+    files: dict[str, str],
+    skipped: list[str],
+    retarget: Retarget | None = None,
+    pool: str | None = None,
 ) -> Manifest:
     src = ckpt.shape
     uniform = all(layer == groups[0] for layer in groups)
@@ -495,9 +525,14 @@ def build_manifest(
     parent = load_raw(ckpt.folder, "restore it or remove it from the source") if (ckpt.folder / MANIFEST).is_file() else None
     return Manifest(
         source=ManifestSource(
-            path=str(ckpt.folder.resolve()), model_type=ckpt.config.get("model_type"), family=ckpt.spec.family, heads=src.heads,
-            kv_heads=collapse([s.kv_heads for s in ckpt.layer_shapes]), head_dim=src.head_dim,
-            config_sha256=sha256_file(ckpt.folder / "config.json"), manifest=parent,
+            path=str(ckpt.folder.resolve()),
+            model_type=ckpt.config.get("model_type"),
+            family=ckpt.spec.family,
+            heads=src.heads,
+            kv_heads=collapse([s.kv_heads for s in ckpt.layer_shapes]),
+            head_dim=src.head_dim,
+            config_sha256=sha256_file(ckpt.folder / "config.json"),
+            manifest=parent,
             **({"repo_id": hub.repo_id, "revision": hub.commit} if (hub := hub_origin(ckpt.folder)) else {}),
         ),
         conversion=Conversion(

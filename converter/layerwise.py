@@ -256,7 +256,9 @@ class LayerRun:
 
 
 @torch.no_grad()
-def layer_runs(ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device, sequential: bool, progress: bool = True, chunk: int = CHUNK) -> Iterator[LayerRun]:
+def layer_runs(
+    ckpt: SourceCheckpoint, batch: torch.Tensor, device: torch.device, sequential: bool, progress: bool = True, chunk: int = CHUNK
+) -> Iterator[LayerRun]:
     """Each layer in turn, loaded, run over `batch` ([windows, T] token ids) up to its attention block's output,
     `chunk` windows per call (the run's calls and outputs: the units the consumer may split).
 

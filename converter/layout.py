@@ -124,9 +124,9 @@ class AttentionCodec:
         parts = {"o": split_heads(tensors[o.weight], o.head_axis, shape.heads)}
         if spec.fused_qkv:
             f = spec.fused_qkv
-            parts.update(zip("qkv", split_fused(tensors[f.weight], f, f.head_axis, shape)))
+            parts.update(zip("qkv", split_fused(tensors[f.weight], f, f.head_axis, shape), strict=True))
             if f.bias in tensors:
-                parts.update(zip(("q_bias", "k_bias", "v_bias"), split_fused(tensors[f.bias], f, 0, shape)))
+                parts.update(zip(("q_bias", "k_bias", "v_bias"), split_fused(tensors[f.bias], f, 0, shape), strict=True))
         else:
             for role, heads in (("q", shape.heads), ("k", shape.kv_heads), ("v", shape.kv_heads)):
                 p = spec.projections[role]
@@ -145,7 +145,7 @@ class AttentionCodec:
         out = {o.weight: merge_heads(attn.o, o.head_axis)}
         for role in "qk":
             if (norm := getattr(attn, f"{role}_norm")) is not None:
-                out |= dict(zip(spec.head_norm_suffixes(role, len(norm)), norm))
+                out |= dict(zip(spec.head_norm_suffixes(role, len(norm)), norm, strict=True))
         if spec.fused_qkv:
             f = spec.fused_qkv
             out[f.weight] = merge_fused(attn.q, attn.k, attn.v, f, f.head_axis)

@@ -98,8 +98,13 @@ def batches(calls: list[int], seed: int, size: int) -> Iterator[list[int]]:
 
 
 def fit(
-    run: layerwise.LayerRun, start: AttentionWeights, block_tensors: Callable[[AttentionWeights], dict[str, torch.Tensor]], steps: int,
-    bar=None, seed: int = 0, settings: LocalFit = LocalFit(),
+    run: layerwise.LayerRun,
+    start: AttentionWeights,
+    block_tensors: Callable[[AttentionWeights], dict[str, torch.Tensor]],
+    steps: int,
+    bar=None,
+    seed: int = 0,
+    settings: LocalFit = LocalFit(),
 ) -> Fit:
     """`start` (canonical, on the block's device) fitted for at most `steps` Adam steps to `run`'s block outputs
     on the fit windows; the kept iterate is the best on the held-out windows (the start included), and the fit
@@ -123,7 +128,7 @@ def fit(
     for taken, batch in enumerate(batches(fitted, seed + 1, settings.batch), 1):
         optimizer.zero_grad()
         squared_error(run, candidate, batch, backward=True)
-        for group, rate in zip(optimizer.param_groups, rates):  # cosine from the rate down to `floor` of it
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):  # cosine from the rate down to `floor` of it
             group["lr"] = rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (taken - 1) / steps)))
         optimizer.step()
         if bar is not None:
@@ -216,7 +221,14 @@ class LayerFitter:
     """Converts each layer of `ckpt` that `targets` pools: the recipe's other parts, then the fit."""
 
     def __init__(
-        self, ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, contexts: list[LayerContext], steps: int, seed: int = 0, settings: LocalFit = LocalFit(),
+        self,
+        ckpt: SourceCheckpoint,
+        targets: list[HeadShape],
+        recipe: Recipe,
+        contexts: list[LayerContext],
+        steps: int,
+        seed: int = 0,
+        settings: LocalFit = LocalFit(),
     ) -> None:
         self.ckpt, self.targets, self.contexts, self.steps, self.seed, self.settings = ckpt, targets, contexts, steps, seed, settings
         self.start = replace(recipe, local=False)
@@ -247,7 +259,15 @@ class LayerFitter:
 
 
 def fitted_layers(
-    ckpt: SourceCheckpoint, targets: list[HeadShape], recipe: Recipe, text: str | SynthesizedAudio, tokens: int, seed: int, contexts: list[LayerContext], steps: int, progress: bool,
+    ckpt: SourceCheckpoint,
+    targets: list[HeadShape],
+    recipe: Recipe,
+    text: str | SynthesizedAudio,
+    tokens: int,
+    seed: int,
+    contexts: list[LayerContext],
+    steps: int,
+    progress: bool,
     settings: LocalFit = LocalFit(),
 ) -> dict[int, FittedLayer]:
     """Every pooled layer converted with `recipe`, its `local` part fitted on `tokens` tokens of `text` (windows

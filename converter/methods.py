@@ -34,6 +34,7 @@ import torch
 
 from headfold.converter import alignment, scoring
 from headfold.converter.layout import AttentionWeights
+
 # re-exported: the names live in recipes.py, which imports no torch
 from headfold.converter.recipes import METHODS, LayerContext, Recipe, contiguous_groups, get_method  # noqa: F401
 from headfold.ground.errors import BadInput
@@ -159,7 +160,9 @@ def similar_groups(keys: list[torch.Tensor], values: list[torch.Tensor], kv_head
     return sorted(sorted(g) for g in groups)
 
 
-def predicted_loss(attn: AttentionWeights, keys: list[torch.Tensor], values: list[torch.Tensor], ctx: LayerContext, key_rotary: int | None) -> scoring.PredictedLoss:
+def predicted_loss(
+    attn: AttentionWeights, keys: list[torch.Tensor], values: list[torch.Tensor], ctx: LayerContext, key_rotary: int | None
+) -> scoring.PredictedLoss:
     """The layer's predicted loss of pooling a group (scoring.py), weighted by each kv head's query heads and W_O rows."""
     queries = head_activations(attn.q, attn.q_bias, ctx)
     per_kv = len(queries) // len(keys)
@@ -227,7 +230,7 @@ def rotate(attn: AttentionWeights, key_maps: list[torch.Tensor | None], value_ma
     """Fold per-kv-head maps (activations A_j → A_j M_j) into K/V and, inversely, into Q/O."""
     q, k, v, o = attn.q.clone(), attn.k.clone(), attn.v.clone(), attn.o.clone()
     qb, kb, vb = (None if t is None else t.clone() for t in (attn.q_bias, attn.k_bias, attn.v_bias))
-    for j, (mk, mv) in enumerate(zip(key_maps, value_maps)):
+    for j, (mk, mv) in enumerate(zip(key_maps, value_maps, strict=True)):
         heads = _query_heads(attn, j)
         if mk is not None:  # scores (q R)·(k R) = q·k for orthogonal R: Q and K rows both rotate
             k[j], q[heads] = _weights(mk.T, k[j]), _weights(mk.T, q[heads])
@@ -247,10 +250,10 @@ def align(attn: AttentionWeights, groups: list[list[int]], keys, values, key_rot
     key_maps: list[torch.Tensor | None] = [None] * n
     value_maps: list[torch.Tensor] = [torch.eye(attn.v.shape[1], device=attn.v.device)] * n
     for group in groups:
-        for j, r in zip(group, alignment.generalized_procrustes([values[j] for j in group])):
+        for j, r in zip(group, alignment.generalized_procrustes([values[j] for j in group]), strict=True):
             value_maps[j] = r
         if key_rotary is not None:
-            for j, r in zip(group, alignment.generalized_procrustes([keys[j] for j in group], key_rotary)):
+            for j, r in zip(group, alignment.generalized_procrustes([keys[j] for j in group], key_rotary), strict=True):
                 key_maps[j] = r
     return rotate(attn, key_maps, value_maps)
 

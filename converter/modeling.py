@@ -188,9 +188,7 @@ class OPTGQAAttention(_SeparateKV, OPTAttention):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, opt_eager
-        )
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, opt_eager)
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -247,9 +245,7 @@ class GPTNeoXGQAAttention(_GQA, GPTNeoXAttention):
         if layer_past is not None:
             key_states, value_states = layer_past.update(key_states, value_states, self.layer_idx)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, neox_eager
-        )
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, neox_eager)
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -407,8 +403,7 @@ def _check_forward_signature(cls: type[_GQA]) -> None:
     theirs = list(inspect.signature(cls.base.forward).parameters)
     if ours != theirs:
         raise RuntimeError(
-            f"transformers {transformers.__version__} changed {cls.base.__name__}.forward{tuple(theirs)}; "
-            f"update headfold's {cls.__name__} to match"
+            f"transformers {transformers.__version__} changed {cls.base.__name__}.forward{tuple(theirs)}; update headfold's {cls.__name__} to match"
         )
 
 
@@ -425,9 +420,7 @@ def _transformers_config(facts: CheckpointFacts) -> transformers.PretrainedConfi
     except StrictDataclassError as err:  # transformers' own validation of a value the facts do not check
         raise BadInput(f"config.json: {err.__cause__ or err}; fix config.json") from None
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
-        raise BadInput(
-            f"cannot read {facts.folder / 'config.json'} ({first_line(err)}); headfold needs a built-in transformers model type"
-        ) from None
+        raise BadInput(f"cannot read {facts.folder / 'config.json'} ({first_line(err)}); headfold needs a built-in transformers model type") from None
 
 
 def _model_class(config: transformers.PretrainedConfig) -> type[transformers.PreTrainedModel]:
@@ -442,9 +435,7 @@ def _model_class(config: transformers.PretrainedConfig) -> type[transformers.Pre
             "classes only (no remote code); set 'architectures' to one of them"
         )
     if not isinstance(config, cls.config_class):
-        raise BadInput(
-            f"architecture {names[0]} does not match model_type {config.model_type!r} in config.json; fix one of them"
-        )
+        raise BadInput(f"architecture {names[0]} does not match model_type {config.model_type!r} in config.json; fix one of them")
     return cls
 
 
@@ -502,7 +493,7 @@ def _swap_attention(model: nn.Module, gqa: type[_GQA], facts: CheckpointFacts) -
     found = [m for m in model.modules() if type(m) is gqa.base and not getattr(m, "is_cross_attention", False)]
     if len(found) != facts.layers:  # pragma: no cover - guards against renamed classes in a future transformers
         raise RuntimeError(f"{len(found)} {gqa.base.__name__} modules in {type(model).__name__}, expected {facts.layers}")
-    for module, kv in zip(found, facts.kv_heads):
+    for module, kv in zip(found, facts.kv_heads, strict=True):
         gqa.adopt(module, facts.heads, kv, facts.head_dim)
 
 
@@ -621,16 +612,9 @@ def _plan(model: transformers.PreTrainedModel, facts: CheckpointFacts, meta: _Me
 
 def _check_extra(model: transformers.PreTrainedModel, plan: dict[str, str], expected: dict) -> None:
     ignorable = [*_STALE_BUFFERS, *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
-    extra = sorted(
-        ckpt_name
-        for name, ckpt_name in plan.items()
-        if name not in expected and not any(re.search(p, name) for p in ignorable)
-    )
+    extra = sorted(ckpt_name for name, ckpt_name in plan.items() if name not in expected and not any(re.search(p, name) for p in ignorable))
     if extra:
-        raise BadInput(
-            f"{len(extra)} checkpoint tensor(s) unknown to {type(model).__name__}, e.g. {extra[0]!r}; "
-            "check 'architectures' in config.json"
-        )
+        raise BadInput(f"{len(extra)} checkpoint tensor(s) unknown to {type(model).__name__}, e.g. {extra[0]!r}; check 'architectures' in config.json")
 
 
 def _check_shapes(facts: CheckpointFacts, plan: dict[str, str], expected: dict, meta: _Meta) -> None:
@@ -645,7 +629,7 @@ def _check_shapes(facts: CheckpointFacts, plan: dict[str, str], expected: dict, 
 def _sized_by(facts: CheckpointFacts, want: tuple[int, ...], have: tuple[int, ...]) -> str:
     """The config values behind a dimension that differs: a size key holding it (a position table, mel
     bins, an MLP width), else the head shape."""
-    wrong = {w for w, h in zip(want, have) if w != h} if len(want) == len(have) else set()
+    wrong = {w for w, h in zip(want, have, strict=True) if w != h} if len(want) == len(have) else set()
     named = [f"{key}={value}" for key, value in facts.config.items() if key in SIZE_KEYS and key not in HEAD_KEYS and value in wrong]
     per_layer = f", {KV_HEADS_PER_LAYER}={list(facts.kv_heads)}" if len(set(facts.kv_heads)) > 1 else ""
     return ", ".join(named) or f"{facts.head_terms()}{per_layer}"
@@ -657,10 +641,7 @@ def _check_missing(model: transformers.PreTrainedModel, present: set[str], expec
     partners = {**tied, **{source: target for target, source in tied.items()}}
     missing = sorted(n for n in expected if n not in present and partners.get(n) not in present)
     if missing:
-        raise BadInput(
-            f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[0]!r}; "
-            "the checkpoint is incomplete or does not match config.json"
-        )
+        raise BadInput(f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[0]!r}; the checkpoint is incomplete or does not match config.json")
 
 
 def _load_weights(model: nn.Module, plan: dict[str, str], files: dict[str, Path]) -> None:

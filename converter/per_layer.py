@@ -41,9 +41,7 @@ def expand(kv_heads: int | Sequence[int], layers: int) -> tuple[int, ...]:
         return (kv_heads,) * layers
     counts = tuple(kv_heads)
     if len(counts) != layers:
-        raise BadInput(
-            f"--kv-heads lists {len(counts)} values but the model has {layers} layers; give one per layer or a single value"
-        )
+        raise BadInput(f"--kv-heads lists {len(counts)} values but the model has {layers} layers; give one per layer or a single value")
     return counts
 
 

@@ -25,11 +25,7 @@ BF16_NAN = 0xFFFF  # what torch's vectorised fp32 → bf16 cast writes for a NaN
 
 def readable(ckpt: SourceCheckpoint) -> bool:
     """Whether every attention tensor is a safetensors byte range of a dtype numpy can hold."""
-    return all(
-        ckpt.byte_range(name) is not None and ckpt.tensors[name].code in STORAGE
-        for layer in ckpt.attention.layers
-        for name in layer.values()
-    )
+    return all(ckpt.byte_range(name) is not None and ckpt.tensors[name].code in STORAGE for layer in ckpt.attention.layers for name in layer.values())
 
 
 def read_array(source: FileRange, code: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -84,7 +80,7 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, how: st
     if (norms := spec.head_norm_suffixes("k", shape.kv_heads)) and norms[0] in layer:  # one per kv head: pooled alike
         stacked = np.stack([read(n)[0] for n in norms])
         pooled = pool_heads(stacked, target.kv_heads, how, ckpt.tensors[layer[norms[0]]].code)
-        out |= {layer[n]: norm for n, norm in zip(norms, pooled)}
+        out |= {layer[n]: norm for n, norm in zip(norms, pooled, strict=True)}
     if f := spec.fused_qkv:
         for suffix, axis in ((f.weight, f.head_axis), (f.bias, 0)):
             if suffix in layer:

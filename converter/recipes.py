@@ -61,9 +61,7 @@ def get_method(name: str) -> Recipe:
     unknown = [p for p in parts if p not in POOLS + MODIFIERS]
     pools = [p for p in parts if p in POOLS]
     if unknown or len(pools) > 1 or len(set(parts)) != len(parts):
-        raise BadInput(
-            f"unknown method {name!r}; use mean or first, or combine {', '.join(MODIFIERS)} with '+' (e.g. aligned+grouped)"
-        )
+        raise BadInput(f"unknown method {name!r}; use mean or first, or combine {', '.join(MODIFIERS)} with '+' (e.g. aligned+grouped)")
     if {"grouped", "scored"} <= set(parts):
         raise BadInput(f"method {name!r} names grouped and scored, which both choose the groups; keep one")
     return Recipe(pool=pools[0] if pools else "mean", **{m: m in parts for m in MODIFIERS})

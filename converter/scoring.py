@@ -39,14 +39,16 @@ def _root_factor(gram: torch.Tensor) -> torch.Tensor:
 class PredictedLoss:
     """The predicted loss of pooling any group of a layer's kv heads (module doc)."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], queries: list[torch.Tensor], readers: list[torch.Tensor], key_rotary: int | None) -> None:
+    def __init__(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], queries: list[torch.Tensor], readers: list[torch.Tensor], key_rotary: int | None
+    ) -> None:
         """keys, values: per kv head [tokens, d] activations; queries: per kv head its query heads'
         activations [tokens, G_q, d]; readers: per kv head the W_O rows of its query heads [G_q, d, hidden]."""
         d = keys[0].shape[1]
         self.rotary = key_rotary or 0
         self.fixed_keys = key_rotary is None
         v_weights = torch.stack([_root_factor(torch.einsum("gdh,geh->de", r.double(), r.double())) for r in readers])  # [n, d, d]
-        self.values = self._blocks([v.double() @ w for v, w in zip(values, v_weights)])
+        self.values = self._blocks([v.double() @ w for v, w in zip(values, v_weights, strict=True)])
         self.value_energy = float(torch.diagonal(self.values, dim1=-2, dim2=-1).sum(-1).diagonal().sum())
         k = [a.double() for a in keys]
         if self.fixed_keys:  # mean pooling's residual: the plain Gram blocks
@@ -63,7 +65,7 @@ class PredictedLoss:
             energy += float(self.pairs.diagonal(dim1=-2, dim2=-1).real.sum())
         if self.rotary < d:
             q_weights = [_root_factor(q[..., self.rotary :].double().flatten(0, 1).T @ q[..., self.rotary :].double().flatten(0, 1)) for q in queries]
-            self.plain = self._blocks([a[:, self.rotary :] @ w for a, w in zip(k, q_weights)])
+            self.plain = self._blocks([a[:, self.rotary :] @ w for a, w in zip(k, q_weights, strict=True)])
             energy += float(torch.diagonal(self.plain, dim1=-2, dim2=-1).sum(-1).diagonal().sum())
         self.key_energy = energy
 

@@ -28,6 +28,8 @@ POOL_CHOICES: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_POOL = "decoder"
 KIND_NAMES = {ENCODER_SELF: "encoder self-attention", DECODER_SELF: "decoder self-attention", DECODER_CROSS: "decoder cross-attention"}
+
+
 class SynthesizedAudio:
     """What an audio encoder-decoder (Whisper) calibrates on instead of text: seeded Gaussian features at the
     scale of its normalised log-mel input, the decoder reading its own greedy transcript. str(): as the
@@ -45,7 +47,9 @@ def pooled_kinds(spec: ArchitectureSpec, pool: str | None) -> tuple[str, ...] | 
     with one kind of attention, which BadInput refuses `pool` for."""
     if not spec.encoder_decoder:
         if pool is not None:
-            raise BadInput(f"--pool chooses among an encoder-decoder's attentions; {spec.family} is {'an encoder' if spec.kind == 'encoder' else 'a decoder'} with self-attention only: drop --pool")
+            raise BadInput(
+                f"--pool chooses among an encoder-decoder's attentions; {spec.family} is {'an encoder' if spec.kind == 'encoder' else 'a decoder'} with self-attention only: drop --pool"
+            )
         return None
     if (pool or DEFAULT_POOL) not in POOL_CHOICES:
         raise BadInput(f"--pool {pool!r} is not one of {', '.join(POOL_CHOICES)}")

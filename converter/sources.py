@@ -140,9 +140,13 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
     except hub.RevisionNotFoundError:
         raise BadInput(f"{repo_id} has no revision {revision!r} on the hub; pass an existing branch, tag or commit with --revision") from None
     except hub.RepositoryNotFoundError:
-        raise BadInput(f"{repo_id} is neither a local folder{_near(repo_id)} nor a model on the Hugging Face hub (or it is private: set HF_TOKEN); check the name") from None
+        raise BadInput(
+            f"{repo_id} is neither a local folder{_near(repo_id)} nor a model on the Hugging Face hub (or it is private: set HF_TOKEN); check the name"
+        ) from None
     except (hub.HfHubHTTPError, OSError) as err:
-        raise BadInput(f"cannot fetch {_at(repo_id, revision)} from the Hugging Face hub ({first_line(err)}); check the network, or use a local folder") from None
+        raise BadInput(
+            f"cannot fetch {_at(repo_id, revision)} from the Hugging Face hub ({first_line(err)}); check the network, or use a local folder"
+        ) from None
     cache = Path(constants.HF_HUB_CACHE).resolve()
     if inputs.outside(folder, (cache,)):
         raise BadInput(f"{folder} resolves outside the Hugging Face cache ({cache}); headfold reads nothing outside it: delete {folder} and download again")

@@ -205,7 +205,4 @@ def spec_for(model_type: str | None) -> ArchitectureSpec:
     for spec in all_specs():
         if model_type in spec.model_types:
             return spec
-    raise BadInput(
-        f"unsupported architecture {model_type!r} (config.json model_type); "
-        f"supported: {', '.join(supported_model_types())}"
-    )
+    raise BadInput(f"unsupported architecture {model_type!r} (config.json model_type); supported: {', '.join(supported_model_types())}")

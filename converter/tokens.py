@@ -99,7 +99,9 @@ def _transformers_tokenizer(folder: Path, vocab_size: int | None) -> Tokenizer:
 def in_vocabulary(ids: list[int], vocab_size: int | None, folder: Path) -> list[int]:
     """`ids`, or BadInput when one would index past the model's embedding table."""
     if vocab_size and ids and max(ids) >= vocab_size:
-        raise BadInput(f"the tokenizer in {folder} gives token id {max(ids)}, outside the model's vocabulary of {vocab_size}; its tokenizer files belong to another model")
+        raise BadInput(
+            f"the tokenizer in {folder} gives token id {max(ids)}, outside the model's vocabulary of {vocab_size}; its tokenizer files belong to another model"
+        )
     return ids
 
 

@@ -31,9 +31,9 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from headfold.converter.checkpoint import SAFETENSORS_INDEX, FileRange, dtype_code
-from headfold.ground.precision import SAFETENSORS_DTYPES
 from headfold.ground.hashing import update_from_file
 from headfold.ground.lazy import lazy_import
+from headfold.ground.precision import SAFETENSORS_DTYPES
 
 torch = lazy_import("torch")  # loaded already wherever a tensor is written: `tensor` is one
 

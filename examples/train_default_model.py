@@ -108,9 +108,7 @@ def lr_factor(step: int, recipe: Recipe) -> float:
     return recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine
 
 
-def sample_batch(
-    data: torch.Tensor, recipe: Recipe, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_batch(data: torch.Tensor, recipe: Recipe, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows; targets are the inputs shifted by one byte."""
     starts = torch.randint(0, len(data) - recipe.seq_len, (recipe.batch_size,), generator=gen)
     window = torch.stack([data[s : s + recipe.seq_len + 1] for s in starts.tolist()])

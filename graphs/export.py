@@ -40,11 +40,11 @@ from headfold.converter.sources import checkpoint_folder
 from headfold.graphs import seq2seq as seq2seq_graphs
 from headfold.graphs.genai import copy_tokenizer, seq2seq_genai_blocker, write_model_folder
 from headfold.graphs.rewrite import ATTENTION_OPS, AttentionKind, attention_op, optimize, ort_gqa
-from headfold.graphs.rewrite.int4 import BLOCK_SIZES, Int4, quantize_weights
 from headfold.graphs.rewrite.decompose import decompose
+from headfold.graphs.rewrite.int4 import BLOCK_SIZES, Int4, quantize_weights
 from headfold.graphs.rewrite.ort_fusions import fuse_for_ort
-from headfold.graphs.trt_lint import rule_set
 from headfold.graphs.template import TRACED_LAYERS, LayerTemplate, NotAlike
+from headfold.graphs.trt_lint import rule_set
 from headfold.graphs.weights import attach, fake_parameters, optimize_like_torch, reused_buffers
 from headfold.ground.artifacts import DECODE_GRAPH, MODEL_GRAPH, PREFILL_GRAPH
 from headfold.ground.atomic import atomic_output, check_output
@@ -122,10 +122,8 @@ class Decode(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        cache = DynamicCache(list(zip(past[0::2], past[1::2])), config=self.model.config)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cache = DynamicCache(list(zip(past[0::2], past[1::2], strict=True)), config=self.model.config)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -200,11 +198,9 @@ class Decoder(nn.Module):
         self.position_ids = position_ids
         self.windows = list(windows)
 
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *rest: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         positions, past = (rest[0], rest[1:]) if self.position_ids else (None, rest)
-        cache = DynamicCache(list(zip(past[0::2], past[1::2])))  # no config: no layer drops what its window no longer sees
+        cache = DynamicCache(list(zip(past[0::2], past[1::2], strict=True)))  # no config: no layer drops what its window no longer sees
         new_tokens = input_ids.shape[1]
         if positions is None:
             positions = positions_from_mask(attention_mask)[:, -new_tokens:]
@@ -256,9 +252,7 @@ GRAPH_LAYOUTS = ("merged", "split")
 POSITION_IDS = "position_ids"
 
 
-def decoder_graphs(
-    model: transformers.PreTrainedModel, layers: int, layout: str = "merged", *, position_ids: bool = False
-) -> list[GraphSpec]:
+def decoder_graphs(model: transformers.PreTrainedModel, layers: int, layout: str = "merged", *, position_ids: bool = False) -> list[GraphSpec]:
     """The merged graph (model.onnx), with a position_ids input if `position_ids` and each
     layer's sliding window in its mask, or prefill.onnx + decode.onnx for layout="split"."""
     batch, sequence, past = Dim("batch"), Dim("sequence"), Dim("past_sequence")
@@ -352,9 +346,7 @@ def int4_settings(dtype: Precision | None, block_size: int | None, symmetric: bo
     return Int4(block_size=block_size or defaults.block_size, symmetric=defaults.symmetric if symmetric is None else symmetric)
 
 
-def torch_export(
-    spec: GraphSpec, opset: int, weights: dict[str, TensorInfo] | None = None, template: LayerTemplate | None = None
-) -> ir.Model:
+def torch_export(spec: GraphSpec, opset: int, weights: dict[str, TensorInfo] | None = None, template: LayerTemplate | None = None) -> ir.Model:
     """torch.onnx's graph for `spec`, optimized as torch.onnx does; `weights` (parameter name in
     spec.module → checkpoint tensor) give a hollow model's parameters their values (graphs.weights).
     With a `template`, spec is the model cut to its traced layers, and the graph gets the others as
@@ -460,9 +452,7 @@ def export_graph(
     return summary
 
 
-def _layout(
-    facts: CheckpointFacts, graphs: str, *, attention: str, optimize: str | None, position_ids: bool, trt_version: str | None
-) -> str:
+def _layout(facts: CheckpointFacts, graphs: str, *, attention: str, optimize: str | None, position_ids: bool, trt_version: str | None) -> str:
     """The export's layout (export.json "layout"): merged | split (decoders), encoder, seq2seq; BadInput
     for an option the checkpoint's kind has no graph for."""
     src = facts.folder
@@ -486,10 +476,7 @@ def _layout(
 
 ATTENTION_CHOICES = ("auto", *ATTENTION_OPS)
 OPTIMIZATIONS = ("auto", "ort", "none")
-ORT_DEFAULT = (
-    "the default for ONNX Runtime and onnxruntime-genai: GroupQueryAttention writes each step's K/V "
-    "in place into one shared past/present buffer"
-)
+ORT_DEFAULT = "the default for ONNX Runtime and onnxruntime-genai: GroupQueryAttention writes each step's K/V in place into one shared past/present buffer"
 
 
 @dataclass(frozen=True)
@@ -508,7 +495,7 @@ class AttentionChoice:
 
 
 def choose_attention(facts: CheckpointFacts, requested: str, *, layout: str, trt_version: str | None) -> AttentionChoice:
-    """"auto": GroupQueryAttention for a merged decoder graph (the folder users deploy in ONNX Runtime
+    """ "auto": GroupQueryAttention for a merged decoder graph (the folder users deploy in ONNX Runtime
     and onnxruntime-genai) where the op computes the family's attention, else the standard
     Attention (TensorRT targets, split graphs, encoders, encoder-decoders, ALiBi). "onnx" and
     "ort-gqa" are taken as asked; BadInput where ort-gqa cannot compute the model or its target."""
@@ -563,8 +550,12 @@ def _answered_for_unconverted(facts: CheckpointFacts) -> Iterator[None]:
 
 
 def _export_all(
-    specs: Callable[[int], list[GraphSpec]], export_one: Callable[[GraphSpec, LayerTemplate | None], dict],
-    template: Callable[[], LayerTemplate | None], layers: int, *, progress: bool,
+    specs: Callable[[int], list[GraphSpec]],
+    export_one: Callable[[GraphSpec, LayerTemplate | None], dict],
+    template: Callable[[], LayerTemplate | None],
+    layers: int,
+    *,
+    progress: bool,
 ) -> dict[str, dict]:
     """Each graph's summary: traced from the template's layers when the model's layers are alike and
     its traced layers prove the copies (graphs.template), else from all `layers`, with why in
@@ -599,8 +590,16 @@ def graph_layout(graphs: str | None, trt_version: str | None) -> str:
 
 
 def check_options(
-    *, opset: int = ExportOptions.opset, dtype: Precision | str | None = None, attention: str = ExportOptions.attention, trt_version: str | None = None, graphs: str | None = None,
-    optimize: str | None = ExportOptions.optimize, position_ids: bool = False, int4_block_size: int | None = None, int4_symmetric: bool | None = None,
+    *,
+    opset: int = ExportOptions.opset,
+    dtype: Precision | str | None = None,
+    attention: str = ExportOptions.attention,
+    trt_version: str | None = None,
+    graphs: str | None = None,
+    optimize: str | None = ExportOptions.optimize,
+    position_ids: bool = False,
+    int4_block_size: int | None = None,
+    int4_symmetric: bool | None = None,
 ) -> None:
     """What export refuses in its options alone, before the checkpoint is read (run: before its first stage)."""
     check_opset(opset)
@@ -678,7 +677,9 @@ def export(
     facts = CheckpointFacts.read(src)
     layout = _layout(facts, graphs, attention=attention, optimize=optimize, position_ids=position_ids, trt_version=trt_version)
     if int4 is not None and facts.kind != "decoder":
-        raise BadInput(f"--dtype int4 is for decoders (onnxruntime-genai's int4 folders); {src} is {'an encoder' if facts.kind == 'encoder' else 'an encoder-decoder'}")
+        raise BadInput(
+            f"--dtype int4 is for decoders (onnxruntime-genai's int4 folders); {src} is {'an encoder' if facts.kind == 'encoder' else 'an encoder-decoder'}"
+        )
     choice = choose_attention(facts, attention, layout=layout, trt_version=trt_version)
     optimize = choice.optimization(optimize)
     dtype = dtype or facts.precision  # fp64 weights export as fp32

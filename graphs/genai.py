@@ -20,8 +20,7 @@ import transformers
 from headfold.converter.checkpoint import CheckpointFacts
 from headfold.converter.seq2seq import DECODER_CROSS, DECODER_SELF, ENCODER_SELF
 from headfold.graphs.seq2seq import AUDIO_INPUT, ENCODER_OUTPUT
-from headfold.ground.artifacts import DECODER_GRAPH, ENCODER_GRAPH
-from headfold.ground.artifacts import GENAI_CONFIG
+from headfold.ground.artifacts import DECODER_GRAPH, ENCODER_GRAPH, GENAI_CONFIG
 from headfold.ground.cache_names import CROSS_HALF, PAST, PRESENT, SELF_HALF, name_template
 from headfold.ground.inputs import read_json_object
 
@@ -87,9 +86,7 @@ def _token_ids(src: Path, config: transformers.PretrainedConfig) -> dict[str, An
     return {key: (-1 if value is None else value) for key, value in ids.items()}  # -1: none
 
 
-def genai_config(
-    facts: CheckpointFacts, config: transformers.PretrainedConfig, graph: str, *, attention: str, position_ids: bool = False
-) -> dict[str, Any]:
+def genai_config(facts: CheckpointFacts, config: transformers.PretrainedConfig, graph: str, *, attention: str, position_ids: bool = False) -> dict[str, Any]:
     """The genai_config.json of a merged decoder graph exported from the checkpoint `facts` describes;
     the position_ids input is named only when the graph has one (og then feeds its positions)."""
     length = _context_length(facts)

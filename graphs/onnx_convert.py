@@ -75,9 +75,7 @@ class Projection:
     rotaries: list[ir.Node] = field(default_factory=list)
 
 
-def convert_onnx(
-    src: str | os.PathLike, out: str | os.PathLike, kv_heads: int | Sequence[int], method: str = "mean", *, overwrite: bool = False
-) -> dict:
+def convert_onnx(src: str | os.PathLike, out: str | os.PathLike, kv_heads: int | Sequence[int], method: str = "mean", *, overwrite: bool = False) -> dict:
     """Convert the ONNX model `src` so every Attention node has `kv_heads` K/V heads; write `out`.
 
     `kv_heads` is one count, or one per Attention node in graph order (= layer order).
@@ -99,9 +97,7 @@ def convert_onnx(
     per_layer = expand(kv_heads, len(nodes))
     by_layer = not isinstance(kv_heads, int)  # name the layer in errors
     graph_nodes = [n for n in model.graph if is_attention_node(n, "onnx")]
-    source_kv = {
-        _convert_attention(node, kv, recipe, i if by_layer else None) for i, (node, kv) in enumerate(zip(graph_nodes, per_layer))
-    }
+    source_kv = {_convert_attention(node, kv, recipe, i if by_layer else None) for i, (node, kv) in enumerate(zip(graph_nodes, per_layer, strict=True))}
     _refresh_shapes(model)
     check_attention(attention_nodes(model), kv_heads=collapse(per_layer), layers=len(nodes), graph=src.name)
     _save(model, out, overwrite, reads)
@@ -134,7 +130,8 @@ def _convert_attention(node: ir.Node, kv_heads: int, recipe: Recipe, layer: int 
     target = target_shape(HeadShape(heads, source_kv, head_size), kv_heads, layer)
     k, v = (_trace(node, i, source_kv, head_size) for i in (1, 2))
     attn = AttentionWeights(
-        q=torch.empty(0), o=torch.empty(0),  # the methods allowed here pool K/V only
+        q=torch.empty(0),
+        o=torch.empty(0),  # the methods allowed here pool K/V only
         k=split_heads(k.weight.read(), k.weight.axis, source_kv),
         v=split_heads(v.weight.read(), v.weight.axis, source_kv),
         k_bias=split_heads(k.bias.read(), 0, source_kv) if k.bias else None,
@@ -156,9 +153,7 @@ def _convert_attention(node: ir.Node, kv_heads: int, recipe: Recipe, layer: int 
 
 def _dims4(node: ir.Node, index: int) -> tuple[int, ...]:
     value = node.inputs[index]
-    if value is None or value.shape is None or value.shape.rank() != 4 or not all(
-        isinstance(value.shape[i], int) for i in (1, 3)
-    ):
+    if value is None or value.shape is None or value.shape.rank() != 4 or not all(isinstance(value.shape[i], int) for i in (1, 3)):
         raise BadInput(f"Attention node {node.name!r}: input {index} is not 4D (B, heads, S, d) with static heads")
     return tuple(value.shape)
 

@@ -65,7 +65,7 @@ def cross_names(prefix: str, layers: int) -> list[str]:
 
 
 def _pairs(flat: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(zip(flat[0::2], flat[1::2]))
+    return list(zip(flat[0::2], flat[1::2], strict=True))
 
 
 def _flat(cache: DynamicCache) -> tuple[torch.Tensor, ...]:
@@ -105,7 +105,7 @@ class Encoder(nn.Module):
         self.model, self.audio = model, audio
 
     def forward(self, *source: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        inputs = dict(zip(source_names(self.audio), source))
+        inputs = dict(zip(source_names(self.audio), source, strict=True))
         hidden = self.model.get_encoder()(**inputs).last_hidden_state
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         start = torch.full((hidden.shape[0], 1), self.model.config.decoder_start_token_id, dtype=torch.long, device=hidden.device)
@@ -177,7 +177,7 @@ def seq2seq_graphs(model: transformers.PreTrainedModel, facts: CheckpointFacts) 
     prompt = torch.randint(0, config.vocab_size, (_BATCH, _PAST), generator=gen)
     with torch.no_grad(), _traceable(model):  # only their shapes matter (the model may be hollow: its outputs fake tensors)
         cross = _zeros_like(encoder(*source)[1:])
-        past = _zeros_like(_flat(model(**dict(zip(names, source)), decoder_input_ids=prompt, use_cache=True).cache.self_attention_cache))
+        past = _zeros_like(_flat(model(**dict(zip(names, source, strict=True)), decoder_input_ids=prompt, use_cache=True).cache.self_attention_cache))
     layers, mask = len(cross) // 2, source[1:]  # mask: the encoder attention mask, when there is one
     ids = torch.randint(0, config.vocab_size, (_BATCH, _TARGET), generator=gen)
     mask_axes = source_axes[1:]

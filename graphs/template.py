@@ -205,7 +205,7 @@ def _same(a: Any, b: Any, depth: int = 0) -> bool:
     if depth < _DEPTH and isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k], depth + 1) for k in a)
     if depth < _DEPTH and isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b, strict=True))
     if isinstance(a, functools.partial):
         return a.func is b.func and _same((a.args, a.keywords), (b.args, b.keywords), depth + 1)
     if isinstance(a, types.MethodType):
@@ -321,7 +321,7 @@ class _Copier:
                 name=f"{node.name}__{layer}" if node.name else None,
                 metadata_props={key: _rescoped(text, old, new) for key, text in node.metadata_props.items()},
             )  # fmt: skip
-            for original, output in zip(node.outputs, copy.outputs):
+            for original, output in zip(node.outputs, copy.outputs, strict=True):
                 output.name, output.shape, output.type = self._output_name(original, layer), _copied(original.shape), original.type
                 values[original] = output
             nodes.append(copy)
@@ -353,13 +353,13 @@ class _Witness:
         ours, theirs = list(self.copier.nodes[TEMPLATE].values()), list(self.copier.nodes[WITNESS].values())
         if len(ours) != len(theirs):
             raise self._differs(f"it has {len(theirs)} nodes, layer {TEMPLATE} {len(ours)}")
-        for index, (node, twin) in enumerate(zip(ours, theirs)):
+        for index, (node, twin) in enumerate(zip(ours, theirs, strict=True)):
             if (problem := _node_difference(node, twin)) is not None:
                 raise self._differs(f"node {index} ({node.op_type}) {problem}")
-            for slot, (value, other) in enumerate(zip(node.inputs, twin.inputs)):
+            for slot, (value, other) in enumerate(zip(node.inputs, twin.inputs, strict=True)):
                 if not self._corresponds(value, other):
                     raise self._differs(f"node {index} ({node.op_type}) reads another input {slot} ({_label(other)} for {_label(value)})")
-            self.mapped |= zip(node.outputs, twin.outputs)
+            self.mapped |= zip(node.outputs, twin.outputs, strict=True)
         for name, value in self.copier.outputs[TEMPLATE].items():
             if self.mapped.get(value) is not self.copier.outputs[WITNESS].get(_in_layer(name, WITNESS)):
                 raise self._differs(f"its output {_in_layer(name, WITNESS)} is not computed as {name} is")

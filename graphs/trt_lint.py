@@ -89,9 +89,7 @@ def _rule_sets() -> list[RuleSet]:
 
 RULE_SETS: tuple[RuleSet, ...] = tuple(_rule_sets())
 # op -> first release that parses it, for "parsed from X on" hints
-FIRST_RELEASE: dict[str, tuple[int, int]] = {
-    op: s.version for s in reversed(RULE_SETS) for op in (*s.ops, *s.custom_ops)
-}
+FIRST_RELEASE: dict[str, tuple[int, int]] = {op: s.version for s in reversed(RULE_SETS) for op in (*s.ops, *s.custom_ops)}
 
 
 def _parse_version(text: str) -> tuple[int, int]:

@@ -29,9 +29,7 @@ OPERATORS_10_15: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("GreaterOrEqual", "IsNaN", "Less", "LessOrEqual", "Max", "Min", "Mod", "Mul"), _FI),
     **dict.fromkeys(("Neg", "Pad", "Pow", "Range", "Relu", "Scatter", "ScatterElements", "ScatterND"), _FI),
     **dict.fromkeys(("Shrink", "Sign", "SpaceToDepth", "Sub", "Sum", "TopK"), _FI),
-    **dict.fromkeys(
-        ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin"), _FI
-    ),
+    **dict.fromkeys(("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin"), _FI),
     **dict.fromkeys(("ReduceProd", "ReduceSum", "ReduceSumSquare"), _FI),
     **dict.fromkeys(("Concat", "Expand", "EyeLike", "Flatten", "Gather", "GatherElements", "GatherND"), _FIB),
     **dict.fromkeys(("Identity", "If", "Loop", "OneHot", "Reshape", "ReverseSequence", "Shape", "Size"), _FIB),

@@ -86,7 +86,9 @@ def check_parent(out: Path) -> None:
     """BadInput when a folder `out` would be made in is a file (or anything else that is not a folder)."""
     existing = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
     if existing is not None and not existing.is_dir():
-        raise BadInput(f"cannot write {out}: {existing} is {'a file, not a folder' if existing.is_file() else 'not a folder'}; choose a location under a folder")
+        raise BadInput(
+            f"cannot write {out}: {existing} is {'a file, not a folder' if existing.is_file() else 'not a folder'}; choose a location under a folder"
+        )
 
 
 def check_disjoint(out: Path, sources: Iterable[Path]) -> Path:
@@ -145,7 +147,9 @@ def _refuse_existing(out: Path, overwrite: bool, how: str, ours: bool, is_dir: b
         raise BadInput(f"output {out} is {found}, and this command writes {wanted} there, which --overwrite never does; choose another path")
     if not ours and not written_by_headfold(out):
         what = f"none of {', '.join(OWN_RECORDS)} or an engine sidecar with headfold's mark in it" if out.is_dir() else f"no '{MARK}' mark in it"
-        raise BadInput(f"output {out} is a {'folder' if out.is_dir() else 'file'} headfold did not write ({what}), which --overwrite never replaces; choose another path, or remove it yourself")
+        raise BadInput(
+            f"output {out} is a {'folder' if out.is_dir() else 'file'} headfold did not write ({what}), which --overwrite never replaces; choose another path, or remove it yourself"
+        )
 
 
 # -- SIGTERM -------------------------------------------------------------------------------

@@ -82,4 +82,3 @@ def quiet_panics() -> Iterator[None]:
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message, or its type's name when it has none."""
     return next(iter(str(err).strip().splitlines()), type(err).__name__)
-

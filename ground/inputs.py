@@ -75,7 +75,9 @@ def contained(folder: Path, entry: Any, listed_in: Path | str, fix: str, what: s
     if outside(path, roots):
         steps = [Path(folder).joinpath(*Path(entry).parts[: i + 1]) for i in range(len(Path(entry).parts))]
         link = next((step for step in steps if step.is_symlink() and outside(step, roots)), path)  # the first link on the way out
-        raise BadInput(f"{name} leads out of the folder {folder} through the symbolic link {link} (to {os.readlink(link) if link.is_symlink() else link.resolve()}); {fix}")
+        raise BadInput(
+            f"{name} leads out of the folder {folder} through the symbolic link {link} (to {os.readlink(link) if link.is_symlink() else link.resolve()}); {fix}"
+        )
     return path
 
 

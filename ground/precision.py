@@ -67,7 +67,9 @@ class Precision(StrEnum):
         choices = choices or tuple(cls)
         if isinstance(text, str) and text in choices:  # a member, or its name: StrEnum members equal their values
             return cls(text)
-        raise BadOption(option, f"{shown(str(text) if isinstance(text, str) else text)} is not one of {', '.join(choices)}")  # str: a member's name, not its repr
+        raise BadOption(
+            option, f"{shown(str(text) if isinstance(text, str) else text)} is not one of {', '.join(choices)}"
+        )  # str: a member's name, not its repr
 
     @classmethod
     def floats(cls) -> tuple[Precision, ...]:

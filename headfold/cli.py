@@ -32,12 +32,16 @@ from headfold.ground.inputs import printable
 from headfold.ground.units import whole_number
 from headfold.options import (
     CHECKPOINT,
+    DISTILL_EVALUATION,
+    DISTILL_TOKENS,
+    DISTILL_TRAINING,
     PATH,
     REPORTS,
     REVISION,
     WHOLE,
     Calibration,
     ExportOptions,
+    Fraction,
     Group,
     Output,
     Profile,
@@ -46,10 +50,6 @@ from headfold.options import (
     configure_logging,
     conversion_options,
     distill_stage_options,
-    DISTILL_EVALUATION,
-    DISTILL_TOKENS,
-    DISTILL_TRAINING,
-    Fraction,
     export_options,
     given,
     input_options,
@@ -64,11 +64,13 @@ from headfold.options import (
 
 if TYPE_CHECKING:
     from headfold.distillation.stage import DistillStage
-    from headfold.verification.budget import Thresholds
     from headfold.ground.settings import InputSpec
+    from headfold.verification.budget import Thresholds
     from headfold.verification.report import Report
 
-EXIT_CODES = "Exit codes: 0 ok, 1 a check or gate failed, 2 bad input or environment (one line, nothing written), 3 internal error (a bug; --debug shows the traceback)."
+EXIT_CODES = (
+    "Exit codes: 0 ok, 1 a check or gate failed, 2 bad input or environment (one line, nothing written), 3 internal error (a bug; --debug shows the traceback)."
+)
 SOURCE = options(REVISION, title="Source")
 _debug = False  # set by the group's --debug, read by main() once the command has failed
 
@@ -108,8 +110,17 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @SOURCE
 @output_options()
 def convert(
-    src: str, out: str | Path, kv_heads: int | tuple[int, ...], method: str, pool: str | None, local_steps: int | None, shard_size: str | None, allow_pickle: bool,
-    calibration: Calibration, revision: str | None, output: Output,
+    src: str,
+    out: str | Path,
+    kv_heads: int | tuple[int, ...],
+    method: str,
+    pool: str | None,
+    local_steps: int | None,
+    shard_size: str | None,
+    allow_pickle: bool,
+    calibration: Calibration,
+    revision: str | None,
+    output: Output,
 ) -> None:
     """Convert the checkpoint SRC (a Hugging Face folder or hub id ORG/NAME) to a GQA/MQA checkpoint in OUT.
 
@@ -128,7 +139,10 @@ def convert(
     if Path(src).suffix == ".onnx":
         src = Path(src)
         out = out / src.name if into_folder else out
-        refuse(("pool", "local_steps", "shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"), f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)")
+        refuse(
+            ("pool", "local_steps", "shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"),
+            f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)",
+        )
         from headfold.graphs.onnx_convert import convert_onnx
 
         method = method if given(click.get_current_context(), ("method",)) else "mean"
@@ -238,12 +252,29 @@ def _finish(report: Report, output: Output, sources: list[Path] | None = None) -
 @cli.command("verify")
 @click.argument("reference", type=CHECKPOINT)
 @click.argument("candidate", type=CHECKPOINT)
-@options(spec("--check", type=click.Choice(("auto", "fidelity", "loss")), default="auto", help="auto: same model on both sides → fidelity; CANDIDATE converted from REFERENCE → loss."))
+@options(
+    spec(
+        "--check",
+        type=click.Choice(("auto", "fidelity", "loss")),
+        default="auto",
+        help="auto: same model on both sides → fidelity; CANDIDATE converted from REFERENCE → loss.",
+    )
+)
 @input_options(token_ids=True)
 @threshold_options
 @SOURCE
 @output_options(extra=REPORTS, json_alias="--report")
-def verify_cmd(reference: str, candidate: str, check: str, inputs: InputSpec, thresholds: Thresholds, revision: str | None, markdown_path: Path | None, junit_path: Path | None, output: Output) -> None:
+def verify_cmd(
+    reference: str,
+    candidate: str,
+    check: str,
+    inputs: InputSpec,
+    thresholds: Thresholds,
+    revision: str | None,
+    markdown_path: Path | None,
+    junit_path: Path | None,
+    output: Output,
+) -> None:
     """Compare CANDIDATE with REFERENCE on the same text; exit 1 when a budget is exceeded.
 
     Each side is a checkpoint (a folder or hub id ORG/NAME, run in torch), an export folder or a
@@ -370,8 +401,12 @@ class KvBudget(click.ParamType):
 )  # fmt: skip
 @calibration_options
 @SOURCE
-@output_options(extra=(spec("--heatmap", type=PATH, default=None, metavar="OUT.png", help="Write a PNG: layers × heads similarity, layers × candidates predicted loss."),))
-def inspect_cmd(src: str, candidates: str | None, method: str, kv_budget, calibration: Calibration, revision: str | None, heatmap: Path | None, output: Output) -> None:
+@output_options(
+    extra=(spec("--heatmap", type=PATH, default=None, metavar="OUT.png", help="Write a PNG: layers × heads similarity, layers × candidates predicted loss."),)
+)
+def inspect_cmd(
+    src: str, candidates: str | None, method: str, kv_budget, calibration: Calibration, revision: str | None, heatmap: Path | None, output: Output
+) -> None:
     """Per layer of SRC (a folder or hub id): K/V head similarity and the predicted loss of each kv-head count.
 
     The predicted loss of a (layer, kv heads) pair is the calibration loss with only that layer
@@ -416,7 +451,16 @@ def _demo_rows() -> int:
 @profile_options
 @input_options(max_rows={"default": _demo_rows, "show_default": "the rows of the reference budget"})
 @threshold_options
-@options(spec("--keep", type=PATH, default=None, metavar="DIR", help="Run in DIR and keep it (the stage folders and reports); default: a temporary folder, removed at the end."), title="Output")
+@options(
+    spec(
+        "--keep",
+        type=PATH,
+        default=None,
+        metavar="DIR",
+        help="Run in DIR and keep it (the stage folders and reports); default: a temporary folder, removed at the end.",
+    ),
+    title="Output",
+)
 @output_options(writes=True)
 def demo(
     kv_heads: int | tuple[int, ...], method: str, local_steps: int | None, calibration: Calibration, distill: DistillStage | None, distill_tokens: str, no_distill: bool,
@@ -550,7 +594,9 @@ def _main(argv: list[str] | None) -> int:
     except MemoryError:
         return _fail("out of memory; use a machine with more memory, or fewer --calibration-tokens / a smaller --batch-size", 2)
     except RecursionError:  # headfold's readers bound nesting; a library reading a deeper input file hit Python's limit
-        return _fail("an input file nests deeper than Python's recursion limit (a hostile or damaged JSON/YAML file?); check the inputs, --debug shows which reader", 2)
+        return _fail(
+            "an input file nests deeper than Python's recursion limit (a hostile or damaged JSON/YAML file?); check the inputs, --debug shows which reader", 2
+        )
     except Exception as e:  # anything else is a bug in headfold
         return _fail(f"internal error ({type(e).__name__}: {first_line(e)}); this is a bug: rerun with --debug for the traceback", 3)
     except BaseException as e:

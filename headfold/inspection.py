@@ -33,16 +33,16 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from headfold import corpus
+from headfold.converter import seq2seq
 from headfold.converter.calibration import WINDOW, calibrate, check_settings, sample_windows, token_ids, window_starts
 from headfold.converter.checkpoint import SourceCheckpoint
-from headfold.converter import seq2seq
 from headfold.converter.conversion import calibration_text, layer_contexts, method_for, target_shapes
+from headfold.converter.layout import AttentionCodec, AttentionWeights
+from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, convert_attention, expand_kv, get_method, head_activations
+from headfold.converter.modeling import load_model, parameter_names
+from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
 from headfold.converter.recipes import DEFAULT_METHOD
 from headfold.converter.sources import checkpoint_folder
-from headfold.converter.layout import AttentionCodec, AttentionWeights
-from headfold.converter.modeling import load_model, parameter_names
-from headfold.converter.methods import LayerContext, Recipe, aligned_similarity, convert_attention, expand_kv, get_method, head_activations
-from headfold.converter.planning import LayerOptions, Plan, best_plan, best_uniform, budget_total, parse_candidates
 from headfold.ground import VERSION
 from headfold.ground.artifacts import CREATED_BY, MARK, created_by
 from headfold.ground.atomic import atomic_outputs, check_outputs
@@ -274,7 +274,8 @@ class Inspection:
         where = f"windows of {c['eval_text']} not used for fitting" if c["eval_held_out"] else "the fit windows (the text is too short to hold any out)"
         lines = [
             f"{self.source}: {self.family} {self.kind}, {len(self.layers)} layers, {self.heads} heads, {self.kv_heads} kv heads, head_dim {self.head_dim}",
-            f"method {self.method}, " + (f"fit on {c['text']} ({c['fit_windows']} windows × {WINDOW} tokens, seed {c['seed']})" if c["fit_windows"] else "fit on the weights alone"),
+            f"method {self.method}, "
+            + (f"fit on {c['text']} ({c['fit_windows']} windows × {WINDOW} tokens, seed {c['seed']})" if c["fit_windows"] else "fit on the weights alone"),
             f"predicted loss = {METRICS[self.kind]}, one layer converted, on {c['eval_windows']} {where}",
             "similarity = mean K/V cosine of two heads after the best function-preserving rotation (mean over pairs, max for the closest pair)",
             "",
@@ -329,8 +330,16 @@ def inspect_checkpoint(
 
 
 def _inspect(
-    ckpt: SourceCheckpoint, candidates: str | None, method: str, calibration: str | Path | None, calibration_tokens: int, seed: int,
-    kv_budget: float | int | None, outputs: list[tuple[Path, bool]], overwrite: bool, progress: bool,
+    ckpt: SourceCheckpoint,
+    candidates: str | None,
+    method: str,
+    calibration: str | Path | None,
+    calibration_tokens: int,
+    seed: int,
+    kv_budget: float | int | None,
+    outputs: list[tuple[Path, bool]],
+    overwrite: bool,
+    progress: bool,
 ) -> Inspection:
     """A decoder's or an encoder's report (the module doc)."""
     source = ckpt.folder
@@ -341,7 +350,9 @@ def _inspect(
     if recipe.local and method == DEFAULT_METHOD:  # the default's pooling: its local part fits while convert runs the layers
         recipe = replace(recipe, local=False)
     elif recipe.local:
-        raise BadInput(f"inspect predicts each layer's loss without fitting it; inspect {replace(recipe, local=False).name} (local fits while convert runs the layers)")
+        raise BadInput(
+            f"inspect predicts each layer's loss without fitting it; inspect {replace(recipe, local=False).name} (local fits while convert runs the layers)"
+        )
     cands = parse_candidates(candidates, ckpt.shape.kv_heads)
     if ckpt.spec.mqa_only:  # gpt_bigcode: 1 kv head in every layer, or none pooled
         if kv_budget is not None:
@@ -382,7 +393,9 @@ class CacheInspection:
             f"{'kv heads':>8}  {'self before':>11}  {'self after':>10}  {'cross before':>12}  {'cross after':>11}",
         ]
         for k, caches in self.cache_bytes_per_token.items():
-            lines.append(f"{k:>8}  {caches['self']['before']:>11}  {caches['self']['after']:>10}  {caches['cross']['before']:>12}  {caches['cross']['after']:>11}")
+            lines.append(
+                f"{k:>8}  {caches['self']['before']:>11}  {caches['self']['after']:>10}  {caches['cross']['before']:>12}  {caches['cross']['after']:>11}"
+            )
         return "\n".join(lines)
 
 
@@ -414,7 +427,7 @@ def _measure(
     windows = choose_windows(ids, tokens, seed, fit=fit_text is not None)
     contexts = layer_contexts(ckpt, None, 0, seed, False)  # RoPE dims and K rules, no inputs yet
     if windows.fit is not None:
-        contexts = [replace(ctx, inputs=x) for ctx, x in zip(contexts, calibrate(ckpt, windows.fit, progress))]
+        contexts = [replace(ctx, inputs=x) for ctx, x in zip(contexts, calibrate(ckpt, windows.fit, progress), strict=True)]
     reference, live = Reference(model, windows.eval, ckpt.facts.kind), LiveAttention(model, ckpt)
     converter = LayerConverter(ckpt, recipe, contexts)
     layers = _layer_reports(converter, live, reference, candidates, progress)

@@ -163,6 +163,8 @@ class PrecisionChoice(click.Choice):
 
     def convert(self, value, param, ctx):
         return value if isinstance(value, Precision) else Precision(super().convert(value, param, ctx))
+
+
 KV_HEADS_HELP = "one value for every layer, or one per layer comma-separated (8,4,4,2); each must divide the attention heads"
 METHOD_HELP = (
     "How the K/V heads of a group become one. mean: average them (Ainslie et al. 2023); first: keep the first; "
@@ -183,19 +185,53 @@ def method_spec() -> Spec:
 
 
 def batch_size_spec(default: int | None) -> Spec:
-    return spec("--batch-size", type=WHOLE, default=default, help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 640 steps).")
+    return spec(
+        "--batch-size",
+        type=WHOLE,
+        default=default,
+        help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 640 steps).",
+    )
 
 
-SEED = spec("--seed", type=WholeRange(0, 2**32 - 1), default=Calibration.seed, help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).")
-OVERWRITE = spec("--overwrite", is_flag=True, help="Replace outputs that exist, when headfold wrote them (never a file or folder of yours, never an input): atomically, once the command succeeded (run: other files in OUT_DIR stay).")
+SEED = spec(
+    "--seed",
+    type=WholeRange(0, 2**32 - 1),
+    default=Calibration.seed,
+    help="Seed of the command's random choices: calibration windows (convert, inspect), evaluation rows (verify, run), the training shuffle (distill).",
+)
+OVERWRITE = spec(
+    "--overwrite",
+    is_flag=True,
+    help="Replace outputs that exist, when headfold wrote them (never a file or folder of yours, never an input): atomically, once the command succeeded (run: other files in OUT_DIR stay).",
+)
 QUIET = spec("--quiet", "-q", is_flag=True, help="Only results, warnings and errors: no progress bars or progress lines (the same as `headfold -q`).")
 VERBOSE = spec("--verbose", "-v", is_flag=True, help="Also debug lines and the libraries' own warnings, on stderr (the same as `headfold -v`).")
 JSON_HELP = "Write the result as JSON to FILE (atomically); without FILE, or with '-', print it to stdout instead of the table, and nothing else."
 JSON = spec("--json", "json_path", type=PATH, is_flag=False, flag_value=Path("-"), default=None, metavar="[FILE]", help=JSON_HELP)
-REVISION = spec("--revision", default=None, metavar="REV", help="Branch, tag or commit of the hub ids (ORG/NAME) given as checkpoints; they are read from the Hugging Face cache (HF_HOME), fetched when online.")
-TRT_VERSION = spec("--trt-version", default=None, metavar="MAJOR.MINOR", help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).")
-OPSET = spec("--opset", type=WHOLE, default=ExportOptions.opset, help=f"ONNX opset: {', '.join(map(str, OPSETS))} (Attention exists from {OPSETS[0]}; torch writes invalid models above {OPSETS[-1]}).")
-DTYPE = spec("--dtype", type=PrecisionChoice(), default=None, help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]")
+REVISION = spec(
+    "--revision",
+    default=None,
+    metavar="REV",
+    help="Branch, tag or commit of the hub ids (ORG/NAME) given as checkpoints; they are read from the Hugging Face cache (HF_HOME), fetched when online.",
+)
+TRT_VERSION = spec(
+    "--trt-version",
+    default=None,
+    metavar="MAJOR.MINOR",
+    help="The TensorRT release to target instead of the installed one (rule sets 10.13, 10.14, 10.15, 11.0).",
+)
+OPSET = spec(
+    "--opset",
+    type=WHOLE,
+    default=ExportOptions.opset,
+    help=f"ONNX opset: {', '.join(map(str, OPSETS))} (Attention exists from {OPSETS[0]}; torch writes invalid models above {OPSETS[-1]}).",
+)
+DTYPE = spec(
+    "--dtype",
+    type=PrecisionChoice(),
+    default=None,
+    help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]",
+)
 
 
 # -- groups: options under one heading that become one argument --------------------------------
@@ -354,7 +390,13 @@ INPUT_SPECS = (
     SEED,
     spec("--decode-steps", type=WHOLE, default=InputSpec.decode_steps, help="Decoder exports: the last N tokens of each row go one by one through the KV cache (model.onnx fed its own present K/V, or decode.onnx), gated like the prefill (0 = skip)."),
 )  # fmt: skip
-TOKEN_IDS = spec("--token-ids", type=PATH, default=None, metavar="FILE", help="Feed these token ids instead of a text: one row per line, whitespace-separated ids. Without it, a model with no tokenizer files gets seeded random ids (fidelity only).")
+TOKEN_IDS = spec(
+    "--token-ids",
+    type=PATH,
+    default=None,
+    metavar="FILE",
+    help="Feed these token ids instead of a text: one row per line, whitespace-separated ids. Without it, a model with no tokenizer files gets seeded random ids (fidelity only).",
+)
 
 
 def input_options(token_ids: bool = False, **changed: dict[str, Any]) -> OptionGroup:
@@ -435,8 +477,18 @@ export_options = OptionGroup(
 
 
 # Distillation (distill; run and demo as --distill-…)
-DISTILL_DATA = spec("--data", type=PATH, default=None, help="Training data: a text file, .jsonl/.parquet with a 'text' field (encoder-decoders: or 'source' and 'target'), or a datasets save_to_disk folder; Whisper: a .jsonl of 'audio' and 'text' or a folder of WAVs at its sampling rate. Default only for the embedded model: its training split.")
-DISTILL_TOKENS = spec("--tokens", type=str, default=None, help="Training tokens over all processes: 200000, 200k, 1.5M, or 5% of the teacher's pre-training tokens (known only for the embedded model); rounded down to whole steps.")
+DISTILL_DATA = spec(
+    "--data",
+    type=PATH,
+    default=None,
+    help="Training data: a text file, .jsonl/.parquet with a 'text' field (encoder-decoders: or 'source' and 'target'), or a datasets save_to_disk folder; Whisper: a .jsonl of 'audio' and 'text' or a folder of WAVs at its sampling rate. Default only for the embedded model: its training split.",
+)
+DISTILL_TOKENS = spec(
+    "--tokens",
+    type=str,
+    default=None,
+    help="Training tokens over all processes: 200000, 200k, 1.5M, or 5% of the teacher's pre-training tokens (known only for the embedded model); rounded down to whole steps.",
+)
 DISTILL_TRAINING = (
     DISTILL_DATA,
     spec("--eval-data", type=PATH, default=None, help="Held-out text (same formats). Default: the first --eval-windows windows of --data, never trained on."),

@@ -27,8 +27,8 @@ from headfold.converter import convert
 from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 from headfold.converter.conversion import check_options as check_conversion
 from headfold.converter.conversion import local_step_budget, method_for, target_shapes
-from headfold.converter.recipes import DEFAULT_METHOD, get_method
 from headfold.converter.modeling import check_loadable
+from headfold.converter.recipes import DEFAULT_METHOD, get_method
 from headfold.converter.sources import checkpoint_folder
 from headfold.engines.build import build_export
 from headfold.engines.env import engine_support
@@ -135,7 +135,9 @@ def _stage(ledger: Ledger, name: str, inputs: dict[str, Any], output: Path, work
     return digest, result
 
 
-def _verify(src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: Precision, engines: Path | None = None, progress: bool = False) -> Report:
+def _verify(
+    src: Path, converted: Path, onnx_dir: Path, spec: InputSpec, thresholds: Thresholds, dtype: Precision, engines: Path | None = None, progress: bool = False
+) -> Report:
     original, conversion, graph = resolve(src), resolve(converted), resolve(onnx_dir)
     inputs = make_inputs(src, spec)
     checks = [
@@ -190,7 +192,9 @@ def run(
     check_loadable(src)  # what the export and verify stages would refuse, before the first stage writes
     export = replace(export, dtype=export.dtype or verifiable_dtype(src))  # ExportOptions and Profile parsed their own text
     if export.dtype == Precision.INT4:  # its verify stage gates the export by fidelity, which int4 weights do not keep
-        raise BadInput("headfold run checks its export's fidelity to the checkpoint; int4 weights are gated by their loss: run without --dtype int4, then headfold export --dtype int4 and headfold verify CHECKPOINT EXPORT")
+        raise BadInput(
+            "headfold run checks its export's fidelity to the checkpoint; int4 weights are gated by their loss: run without --dtype int4, then headfold export --dtype int4 and headfold verify CHECKPOINT EXPORT"
+        )
     settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration, pool, local_steps, distill, export, build, inputs, thresholds, progress)
     check_disjoint(out, settings.reads(src))  # the run folder holds none of its inputs, nor lies inside one
     settings.check(src)
@@ -212,7 +216,9 @@ def verifiable_dtype(src: Path) -> Precision:
     Runtime (CPU) has no kernels for: then fp32, said in a line."""
     dtype = CheckpointFacts.read(src).precision
     if dtype == Precision.BF16:
-        log.info("the checkpoint is bf16: run exports fp32, which its verify stage runs in ONNX Runtime on CPU (no bf16 kernels there); pass --dtype bf16 for bf16 weights")
+        log.info(
+            "the checkpoint is bf16: run exports fp32, which its verify stage runs in ONNX Runtime on CPU (no bf16 kernels there); pass --dtype bf16 for bf16 weights"
+        )
         return Precision.FP32
     return dtype
 
@@ -303,7 +309,9 @@ def _run_stages(src: Path, out: Path, ledger: Ledger, settings: Settings, budget
     )  # fmt: skip
     if settings.distill is not None:  # the distilled checkpoint replaces the converted one downstream
         student, converted, distill = converted, out / "distill", settings.distill
-        conv_digest, _ = stage("distill", {"checkpoint": conv_digest, **distill.key(src, student)}, converted, lambda: distill(src, student, converted, progress=settings.progress))
+        conv_digest, _ = stage(
+            "distill", {"checkpoint": conv_digest, **distill.key(src, student)}, converted, lambda: distill(src, student, converted, progress=settings.progress)
+        )
     seq2seq = CheckpointFacts.read(src).kind == "seq2seq"  # encoder.onnx + one merged decoder.onnx, in ONNX Runtime
     exporting = settings.exporting(src)
     exp_digest, _ = stage(

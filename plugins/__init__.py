@@ -81,10 +81,7 @@ def _require_tensorrt_plugin_api(ops: list[PluginOp]) -> None:
         importlib.import_module("tensorrt.plugin")
     except (ImportError, OSError) as error:  # OSError: bindings present, libraries missing
         names = ", ".join(op.name for op in ops)
-        raise BadInput(
-            f"plugin(s) {names} need TensorRT's Python plugin API (tensorrt.plugin, TensorRT ≥ 10.10) "
-            f"and an NVIDIA GPU: {error}"
-        ) from None
+        raise BadInput(f"plugin(s) {names} need TensorRT's Python plugin API (tensorrt.plugin, TensorRT ≥ 10.10) and an NVIDIA GPU: {error}") from None
 
 
 def _load(model: ir.Model | str | os.PathLike) -> ir.Model:

@@ -117,15 +117,11 @@ def attention_op(kind: AttentionKind = "onnx") -> str:
 def attention_nodes(model: ir.Model, kind: AttentionKind = "onnx") -> list[AttentionNode]:
     """The fused attention nodes of `kind` in graph order, with their layer and K/V head count."""
     return [
-        AttentionNode(node.name or f"#{i}", _layer(node), _kv_heads(node), _module(node))
-        for i, node in enumerate(model.graph)
-        if is_attention_node(node, kind)
+        AttentionNode(node.name or f"#{i}", _layer(node), _kv_heads(node), _module(node)) for i, node in enumerate(model.graph) if is_attention_node(node, kind)
     ]
 
 
-def check_attention(
-    found: list[AttentionNode], *, kv_heads: int | Sequence[int], layers: int, graph: str, op: str = "Attention"
-) -> None:
+def check_attention(found: list[AttentionNode], *, kv_heads: int | Sequence[int], layers: int, graph: str, op: str = "Attention") -> None:
     """One `op` node per layer 0..layers-1, each with K/V at its layer's kv heads (`kv_heads`: one
     count, or one per layer); else CheckFailed naming layers."""
     expected = expand(kv_heads, layers)
@@ -135,7 +131,7 @@ def check_attention(
     problems = []
     missing = [i for i in range(layers) if per_layer.count(i) == 0]
     extra = sorted({i for i in per_layer if per_layer.count(i) > 1 or not 0 <= i < layers})
-    wrong = [f"{i} ({n.kv_heads})" for i, n in zip(per_layer, found) if 0 <= i < layers and n.kv_heads != expected[i]]
+    wrong = [f"{i} ({n.kv_heads})" for i, n in zip(per_layer, found, strict=True) if 0 <= i < layers and n.kv_heads != expected[i]]
     if missing:
         problems.append(f"no fused {op} in layer(s) {_join(missing)}")
     if extra:

@@ -83,21 +83,20 @@ class InlineFunctionBody(pattern.RewriteRuleClassBase):
     def rewrite(self, op, output, **_):
         node = output.producer()
         body = function_body(node)
-        values: dict[ir.Value, ir.Value | None] = dict(zip(body.inputs, node.inputs))
+        # not strict: a call may leave out trailing optional inputs
+        values: dict[ir.Value, ir.Value | None] = dict(zip(body.inputs, node.inputs, strict=False))
         for inner in body:
             results = getattr(op, inner.op_type)(
                 *(values.get(v) for v in inner.inputs),  # an absent optional input stays None
                 _outputs=len(inner.outputs),
                 **inner.attributes,
             )
-            values |= zip(inner.outputs, results if len(inner.outputs) > 1 else [results])
+            values |= zip(inner.outputs, results if len(inner.outputs) > 1 else [results], strict=True)
         return values[body.outputs[0]]
 
 
 # op → the rule that removes it; rules_for picks by what the target parser lacks.
-DECOMPOSITIONS: dict[str, RewriteRule] = {
-    op: InlineFunctionBody.rule(op) for op in ("RMSNormalization", "RotaryEmbedding")
-}
+DECOMPOSITIONS: dict[str, RewriteRule] = {op: InlineFunctionBody.rule(op) for op in ("RMSNormalization", "RotaryEmbedding")}
 
 
 def rules_for(trt_version: str) -> dict[str, RewriteRule]:

@@ -81,8 +81,4 @@ class FuseDecomposedAttention(pattern.RewriteRuleClassBase):
         return op.Attention(*inputs, scale=self._scale(scale, key_scale, **bindings))
 
 
-rules = [
-    FuseDecomposedAttention.rule(prescaled=prescaled, masked=masked)
-    for prescaled in (False, True)
-    for masked in (True, False)
-]
+rules = [FuseDecomposedAttention.rule(prescaled=prescaled, masked=masked) for prescaled in (False, True) for masked in (True, False)]

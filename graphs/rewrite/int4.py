@@ -99,7 +99,12 @@ class QuantizeWeight(pattern.RewriteRuleClassBase):
             return result.fail("int4 quantizes fp32 weights", w)
         if self.transposed:
             node = product.producer()
-            unit = float_attr(node, "alpha", 1.0) == 1.0 and not int_attr(node, "transA") and not int_attr(node, "transBatchA") and not int_attr(node, "transBatchB")
+            unit = (
+                float_attr(node, "alpha", 1.0) == 1.0
+                and not int_attr(node, "transA")
+                and not int_attr(node, "transBatchA")
+                and not int_attr(node, "transBatchB")
+            )
             if not (unit and int_attr(node, "transB")):
                 return result.fail("a FusedMatMul other than x·Wᵀ")
         return result
@@ -119,7 +124,7 @@ class QuantizeWeight(pattern.RewriteRuleClassBase):
         names = (f"{w.name}_Q4", f"{w.name}_scales", f"{w.name}_zero_points")
         parts = [
             op.initializer(ir.LazyTensor(lambda i=i: quantized.part(i), dtype=dtype, shape=ir.Shape(shape)), name=name)
-            for i, (dtype, shape, name) in enumerate(zip(dtypes, _shapes(k, n, self.config.block_size), names))
+            for i, (dtype, shape, name) in enumerate(zip(dtypes, _shapes(k, n, self.config.block_size), names, strict=True))
         ]
         return parts if not self.config.symmetric else parts[:2]  # symmetric: no zero points (the quantizer's 8 is implied)
 

@@ -55,9 +55,7 @@ class RenameRMSNormalization(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, x, scale, normalized, **_):
         node = normalized.producer()
-        return getattr(op, self.target)(
-            x, scale, axis=-1, epsilon=float_attr(node, "epsilon", 1e-5), stash_type=int_attr(node, "stash_type", 1)
-        )
+        return getattr(op, self.target)(x, scale, axis=-1, epsilon=float_attr(node, "epsilon", 1e-5), stash_type=int_attr(node, "stash_type", 1))
 
 
 # --- GroupQueryAttention as ORT's model builder writes it -------------------------------------
@@ -112,7 +110,7 @@ class RotaryTables:
         if any(v.ndim != 3 or v.shape[:2] != (1, self.positions) for v in values):
             return None
         tables = []
-        for value, name in zip(values, ("cos_cache", "sin_cache")):
+        for value, name in zip(values, ("cos_cache", "sin_cache"), strict=True):
             tensor = ir.tensor(np.ascontiguousarray(value[0]))
             initializer = ir.Value(name=f"{name}_{len(self.cache)}", shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
             self.model.graph.register_initializer(initializer)
@@ -190,9 +188,7 @@ class RotaryIntoGroupQueryAttention(pattern.RewriteRuleClassBase):
             return _merge_heads(op, op.RotaryEmbedding(split, cos, sin, _outputs=[f"{name}_rotary"]), f"{name}_merged")
 
         value = _merge_heads(op, _split_heads(op, v, "v_split"), "v_merged")
-        return op.GroupQueryAttention(
-            rotated(q, "q"), rotated(k, "k"), value, past_key, past_value, seqlens_k, total, _domain=DOMAIN, _outputs=_GQA_OUTPUTS
-        )
+        return op.GroupQueryAttention(rotated(q, "q"), rotated(k, "k"), value, past_key, past_value, seqlens_k, total, _domain=DOMAIN, _outputs=_GQA_OUTPUTS)
 
     def check(self, context, q, k, v, cos, sin, output, **bound) -> MatchResult:
         result = MatchResult()
@@ -206,7 +202,7 @@ class RotaryIntoGroupQueryAttention(pattern.RewriteRuleClassBase):
             return result.fail("partial rotary: GQA rotates the whole head", cos)
         if head_size % 16:
             return result.fail(f"head size {head_size}: ORT's GQA rotates only heads of a multiple of 16")
-        for x, projection in zip("qkv", (q, k, v)):
+        for x, projection in zip("qkv", (q, k, v), strict=True):
             if not _round_trip(projection, bound[f"{x}_split"], bound[f"{x}_merged"]):
                 return result.fail("the heads are not split from and merged back into one (B, S, N·d) value", projection)
         if self.tables(cos, sin) is None:
@@ -251,10 +247,8 @@ class PackedQKV(pattern.RewriteRuleClassBase):
     def pattern(self, op, x, wq, wk, wv, bq, bk, bv, past_key, past_value, seqlens_k, total):
         projections = [op.MatMul(x, w) for w in (wq, wk, wv)]
         if self.bias:
-            projections = [op.Add(p, b) for p, b in zip(projections, (bq, bk, bv))]
-        return op.GroupQueryAttention(
-            *projections, past_key, past_value, seqlens_k, total, _allow_other_inputs=True, _domain=DOMAIN, _outputs=_GQA_OUTPUTS
-        )
+            projections = [op.Add(p, b) for p, b in zip(projections, (bq, bk, bv), strict=True)]
+        return op.GroupQueryAttention(*projections, past_key, past_value, seqlens_k, total, _allow_other_inputs=True, _domain=DOMAIN, _outputs=_GQA_OUTPUTS)
 
     def check(self, context, x, wq, wk, wv, output, **bound) -> MatchResult:
         result = MatchResult()
@@ -263,7 +257,7 @@ class PackedQKV(pattern.RewriteRuleClassBase):
             return result.fail("the projections are not constant 2D weights over one input")
         if self.bias:
             biases = [_constant_shape(bound[b]) for b in ("bq", "bk", "bv")]
-            if any(b is None or b != (w[1],) for b, w in zip(biases, weights)):
+            if any(b is None or b != (w[1],) for b, w in zip(biases, weights, strict=True)):
                 return result.fail("the biases are not constant vectors of the projections' widths")
         return result
 

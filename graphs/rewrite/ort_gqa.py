@@ -53,9 +53,7 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
     def pattern(self, op, query, key, value, mask):
         if self.past:
             key = op.Concat(pattern.Var("past_key"), key, axis=pattern.AttrVar("key_axis"), _outputs=["present_key"])
-            value = op.Concat(
-                pattern.Var("past_value"), value, axis=pattern.AttrVar("value_axis"), _outputs=["present_value"]
-            )
+            value = op.Concat(pattern.Var("past_value"), value, axis=pattern.AttrVar("value_axis"), _outputs=["present_value"])
         attention = op.Attention(query, key, value, mask, _outputs=["attention"])
         return (attention, key, value) if self.past else attention
 

@@ -31,9 +31,7 @@ class CollapseRepeatKV(pattern.RewriteRuleClassBase):
         if self.repeat == "Tile":  # torch's Tensor.repeat adds a broadcast-only Expand before Tile
             broadcast = op.Expand(unsqueezed, pattern.ANY_VALUE, _outputs=[f"{prefix}_broadcast"])
             unsqueezed = pattern.OrValue([broadcast, unsqueezed])
-        grouped = getattr(op, self.repeat)(
-            unsqueezed, pattern.Var(f"{prefix}_repeats"), _outputs=[f"{prefix}_grouped"]
-        )
+        grouped = getattr(op, self.repeat)(unsqueezed, pattern.Var(f"{prefix}_repeats"), _outputs=[f"{prefix}_grouped"])
         return op.Reshape(grouped, pattern.ANY_VALUE, _outputs=[f"{prefix}_repeated"])
 
     def pattern(self, op, query, key, value):

@@ -25,7 +25,7 @@ def same_dim(a: Dim, b: Dim) -> bool:
 
 
 def same_dims(a: Sequence[Dim], b: Sequence[Dim]) -> bool:
-    return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b, strict=True))
 
 
 def is_lazy(value: ir.Value | None) -> bool:

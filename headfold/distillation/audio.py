@@ -70,7 +70,9 @@ def wav_header(path: Path, rate: int) -> WavHeader:
     if header.frames == 0:
         raise BadInput(f"audio {path} holds no samples; remove it or give it audio")
     if header.rate != rate:
-        raise BadInput(f"audio {path} is sampled at {header.rate} Hz, and the feature extractor takes {rate} Hz; resample it, e.g. ffmpeg -i in.wav -ar {rate} out.wav")
+        raise BadInput(
+            f"audio {path} is sampled at {header.rate} Hz, and the feature extractor takes {rate} Hz; resample it, e.g. ffmpeg -i in.wav -ar {rate} out.wav"
+        )
     return header
 
 
@@ -175,7 +177,7 @@ def _wav_folder(folder: Path, option: str, rate: int) -> AudioSource:
 
 
 def _transcribed_clips(path: Path, option: str, rate: int) -> Iterator[tuple[Path, str]]:
-    fix = f"give every line an object {{\"{AUDIO_FIELD}\": \"relative/path.wav\", \"{TEXT_FIELD}\": \"transcript\"}}"
+    fix = f'give every line an object {{"{AUDIO_FIELD}": "relative/path.wav", "{TEXT_FIELD}": "transcript"}}'
     with path.open("rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -288,6 +290,7 @@ class AudioPlan:
 
     def train_windows(self, skip: int = 0) -> Iterator[tuple[Path, list[int] | None]]:
         """Training clips forever (a new seeded shuffle per epoch), after dropping the first `skip` (resume)."""
+
         def epochs() -> Iterator[tuple[Path, list[int] | None]]:
             for epoch in range(1 << 62):
                 rng = random.Random(f"{self.seed}:{epoch}")

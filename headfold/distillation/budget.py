@@ -43,5 +43,7 @@ def parse_tokens(value: str | int, pretraining: int | None) -> int:
     if not text.endswith("%"):
         return parse_count(value, "--tokens", "token", EXAMPLES)
     if pretraining is None:
-        raise BadOption("--tokens", f"{value}: a percentage needs the teacher's pre-training token count, known only for the embedded model; give a count, {EXAMPLES}")
+        raise BadOption(
+            "--tokens", f"{value}: a percentage needs the teacher's pre-training token count, known only for the embedded model; give a count, {EXAMPLES}"
+        )
     return parse_count(parse_fraction(text, "--tokens") * pretraining, "--tokens", "token", EXAMPLES)

@@ -114,7 +114,9 @@ def _read_errors(path: Path, option: str, problem: str) -> Iterator[None]:
     except HeadfoldError:
         raise
     except Exception as err:
-        raise BadInput(f"{option} {path} {problem} ({type(err).__name__}: {first_line(err)}); pass UTF-8 text, JSON lines, parquet with a '{TEXT_FIELD}' field (or source/target pairs), or a datasets save_to_disk folder") from None
+        raise BadInput(
+            f"{option} {path} {problem} ({type(err).__name__}: {first_line(err)}); pass UTF-8 text, JSON lines, parquet with a '{TEXT_FIELD}' field (or source/target pairs), or a datasets save_to_disk folder"
+        ) from None
     finally:
         library.setLevel(level)
 
@@ -164,7 +166,9 @@ def _texts(stream, path: Path, option: str, pairs: bool) -> Iterator[str | tuple
             if row.get(TEXT_FIELD) is not None:
                 raise BadInput(f"{where} holds both '{TEXT_FIELD}' and 'source'/'target'; give each row one of them")
             if not pairs:
-                raise BadInput(f"{where} is a (source, target) pair, which only an encoder-decoder (T5, BART) reads; give every row text in a '{TEXT_FIELD}' field")
+                raise BadInput(
+                    f"{where} is a (source, target) pair, which only an encoder-decoder (T5, BART) reads; give every row text in a '{TEXT_FIELD}' field"
+                )
             if not all(isinstance(part, str) or part is None for part in pair):
                 raise BadInput(f"{where}: 'source' and 'target' must be strings; give every row text (or null)")
             if all(pair):
@@ -227,7 +231,7 @@ def windows(source: TextSource, encoder: Encoder, seq_len: int) -> Iterator[list
 def pair_window(pair: tuple[str, str], encoder: Encoder, seq_len: int) -> list[int]:
     """[source ids | target ids], each cut or filled with ABSENT to its half of `seq_len`."""
     half = seq_len // 2
-    parts = [encoder.encode(text)[:size] for text, size in zip(pair, (half, seq_len - half))]
+    parts = [encoder.encode(text)[:size] for text, size in zip(pair, (half, seq_len - half), strict=True)]
     return [*parts[0], *[ABSENT] * (half - len(parts[0])), *parts[1], *[ABSENT] * (seq_len - half - len(parts[1]))]
 
 
@@ -275,6 +279,7 @@ class WindowPlan:
 
     def train_windows(self, skip: int = 0) -> Iterator[list[int]]:
         """Training windows forever (a new seeded shuffle per epoch), after dropping the first `skip` (resume)."""
+
         def epochs() -> Iterator[list[int]]:
             for epoch in range(1 << 62):
                 rng = random.Random(f"{self.seed}:{epoch}")
@@ -293,7 +298,9 @@ class WindowPlan:
         step of the run), or the data gives no window, or no training window after the held-out ones."""
         if self.seq_len <= self.encoder.overhead:
             least = self.encoder.overhead + 1
-            raise BadOption("--seq-len", f"{self.seq_len} leaves no token inside the {self.encoder.overhead} special tokens of each window; choose at least {least}")
+            raise BadOption(
+                "--seq-len", f"{self.seq_len} leaves no token inside the {self.encoder.overhead} special tokens of each window; choose at least {least}"
+            )
         for source in (self.train, self.heldout):
             for _ in source.docs() if source is not None else ():
                 pass

@@ -127,6 +127,7 @@ def hidden_distance(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tens
     every layer counts alike whatever the scale of its activations, and a batch's value is the mean of
     its windows', so data-parallel halves average to the whole batch's gradient. Its gradient is
     exactly zero where the two are equal."""
+
     def relative(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # [batch]
         s, t = s.float().flatten(1), t.float().flatten(1)
         return (s - t).square().mean(1) / t.square().mean(1).clamp_min(1e-12)

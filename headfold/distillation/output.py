@@ -20,9 +20,9 @@ import torch
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.conversion import copy_other_files, default_shard_bytes
 from headfold.converter.writer import PlannedTensor, ShardedWriter
-from headfold.ground.manifest import Manifest
 from headfold.ground.hashing import sha256_file, versions
 from headfold.ground.lazy import lazy_import
+from headfold.ground.manifest import Manifest
 
 figure = lazy_import("matplotlib.figure")  # no pyplot: no global state, Agg canvas, safe in worker processes
 ticker = lazy_import("matplotlib.ticker")

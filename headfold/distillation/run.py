@@ -27,8 +27,8 @@ from headfold import corpus
 from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 from headfold.converter.sources import checkpoint_folders
 from headfold.distillation import output, sharding, state
-from headfold.distillation.budget import is_embedded, parse_tokens, pretraining_tokens
 from headfold.distillation.audio import AudioPlan, audio_plan
+from headfold.distillation.budget import is_embedded, parse_tokens, pretraining_tokens
 from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, file_source
 from headfold.distillation.objective import Objective
 from headfold.distillation.trainer import Trainer
@@ -105,7 +105,9 @@ def distill(
     encoder_model = student_ckpt.facts.kind == "encoder"
     opts = resolve_defaults(opts, encoder_model)
     check_options(opts, student_ckpt.facts, encoder_model)
-    log.info(f"distill: tokenising {data or 'the built-in text'} with {teacher}'s tokenizer")  # the request is valid: say what the silence before the budget line is
+    log.info(
+        f"distill: tokenising {data or 'the built-in text'} with {teacher}'s tokenizer"
+    )  # the request is valid: say what the silence before the budget line is
     decoder_start = seq2seq_start(student_ckpt)
     plan = window_plan(teacher, student_ckpt, data, eval_data, opts, encoder_model)
     plan.check()
@@ -130,7 +132,15 @@ def distill(
         accelerator.wait_for_everyone()  # the main process has removed a stale state before anyone reads it
         checkpoint = state.open_run(folder, identity, resume)
         accelerator.wait_for_everyone()  # every process has read the state before the main one starts a new one
-        trainer = Trainer(accelerator, teacher, student_ckpt, plan, opts, steps, Objective(encoder_model, opts.loss, opts.temperature, opts.hidden_weight, opts.attention_weight, decoder_start))
+        trainer = Trainer(
+            accelerator,
+            teacher,
+            student_ckpt,
+            plan,
+            opts,
+            steps,
+            Objective(encoder_model, opts.loss, opts.temperature, opts.hidden_weight, opts.attention_weight, decoder_start),
+        )
         if checkpoint is not None:
             trainer.restore(checkpoint)
             if accelerator.is_main_process:
@@ -159,7 +169,19 @@ def distill(
     return out
 
 
-def run_record(teacher: Path, student: Path, manifest: dict, identity: dict, plan: WindowPlan | AudioPlan, opts: DistillOptions, accelerator, trainer: Trainer, final, reached, seconds: float) -> dict[str, Any]:
+def run_record(
+    teacher: Path,
+    student: Path,
+    manifest: dict,
+    identity: dict,
+    plan: WindowPlan | AudioPlan,
+    opts: DistillOptions,
+    accelerator,
+    trainer: Trainer,
+    final,
+    reached,
+    seconds: float,
+) -> dict[str, Any]:
     """The manifest's `distillation` entry: inputs and their hashes, options, the run and its scores."""
     return {"teacher": {"path": str(teacher.resolve()), "config_sha256": identity["teacher_config_sha256"]},
             "student": {"path": str(student.resolve()), "manifest": manifest},
@@ -179,10 +201,14 @@ def check_pair(teacher: Path, student: Path) -> tuple[SourceCheckpoint, SourceCh
             raise BadInput(f"teacher and student differ in {what} ({ours} vs {theirs}); the student must be a headfold conversion of the teacher")
     manifest_file = student / MANIFEST
     if not manifest_file.is_file():
-        raise BadInput(f"student {student} has no {MANIFEST}, so it is not a headfold conversion; make one with headfold convert {teacher} STUDENT --kv-heads N")
+        raise BadInput(
+            f"student {student} has no {MANIFEST}, so it is not a headfold conversion; make one with headfold convert {teacher} STUDENT --kv-heads N"
+        )
     manifest = manifests.load(student)
     if manifest.source.config_sha256 != sha256_file(teacher / "config.json"):
-        raise BadInput(f"student {student} was converted from {manifest.source.path}, not from teacher {teacher} (config.json differs); pass the student's own original")
+        raise BadInput(
+            f"student {student} was converted from {manifest.source.path}, not from teacher {teacher} (config.json differs); pass the student's own original"
+        )
     check_copied_tensor(t, s, student)
     return t, s, manifest.to_dict()
 
@@ -197,7 +223,9 @@ def check_copied_tensor(t: SourceCheckpoint, s: SourceCheckpoint, student: Path)
     vocab = t.facts.vocab_size
     name = max(same, key=lambda i: (i.shape[:1] == (vocab,), i.nbytes, i.name)).name
     if not torch.equal(t.get(name).reshape(-1).view(torch.uint8), s.get(name).reshape(-1).view(torch.uint8)):
-        raise BadInput(f"student {student} was not converted from teacher {t.folder}: its {name} differs (same config.json, other weights); pass the student's own original")
+        raise BadInput(
+            f"student {student} was not converted from teacher {t.folder}: its {name} differs (same config.json, other weights); pass the student's own original"
+        )
 
 
 def seq2seq_start(student: SourceCheckpoint) -> int | None:
@@ -207,7 +235,9 @@ def seq2seq_start(student: SourceCheckpoint) -> int | None:
         return None
     start = student.config.get("decoder_start_token_id")
     if start is None:
-        raise BadInput(f"config.json of {student.folder} has no decoder_start_token_id, which teacher forcing starts the target with; restore it from the original checkpoint")
+        raise BadInput(
+            f"config.json of {student.folder} has no decoder_start_token_id, which teacher forcing starts the target with; restore it from the original checkpoint"
+        )
     return start
 
 
@@ -272,7 +302,9 @@ def total_steps(opts: DistillOptions, processes: int) -> int:
     if opts.tokens is None:
         return DEFAULT_STEPS if opts.steps is None else opts.steps
     if opts.tokens < per_step:
-        raise BadInput(f"--tokens {opts.tokens} is below one batch ({opts.batch_size} × {opts.seq_len} tokens × {processes} process(es) = {per_step}); give more tokens, a smaller --batch-size or a shorter --seq-len")
+        raise BadInput(
+            f"--tokens {opts.tokens} is below one batch ({opts.batch_size} × {opts.seq_len} tokens × {processes} process(es) = {per_step}); give more tokens, a smaller --batch-size or a shorter --seq-len"
+        )
     return opts.tokens // per_step
 
 
@@ -281,7 +313,9 @@ def budget_line(plan: WindowPlan | AudioPlan, opts: DistillOptions, steps: int, 
     needed = steps * opts.batch_size * processes
     available = plan.repeated(needed)
     over = f"{needed / available:.1f} passes over the {available} windows of" if available else "less than one pass over"
-    return f"distill: {steps} steps × {opts.batch_size * processes} windows × {opts.seq_len} tokens = {needed * opts.seq_len:,} tokens, {over} {plan.train.name}"
+    return (
+        f"distill: {steps} steps × {opts.batch_size * processes} windows × {opts.seq_len} tokens = {needed * opts.seq_len:,} tokens, {over} {plan.train.name}"
+    )
 
 
 def run_identity(teacher: Path, student: Path, plan: WindowPlan | AudioPlan, opts: DistillOptions, processes: int) -> dict[str, Any]:
@@ -295,4 +329,3 @@ def run_identity(teacher: Path, student: Path, plan: WindowPlan | AudioPlan, opt
         "processes": processes,
     }
     return json.loads(json.dumps(identity))
-

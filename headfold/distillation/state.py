@@ -74,7 +74,11 @@ def claimed(folder: Path, *, resume: bool, keep: bool) -> Iterator[None]:
         if folder.exists() and not resume:
             step = latest(folder)
             shutil.rmtree(folder, ignore_errors=True)
-            log.warning(f"headfold: removed {folder}, the state of an earlier run that stopped" + (f" at {step.name}" if step else "") + "; pass --resume to continue such a run instead")
+            log.warning(
+                f"headfold: removed {folder}, the state of an earlier run that stopped"
+                + (f" at {step.name}" if step else "")
+                + "; pass --resume to continue such a run instead"
+            )
         try:
             yield
         except BaseException as err:

@@ -73,4 +73,3 @@ def merged(model: nn.Module) -> nn.Module:
 def trainable_state(model: nn.Module) -> dict:
     """What a resumable checkpoint must keep of the model: the trainable tensors, by name."""
     return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-

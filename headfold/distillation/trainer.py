@@ -11,12 +11,12 @@ from tqdm.auto import tqdm
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.modeling import load_model, parameter_names
 from headfold.distillation import sharding, state
 from headfold.distillation.audio import AudioPlan
 from headfold.distillation.data import WindowPlan
 from headfold.distillation.objective import Objective, evaluate
 from headfold.distillation.trainable import attention_blocks, merged, select, trainable_state
-from headfold.converter.modeling import load_model, parameter_names
 from headfold.ground.atomic import raise_if_signalled
 from headfold.ground.errors import BadInput, first_line
 
@@ -52,7 +52,7 @@ class Trainer:
             _checkpoint_layers(model)
         # the attention blocks whose outputs the loss matches, found before LoRA wraps the model (they stay the same modules)
         matched = objective.attention_weight > 0
-        self.teacher_blocks, self.student_blocks = ([attention_blocks(m, student, self.names) for m in (self.teacher, model)] if matched else ([], []))
+        self.teacher_blocks, self.student_blocks = [attention_blocks(m, student, self.names) for m in (self.teacher, model)] if matched else ([], [])
         model, self.changed = select(model, student, self.names, opts.train)
         if accelerator.is_fsdp2:
             sharding.one_module_per_tied_embedding(model)
@@ -93,7 +93,9 @@ class Trainer:
         scores = self.evaluate()
         if not all(math.isfinite(v) for v in scores.values()):
             if self.progress.step == 0:
-                raise BadInput(f"the teacher and student give non-finite held-out scores before any training ({scores}); check both checkpoints (config.json, weights)")
+                raise BadInput(
+                    f"the teacher and student give non-finite held-out scores before any training ({scores}); check both checkpoints (config.json, weights)"
+                )
             self._diverged(f"the held-out {self.metric} became {scores[self.metric]}")
         self.check_finite()
         self.progress.log["eval"].append({"step": self.progress.step, "tokens": self.progress.tokens, **scores})
@@ -192,4 +194,3 @@ def _warmup_cosine(steps: int, warmup: float):
         return 0.5 * (1 + math.cos(math.pi * (step - ramp) / max(1, steps - ramp)))
 
     return factor
-

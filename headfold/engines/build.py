@@ -30,8 +30,7 @@ from polygraphy.logger import G_LOGGER
 
 from headfold import plugins as custom_ops
 from headfold.engines.env import Target, engine_support
-from headfold.engines.plan import BuildPlan, GraphPlan, make_plan
-from headfold.engines.plan import sidecar_path
+from headfold.engines.plan import BuildPlan, GraphPlan, make_plan, sidecar_path
 from headfold.engines.sidecar import EngineSidecar, make_sidecar
 from headfold.graphs.onnx_files import load_graph
 from headfold.ground.atomic import atomic_output, atomic_outputs, check_outputs, scratch_dir
@@ -192,7 +191,7 @@ def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: 
     with scratch_dir("headfold-build") as scratch, atomic_outputs(plan.outputs, overwrite=overwrite, sources=plan.reads) as staged:
         local = replace(plan, timing_cache=_scratch_cache(plan.timing_cache, scratch))
         sidecars = [build_graph(local, graph, _staged_engine(plan, graph, staged), require_fused=require_fused_attention) for graph in plan.graphs]
-        for graph, sidecar in zip(plan.graphs, sidecars):
+        for graph, sidecar in zip(plan.graphs, sidecars, strict=True):
             sidecar.timing_cache = str(plan.timing_cache) if plan.timing_cache else None
             sidecar.save(staged[graph.sidecar] if plan.layout == "file" else sidecar_path(_staged_engine(plan, graph, staged)))
         if plan.timing_cache and local.timing_cache.is_file():

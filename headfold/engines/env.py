@@ -83,7 +83,9 @@ def target_for(trt_version: str | None, *, dry_run: bool) -> Target:
     if _missing("tensorrt"):
         if trt_version is None:
             newest = RULE_SETS[-1].name
-            return Target.assumed(newest, f"TensorRT is not installed: dry run for the newest release headfold knows, {newest}; --trt-version X.Y plans for another")
+            return Target.assumed(
+                newest, f"TensorRT is not installed: dry run for the newest release headfold knows, {newest}; --trt-version X.Y plans for another"
+            )
         return Target.assumed(trt_version)
     target = Target.installed()
     if trt_version is None or rule_set(trt_version).version == rule_set(target.version).version:

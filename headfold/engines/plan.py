@@ -156,7 +156,7 @@ def input_profile(model: ir.Model, graph: str, ranges: dict[str, Range]) -> dict
         if value.shape is None:
             raise BadInput(f"{graph}: input {value.name} has no shape; re-export with headfold export")
         dims = [_dimension(d, graph, value.name, ranges) for d in value.shape.dims]
-        profile[value.name] = [list(shape) for shape in zip(*dims)] if dims else [[], [], []]
+        profile[value.name] = [list(shape) for shape in zip(*dims, strict=True)] if dims else [[], [], []]
     return profile
 
 
@@ -297,7 +297,9 @@ def _bytes(n: int) -> str:
 
 def _describe_graph(graph: GraphPlan) -> list[str]:
     report = graph.lint
-    lint_line = f"lint (rule set {report.rules}): {'parsable' if report.parsable else 'NOT parsable'}, {len(report.errors)} errors, {len(report.warnings)} warnings"
+    lint_line = (
+        f"lint (rule set {report.rules}): {'parsable' if report.parsable else 'NOT parsable'}, {len(report.errors)} errors, {len(report.warnings)} warnings"
+    )
     width = max(map(len, graph.profile), default=0)
     lines = [
         f"{graph.onnx.name} -> {graph.engine}",
@@ -323,7 +325,9 @@ def source_graphs(src: Path) -> tuple[list[Path], str]:
         check_links(src, "export folder")
         summary = export_summary.load(src)
         if summary.layout == "merged":  # its total length P + S is no profile dimension
-            raise BadInput(f"{src} holds the merged decoder graph (ONNX Runtime, onnxruntime-genai); TensorRT builds the split pair: headfold export SRC OUT --graphs split")
+            raise BadInput(
+                f"{src} holds the merged decoder graph (ONNX Runtime, onnxruntime-genai); TensorRT builds the split pair: headfold export SRC OUT --graphs split"
+            )
         if summary.layout == "seq2seq":  # profiles for a source length and a self past: not sized by headfold
             raise BadInput(f"{src} holds an encoder-decoder's graphs, which headfold builds no engines of; run them in ONNX Runtime (docs/deploying.md)")
         paths = [contained(src, name, EXPORT_SUMMARY, f"re-run headfold export into {src}") for name in summary.graphs]

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ class EngineSource(Record):
 class EngineSidecar(Record):
     format: str = FORMAT
     headfold: str = VERSION
-    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     tensorrt: str
     gpu: dict[str, str]
     precision: EnginePrecision
@@ -82,10 +82,14 @@ def make_sidecar(plan: BuildPlan, graph: GraphPlan, *, gpu: dict[str, str], atte
     return EngineSidecar(
         tensorrt=plan.target.version,
         gpu=gpu,
-        precision=EnginePrecision(name=precision.name, graph=precision.graph, strongly_typed=precision.strongly_typed, builder_flags=list(precision.builder_flags)),
+        precision=EnginePrecision(
+            name=precision.name, graph=precision.graph, strongly_typed=precision.strongly_typed, builder_flags=list(precision.builder_flags)
+        ),
         profiles=[graph.profile],
         ranges={name: str(r) for name, r in plan.ranges.items()},
-        source=EngineSource(onnx=str(graph.onnx), onnx_relative=os.path.relpath(graph.onnx, graph.engine.parent), sha256=graph.sha256, data_sha256=graph.data_sha256),
+        source=EngineSource(
+            onnx=str(graph.onnx), onnx_relative=os.path.relpath(graph.onnx, graph.engine.parent), sha256=graph.sha256, data_sha256=graph.data_sha256
+        ),
         plugins=graph.plugins,
         attention=attention,
         build_seconds=round(seconds, 2),

@@ -59,7 +59,7 @@ def run_artifact_checks(
             twin = decode_check(spec, *sides, inputs.decode_steps)
             planned += [(twin, (reference, candidate))] if twin else []
     results = run_checks([spec for spec, _ in planned], inputs, progress=progress)
-    for (_, (reference, candidate)), result in zip(planned, results):
+    for (_, (reference, candidate)), result in zip(planned, results, strict=True):
         result.reference = {**reference.describe(), **result.reference}
         result.candidate = {**candidate.describe(), **result.candidate}
     return results
@@ -127,7 +127,9 @@ def verify(
     kind = check_kind(ref, cand, check)
     precision = Precision.coarsest(ref.precision, cand.precision)  # the budget of the coarser side
     if kind == "fidelity" and precision == Precision.INT4:
-        raise BadInput("int4 weights differ from their model by quantization, element by element: compare them by their loss (KL, perplexity, top-1), --check loss or auto")
+        raise BadInput(
+            "int4 weights differ from their model by quantization, element by element: compare them by their loss (KL, perplexity, top-1), --check loss or auto"
+        )
     budget = thresholds.fidelity(precision, floors=True) if kind == "fidelity" else thresholds.loss(precision)
     feeds = make_inputs(ref.model or cand.model, inputs, allow_random=kind == "fidelity")
     name = QUANTIZATION_LOSS if kind == "loss" and precision == Precision.INT4 and ref.model == cand.model else CHECK_NAMES[kind]

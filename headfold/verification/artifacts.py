@@ -175,7 +175,7 @@ def _converted_from(reference: Path, candidate: Path) -> bool:
 
 
 def check_kind(reference: Artifact, candidate: Artifact, requested: str = "auto") -> str:
-    """"fidelity" or "loss" for this pair; `requested` other than auto is taken as is."""
+    """ "fidelity" or "loss" for this pair; `requested` other than auto is taken as is."""
     if reference.model is None and candidate.model is None:
         raise BadInput("neither side names a checkpoint (tokenizer, vocabulary); pass a checkpoint folder or an export folder")
     if requested != "auto":
@@ -187,8 +187,7 @@ def check_kind(reference: Artifact, candidate: Artifact, requested: str = "auto"
         return "loss"
     if candidate.is_conversion:
         raise BadInput(
-            f"{candidate.path} was converted from another model than {reference.path} (config.json differs); "
-            "pass --check loss to compare them anyway"
+            f"{candidate.path} was converted from another model than {reference.path} (config.json differs); pass --check loss to compare them anyway"
         )
     raise BadInput(
         f"cannot tell how {reference.path} and {candidate.path} relate (neither the same model nor a headfold "

@@ -176,7 +176,7 @@ def run_checks(specs: list[CheckSpec], inputs: Inputs, *, progress: bool = False
                 stack.enter_context(runner)
         rows = [len(next(iter(feed.values()))) for feed in inputs.feeds]  # every input is batch-first
         bar = stack.enter_context(tqdm(total=sum(rows), desc="verify", unit="row", disable=not progress))
-        for feed, batch in zip(inputs.feeds, rows):
+        for feed, batch in zip(inputs.feeds, rows, strict=True):
             outputs = {id(r): _timed(r, feed, clock) for r in runners}
             bar.update(batch)
             for i, spec in enumerate(specs):
@@ -193,7 +193,7 @@ def run_checks(specs: list[CheckSpec], inputs: Inputs, *, progress: bool = False
                 meters[i].add(ref[names[i]], cand[names[i]], spec.compared(feed))
         described = {id(r): _describe(r) for r in runners}
     results = []
-    for spec, meter, name in zip(specs, meters, names):
+    for spec, meter, name in zip(specs, meters, names, strict=True):
         metrics = {"output": name, **meter.metrics()}
         ref, cand = described[id(spec.reference)], described[id(spec.candidate)]
         took = clock[id(spec.reference)] + clock[id(spec.candidate)]
@@ -201,9 +201,7 @@ def run_checks(specs: list[CheckSpec], inputs: Inputs, *, progress: bool = False
     return results
 
 
-def run_check(
-    name: str, kind: str, reference: Runner, candidate: Runner, inputs: Inputs, budget: FidelityBudget | LossBudget
-) -> CheckResult:
+def run_check(name: str, kind: str, reference: Runner, candidate: Runner, inputs: Inputs, budget: FidelityBudget | LossBudget) -> CheckResult:
     """One check; both runners are loaded at once."""
     return run_checks([CheckSpec(name, kind, reference, candidate, budget)], inputs)[0]
 

@@ -60,8 +60,8 @@ class DecodePlan:
         decoded = decoded_positions(real, steps)
         pads = ids[~real]
         return cls(
-            prefixes=[row[r & ~d] for row, r, d in zip(ids, real, decoded)],
-            fed=[row[d] for row, d in zip(ids, decoded)],
+            prefixes=[row[r & ~d] for row, r, d in zip(ids, real, decoded, strict=True)],
+            fed=[row[d] for row, d in zip(ids, decoded, strict=True)],
             columns=[np.flatnonzero(d) for d in decoded],
             pad_id=int(pads[0]) if pads.size else 0,
         )
@@ -73,7 +73,7 @@ class DecodePlan:
     def step(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Step k's token per row and which rows are still decoding (the others get a masked pad)."""
         active = np.array([k < len(f) for f in self.fed])
-        tokens = np.array([f[k] if a else self.pad_id for f, a in zip(self.fed, active)], dtype=np.int64)
+        tokens = np.array([f[k] if a else self.pad_id for f, a in zip(self.fed, active, strict=True)], dtype=np.int64)
         return tokens[:, None], active
 
 

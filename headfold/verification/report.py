@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +16,8 @@ import click
 from headfold.ground.artifacts import CREATED_BY, created_by, mark_comment
 from headfold.ground.atomic import atomic_outputs
 from headfold.ground.errors import CheckFailed
-from headfold.ground.inputs import read_json_object
 from headfold.ground.hashing import versions
+from headfold.ground.inputs import read_json_object
 from headfold.verification.checks import CheckResult
 
 _PACKAGES = ("headfold", "torch", "transformers", "onnx", "onnxruntime", "numpy", "tensorrt")
@@ -52,7 +52,7 @@ class Report:
     checks: list[CheckResult]
     inputs: dict[str, Any]
     versions: dict[str, str] = field(default_factory=lambda: versions(_PACKAGES))
-    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     stages: dict[str, Any] = field(default_factory=dict)  # `headfold run`: what each stage did
 
     @property
@@ -82,7 +82,13 @@ class Report:
         )
 
     def write(
-        self, json_path: Path | None = None, markdown_path: Path | None = None, junit_path: Path | None = None, *, overwrite: bool = False, sources: Iterable[Path] = ()
+        self,
+        json_path: Path | None = None,
+        markdown_path: Path | None = None,
+        junit_path: Path | None = None,
+        *,
+        overwrite: bool = False,
+        sources: Iterable[Path] = (),
     ) -> None:
         """The reports asked for, all appearing together or none (ground.atomic: never over a file
         of `sources`, an existing one only with `overwrite` and only when headfold wrote it)."""
@@ -122,7 +128,13 @@ class Report:
 
     def markdown(self) -> str:
         verdict = "✅ passed" if self.passed else "❌ failed"
-        lines = [mark_comment(), f"## headfold verify: {verdict}", "", f"Text: `{self.inputs['text']}`, {self.inputs['tokens']} tokens in {self.inputs['rows']} rows (seed {self.inputs['seed']}).", ""]
+        lines = [
+            mark_comment(),
+            f"## headfold verify: {verdict}",
+            "",
+            f"Text: `{self.inputs['text']}`, {self.inputs['tokens']} tokens in {self.inputs['rows']} rows (seed {self.inputs['seed']}).",
+            "",
+        ]
         for check in self.checks:
             lines += [f"### {'✅' if check.passed else '❌'} {self._title(check)}", "", "| metric | value | budget | result |", "|---|---:|---|---|"]
             lines += [f"| {m} | {v} | {b} | {r} |" for m, v, b, r in self.rows(check)]

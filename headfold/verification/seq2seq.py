@@ -65,8 +65,8 @@ def pair_feeds(facts: CheckpointFacts, rows: list[np.ndarray], batch_size: int, 
             targets = batch
         else:
             halves = [len(r) // 2 for r in batch]
-            ids, mask = _right_padded([r[:h] for r, h in zip(batch, halves)], pad)
-            source, targets = {"input_ids": ids, "attention_mask": mask}, [r[h:] for r, h in zip(batch, halves)]
+            ids, mask = _right_padded([r[:h] for r, h in zip(batch, halves, strict=True)], pad)
+            source, targets = {"input_ids": ids, "attention_mask": mask}, [r[h:] for r, h in zip(batch, halves, strict=True)]
         decoder = [np.concatenate([[start], t])[: limit or None] for t in targets]
         ids, mask = _right_padded(decoder, pad)
         feeds.append({**source, DECODER_IDS: ids, DECODER_MASK: mask})
@@ -115,14 +115,14 @@ class Seq2SeqOnnxRunner(BaseRunner):
         encoder, decoder = self.sessions
         start = time.perf_counter()
         source = {i.name: feed_dict[i.name].astype(ORT_FLOATS.get(i.type, feed_dict[i.name].dtype)) for i in encoder.get_inputs()}
-        outputs = dict(zip([o.name for o in encoder.get_outputs()], encoder.run(None, source)))
+        outputs = dict(zip([o.name for o in encoder.get_outputs()], encoder.run(None, source), strict=True))
         cross = {_as_past(name): value for name, value in outputs.items() if is_cache(name, PRESENT)}
         mask = {ENCODER_MASK: source["attention_mask"]} if "attention_mask" in source else {}
         target = feed_dict[DECODER_IDS]
         past = {i.name: np.zeros((len(target), i.shape[1], 0, i.shape[3]), ORT_FLOATS[i.type]) for i in decoder.get_inputs() if _is_self_past(i.name)}
         names, logits = [o.name for o in decoder.get_outputs()], []
         for chunk in _chunks(target.shape[1], self.decode_steps):
-            out = dict(zip(names, decoder.run(None, {"input_ids": target[:, chunk], **mask, **past, **cross})))
+            out = dict(zip(names, decoder.run(None, {"input_ids": target[:, chunk], **mask, **past, **cross}), strict=True))
             logits.append(out.pop("logits"))
             past = {_as_past(name): value for name, value in out.items()}
         self.inference_time = time.perf_counter() - start

@@ -44,7 +44,7 @@ def pick_profile(shapes: Mapping[str, Shape], profiles: Sequence[ProfileShapes])
 
 
 def _fits(shape: Shape, low: Shape, high: Shape) -> bool:
-    return len(shape) == len(low) and all(lo <= s <= hi for s, lo, hi in zip(shape, low, high))
+    return len(shape) == len(low) and all(lo <= s <= hi for s, lo, hi in zip(shape, low, high, strict=True))
 
 
 class TensorRTRunner(TrtRunner):
@@ -110,8 +110,7 @@ class TensorRTRunner(TrtRunner):
         profile = pick_profile(shapes, profiles)
         if profile is None:
             raise BadInput(
-                f"{self.engine_path.name}: input shapes {shapes} fit none of its optimization profiles "
-                f"{profiles}; rebuild with larger --batch/--seq/--past"
+                f"{self.engine_path.name}: input shapes {shapes} fit none of its optimization profiles {profiles}; rebuild with larger --batch/--seq/--past"
             )
         if profile != self.context.active_optimization_profile:
             self.set_profile(profile)

@@ -78,9 +78,7 @@ class PastInputsToPlugin(_DecodeAttentionToPlugin):
         super().__init__(f"AttentionWithPastTo{OP_TYPE}", parser)
 
     def pattern(self, op, query, key, value, mask, past_key, past_value):
-        return op.Attention(
-            query, key, value, mask, past_key, past_value, _outputs=["attention", "present_key", "present_value"]
-        )
+        return op.Attention(query, key, value, mask, past_key, past_value, _outputs=["attention", "present_key", "present_value"])
 
     def check_form(self, result: MatchResult, node: ir.Node, bindings: dict) -> MatchResult:
         return result  # no TensorRT parser takes past_key/past_value on Attention

@@ -59,9 +59,7 @@ def kv_group(q_heads: int, kv_heads: int) -> int:
     return q_heads // kv_heads
 
 
-def attention_bias(
-    attn_mask: torch.Tensor | None, queries: int, keys: int, past: int, is_causal: bool, dtype: torch.dtype
-) -> torch.Tensor:
+def attention_bias(attn_mask: torch.Tensor | None, queries: int, keys: int, past: int, is_causal: bool, dtype: torch.dtype) -> torch.Tensor:
     """The additive bias (0 or -inf, or the float mask) broadcastable to (B, heads, queries, keys)."""
     device = attn_mask.device if attn_mask is not None else None
     bias = torch.zeros(queries, keys, dtype=dtype, device=device)

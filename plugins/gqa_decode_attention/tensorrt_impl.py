@@ -91,7 +91,7 @@ def _define() -> None:
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             inputs = [torch.as_tensor(t, device="cuda") for t in (query, key, value, attn_mask, past_key, past_value)]
             results = attention_reference(*inputs, scale=float(scale[0]), is_causal=bool(is_causal[0]), softcap=float(softcap[0]))
-            for output, result in zip(outputs, results):
+            for output, result in zip(outputs, results, strict=True):
                 torch.as_tensor(output, device="cuda").copy_(result)
 
 

@@ -72,8 +72,14 @@ def test_groups_build_the_objects_their_commands_take() -> None:
         (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--calibration-tokens", "64"], "--calibration-tokens does not apply to an ONNX source"),
         (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--shard-size", "1GB"], "--shard-size does not apply to an ONNX source"),
         (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--allow-pickle"], "--allow-pickle does not apply to an ONNX source"),
-        (["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--calibration", "{d}/t.txt", "--seed", "1"], "--calibration and --seed do not apply to an ONNX source"),
-        (["convert", "{d}/src", "{d}/out", "--kv-heads", "2", "--method", "mean", "--calibration", "{d}/t.txt"], "--calibration does not apply to --method mean"),
+        (
+            ["convert", "{d}/m.onnx", "{d}/o.onnx", "--kv-heads", "2", "--calibration", "{d}/t.txt", "--seed", "1"],
+            "--calibration and --seed do not apply to an ONNX source",
+        ),
+        (
+            ["convert", "{d}/src", "{d}/out", "--kv-heads", "2", "--method", "mean", "--calibration", "{d}/t.txt"],
+            "--calibration does not apply to --method mean",
+        ),
         (["convert", "{d}/src", "{d}/out", "--kv-heads", "2", "--method", "first", "--seed", "3"], "--seed does not apply to --method first"),
         (["inspect", "{d}/src", "--overwrite"], "--overwrite does not apply without --heatmap or --json FILE"),
         (["demo", "--no-distill", "--distill-tokens", "1000"], "--distill-tokens does not apply with --no-distill"),
@@ -95,7 +101,22 @@ def test_an_option_that_does_not_apply_is_an_error(args: list[str], words: str, 
 
 
 def test_data_aware_convert_still_takes_calibration(tiny_checkpoint, tmp_path: Path, capsys) -> None:
-    args = ["convert", str(tiny_checkpoint("llama")), str(tmp_path / "out"), "--kv-heads", "2", "--method", "aligned", "--calibration", "weights", "--calibration-tokens", "256", "--seed", "2", "-q"]
+    args = [
+        "convert",
+        str(tiny_checkpoint("llama")),
+        str(tmp_path / "out"),
+        "--kv-heads",
+        "2",
+        "--method",
+        "aligned",
+        "--calibration",
+        "weights",
+        "--calibration-tokens",
+        "256",
+        "--seed",
+        "2",
+        "-q",
+    ]
     assert main(args) == 0
     assert json.loads((tmp_path / "out" / "headfold.json").read_text())["conversion"]["method"] == "aligned"
 
@@ -293,7 +314,9 @@ def test_verify_shows_its_progress_unless_quiet(byte_llama: Path, capsys) -> Non
 def test_quiet_export_in_a_fresh_process_prints_nothing(tiny_checkpoint, tmp_path: Path) -> None:
     """The user's path: torch is imported after -q took effect, and resets its own loggers then."""
     env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}  # an earlier in-process -q set it in this process
-    done = subprocess.run([sys.executable, "-m", "headfold", "export", tiny_checkpoint("llama"), tmp_path / "onnx", "-q"], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "headfold", "export", tiny_checkpoint("llama"), tmp_path / "onnx", "-q"], env=env, capture_output=True, text=True
+    )
     assert done.returncode == 0 and done.stderr == "", done.stderr  # no "torchvision is not installed" lines
     assert done.stdout.startswith("wrote ") and ": 2 com.microsoft.GroupQueryAttention nodes," in done.stdout  # the op in the graph
 
@@ -303,7 +326,12 @@ def test_quiet_export_in_a_fresh_process_prints_nothing(tiny_checkpoint, tmp_pat
 
 def test_demo_takes_the_options_run_takes_where_they_apply() -> None:
     flags = {name: {opt for p in cli.commands[name].params if isinstance(p, click.Option) for opt in p.opts} for name in ("run", "demo")}
-    assert flags["run"] - flags["demo"] == {"--shard-size", "--allow-pickle", "--revision", "--pool"}  # the embedded model: a decoder in one small safetensors file, no hub id
+    assert flags["run"] - flags["demo"] == {
+        "--shard-size",
+        "--allow-pickle",
+        "--revision",
+        "--pool",
+    }  # the embedded model: a decoder in one small safetensors file, no hub id
     assert flags["demo"] - flags["run"] == {"--keep", "--no-distill"}
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from support.checkpoint_edits import edit_attention, identical_heads
 from safetensors import safe_open
 from safetensors.torch import save_file
+from support.checkpoint_edits import edit_attention, identical_heads
 from support.tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
 
 from headfold import convert
@@ -190,7 +190,7 @@ def test_stablelm_pools_one_norm_per_kv_head(tiny_checkpoint, tmp_path: Path) ->
         out = convert(src, tmp_path / method, kv_heads=2, method=method, progress=False)
         before, after = read_tensors(src), read_tensors(out)
         for layer in range(2):
-            norm = lambda i: f"model.layers.{layer}.self_attn.k_layernorm.norms.{i}.weight"  # noqa: E731
+            norm = lambda i, layer=layer: f"model.layers.{layer}.self_attn.k_layernorm.norms.{i}.weight"  # noqa: E731
             expected = pool(torch.stack([before[norm(i)] for i in range(HEADS)]), 2, method)
             assert [torch.equal(after[norm(i)], expected[i]) for i in range(2)] == [True, True]
             assert norm(2) not in after and f"model.layers.{layer}.self_attn.q_layernorm.norms.7.weight" in after

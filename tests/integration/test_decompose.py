@@ -37,7 +37,9 @@ B, S, HEADS, HEAD_SIZE, MAX_POSITIONS = 2, 5, 3, 8, 16
 # ---- selection ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("version", "expected"), [("10.13", DECOMPOSED_OPS), ("10.14", DECOMPOSED_OPS), ("10.14.1", DECOMPOSED_OPS), ("10.15", ()), ("11.0", ())])
+@pytest.mark.parametrize(
+    ("version", "expected"), [("10.13", DECOMPOSED_OPS), ("10.14", DECOMPOSED_OPS), ("10.14.1", DECOMPOSED_OPS), ("10.15", ()), ("11.0", ())]
+)
 def test_rules_for_picks_the_ops_the_parser_lacks(version: str, expected: tuple[str, ...]) -> None:
     assert tuple(rules_for(version)) == expected
     assert all(op not in rule_set(version).ops for op in rules_for(version))
@@ -48,10 +50,7 @@ def test_rules_for_picks_the_ops_the_parser_lacks(version: str, expected: tuple[
 
 def _one_node(node: onnx.NodeProto, inputs: dict[str, np.ndarray], symbolic: dict[str, list]) -> onnx.ModelProto:
     """A model of `node` whose inputs take the arrays' dtypes and the given (partly symbolic) shapes."""
-    infos = [
-        oh.make_tensor_value_info(name, oh.np_dtype_to_tensor_dtype(array.dtype), symbolic.get(name, list(array.shape)))
-        for name, array in inputs.items()
-    ]
+    infos = [oh.make_tensor_value_info(name, oh.np_dtype_to_tensor_dtype(array.dtype), symbolic.get(name, list(array.shape))) for name, array in inputs.items()]
     output_type = oh.np_dtype_to_tensor_dtype(next(iter(inputs.values())).dtype)
     graph = oh.make_graph([node], "one_node", infos, [oh.make_tensor_value_info("Y", output_type, None)])
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 23)])
@@ -200,7 +199,7 @@ def _session(path: Path) -> ort.InferenceSession:
 def _max_difference(plain: Path, decomposed: Path, graph: str, feeds: dict[str, np.ndarray]) -> float:
     expected = _session(plain / graph).run(None, feeds)
     actual = _session(decomposed / graph).run(None, feeds)
-    return max(float(np.abs(a - e).max()) for a, e in zip(actual, expected))
+    return max(float(np.abs(a - e).max()) for a, e in zip(actual, expected, strict=True))
 
 
 @pytest.mark.slow
@@ -234,7 +233,11 @@ def test_cli_export_for_10_14_prints_parsable(tiny_checkpoint, tmp_path: Path, c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("flags", "options"), [(["--trt-version", "10.14"], {"trt_version": "10.14"}), (["--attention", "onnx"], {"attention": "onnx"})], ids=["trt-version", "attention"])
+@pytest.mark.parametrize(
+    ("flags", "options"),
+    [(["--trt-version", "10.14"], {"trt_version": "10.14"}), (["--attention", "onnx"], {"attention": "onnx"})],
+    ids=["trt-version", "attention"],
+)
 def test_the_api_and_the_command_give_the_same_graphs_for_the_same_request(tiny_checkpoint, tmp_path: Path, flags: list[str], options: dict) -> None:
     """`headfold export SRC OUT FLAGS` and headfold.export(SRC, OUT, ExportOptions(...)): one settings object
     (ExportOptions, its defaults declared once), so the same graph files with the same nodes and the same

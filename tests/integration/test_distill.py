@@ -79,7 +79,9 @@ def test_the_attention_output_match_adds_to_the_first_steps_loss(teacher: Path, 
     """A pooled student's attention blocks differ from the teacher's: the first step's loss (before any
     update) is the KL plus the weight times that distance, and training lowers the held-out KL."""
     student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
-    runs = {w: distill(teacher, student, tmp_path / f"aw{w}", data=text_file, steps=3, hidden_weight=0.0, attention_weight=w, lr=1e-2, **FAST) for w in (0.0, 30.0)}
+    runs = {
+        w: distill(teacher, student, tmp_path / f"aw{w}", data=text_file, steps=3, hidden_weight=0.0, attention_weight=w, lr=1e-2, **FAST) for w in (0.0, 30.0)
+    }
     first = {w: json.loads((out / "distill-log.json").read_text())["train"][0]["loss"] for w, out in runs.items()}
     assert first[30.0] > first[0.0] + 1e-3
     assert record(runs[30.0])["options"]["attention_weight"] == 30.0
@@ -93,7 +95,9 @@ def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, t
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["cosine"] > 1 - 1e-6 and record(out)["final_eval"]["mse"] < 1e-12
-    assert record(out)["options"]["lr"] == 1e-4 and record(out)["options"]["hidden_weight"] == 0.0 and record(out)["options"]["train"] == "all"  # an encoder's defaults
+    assert (
+        record(out)["options"]["lr"] == 1e-4 and record(out)["options"]["hidden_weight"] == 0.0 and record(out)["options"]["train"] == "all"
+    )  # an encoder's defaults
     matched = distill(teacher, student, tmp_path / "matched", data=text_file, steps=3, hidden_weight=10.0, **FAST)  # every layer's state too
     before = weights(student)
     for after in (weights(out), weights(matched)):
@@ -120,7 +124,7 @@ def test_until_stops_at_the_first_evaluation_that_meets_the_target(teacher: Path
     student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=5, until_kl=1e9, **FAST)
     assert record(out)["steps"] == 0 and record(out)["target_reached"] is True
-    assert all(torch.equal(a, b) for a, b in zip(weights(student).values(), weights(out).values()))
+    assert all(torch.equal(a, b) for a, b in zip(weights(student).values(), weights(out).values(), strict=True))
 
 
 @pytest.mark.slow
@@ -144,7 +148,9 @@ def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
     assert report.checks[0].name == "conversion-loss"
 
 
-@pytest.mark.parametrize("mode, trains", [("kv", ("k_proj", "v_proj")), ("attention", ("q_proj", "k_proj", "v_proj", "o_proj")), ("lora", ("q_proj", "k_proj", "v_proj", "o_proj"))])
+@pytest.mark.parametrize(
+    "mode, trains", [("kv", ("k_proj", "v_proj")), ("attention", ("q_proj", "k_proj", "v_proj", "o_proj")), ("lora", ("q_proj", "k_proj", "v_proj", "o_proj"))]
+)
 def test_only_the_chosen_parameters_train(mode: str, trains: tuple[str, ...], teacher: Path, text_file: Path, tmp_path: Path) -> None:
     student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=3, train=mode, lr=1e-2, **FAST)
@@ -281,7 +287,9 @@ def test_two_processes_give_the_single_process_result(teacher: Path, text_file: 
 
 
 @pytest.mark.parametrize("version, extra, expected", [("1", [], "FSDP2 only"), ("2", ["--save-every", "2"], "--save-every"), ("2", ["--resume"], "--resume")])
-def test_fsdp1_and_resumable_checkpoints_under_fsdp_are_refused(version: str, extra: list[str], expected: str, teacher: Path, students, text_file: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+def test_fsdp1_and_resumable_checkpoints_under_fsdp_are_refused(
+    version: str, extra: list[str], expected: str, teacher: Path, students, text_file: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch --use_fsdp [--fsdp_version 2] sets
     monkeypatch.setenv("FSDP_VERSION", version)
     args = [str(teacher), str(students["good"]), str(tmp_path / "out"), "--data", str(text_file), "--seq-len", "32", *extra, "--quiet"]
@@ -368,7 +376,18 @@ def test_tokens_are_a_count_a_k_m_suffix_or_a_percentage(text: str, expected: in
     assert parse_tokens(text, pretraining_tokens(EMBEDDED)) == expected
 
 
-@pytest.mark.parametrize("text, expected", [("lots", "is not a token count"), ("1.5x", "is not a token count"), ("1.5", "is not a token count"), ("0", "at least 1 token"), ("-2k", "at least 1 token"), ("infM", "at least 1 token"), ("5%", "known only for the embedded model")])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("lots", "is not a token count"),
+        ("1.5x", "is not a token count"),
+        ("1.5", "is not a token count"),
+        ("0", "at least 1 token"),
+        ("-2k", "at least 1 token"),
+        ("infM", "at least 1 token"),
+        ("5%", "known only for the embedded model"),
+    ],
+)
 def test_bad_token_counts_are_bad_input(text: str, expected: str) -> None:
     with pytest.raises(BadInput, match=expected):
         parse_tokens(text, None)

@@ -50,7 +50,9 @@ def exported(tiny_checkpoint, tmp_path_factory):
     def get(family: str, dtype: str = "fp32") -> tuple[Path, Path]:
         if (family, dtype) not in cache:
             folder = tmp_path_factory.mktemp(f"{family}-{dtype}")
-            checkpoint = cache[(family, "fp32")][0] if (family, "fp32") in cache else convert(tiny_checkpoint(family), folder / "kv2", KV, method="mean", progress=False)
+            checkpoint = (
+                cache[(family, "fp32")][0] if (family, "fp32") in cache else convert(tiny_checkpoint(family), folder / "kv2", KV, method="mean", progress=False)
+            )
             export(checkpoint, folder / "onnx", dtype=dtype, progress=False, graphs="split")  # TensorRT builds the split pair
             cache[(family, dtype)] = checkpoint, folder / "onnx"
         return cache[(family, dtype)]
@@ -123,7 +125,9 @@ def test_checkpoint_folder_is_refused(exported, tmp_path: Path) -> None:
 # ---- profile options --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, option, expected", [("1:4:8", "batch", Range(1, 4, 8)), ("16", "seq", Range(16, 16, 16)), ("0:512:2048", "past", Range(0, 512, 2048))])
+@pytest.mark.parametrize(
+    "text, option, expected", [("1:4:8", "batch", Range(1, 4, 8)), ("16", "seq", Range(16, 16, 16)), ("0:512:2048", "past", Range(0, 512, 2048))]
+)
 def test_parse_range(text: str, option: str, expected: Range) -> None:
     assert parse_range(text, option) == expected
 
@@ -135,7 +139,11 @@ def test_bad_ranges_are_refused(text: str, option: str) -> None:
 
 
 def test_derived_ranges() -> None:
-    assert derived_ranges(510) == {"batch": Range(1, 4, 8, "default"), "seq": Range(1, 255, 510, "position limit 510 (config)"), "past": Range(0, 255, 509, "position limit 510 (config)")}
+    assert derived_ranges(510) == {
+        "batch": Range(1, 4, 8, "default"),
+        "seq": Range(1, 255, 510, "position limit 510 (config)"),
+        "past": Range(0, 255, 509, "position limit 510 (config)"),
+    }
     assert derived_ranges(8192)["seq"].opt == 512  # opt is capped
     assert derived_ranges(None)["past"] == Range(0, 512, 2047, "default (no config: limit 2048)")
     assert derived_ranges(510, batch=Range(2, 2, 2))["batch"] == Range(2, 2, 2)

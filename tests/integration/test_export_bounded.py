@@ -53,7 +53,9 @@ def case_id(family: str, kv: int | None, options: dict) -> str:
 CASES = [pytest.param(*case, id=case_id(*case)) for case in FAST] + [pytest.param(*case, id=case_id(*case), marks=pytest.mark.slow) for case in SLOW]
 
 
-def reference_export(checkpoint: Path, folder: Path, graphs: str = "merged", attention: str = "onnx", optimize: str | None = None, trt_version: str | None = None) -> Path:
+def reference_export(
+    checkpoint: Path, folder: Path, graphs: str = "merged", attention: str = "onnx", optimize: str | None = None, trt_version: str | None = None
+) -> Path:
     """The graphs exported from the model loaded with its weights (the export before streaming);
     `attention` and `optimize` as the streamed export resolved them (its export.json)."""
     facts = CheckpointFacts.read(checkpoint)
@@ -123,7 +125,7 @@ def seq2seq_error(checkpoint: Path, folder: Path) -> float:
     hidden, *cross = encoder.run(None, source)
     feeds = {"input_ids": batch["decoder_input_ids"].numpy()}
     feeds |= {"encoder_attention_mask": source["attention_mask"]} if "attention_mask" in source else {}
-    feeds |= dict(zip([o.name.replace("present.", "past_key_values.", 1) for o in encoder.get_outputs()[1:]], cross))
+    feeds |= dict(zip([o.name.replace("present.", "past_key_values.", 1) for o in encoder.get_outputs()[1:]], cross, strict=True))
     feeds |= {i.name: np.zeros((3, i.shape[1], 0, i.shape[3]), np.float32) for i in decoder.get_inputs() if ".decoder." in i.name}
     logits = decoder.run(["logits"], feeds)[0]
     with torch.no_grad():

@@ -69,9 +69,7 @@ def test_minilm_kv4_ort_matches_torch(tmp_path: Path) -> None:
 # ---- the embedded default model ------------------------------------------------------------------
 
 DEFAULT = default_model_path()
-needs_default = pytest.mark.skipif(
-    not (DEFAULT / "config.json").is_file(), reason=f"embedded default model not present at {DEFAULT} (still being trained)"
-)
+needs_default = pytest.mark.skipif(not (DEFAULT / "config.json").is_file(), reason=f"embedded default model not present at {DEFAULT} (still being trained)")
 # MHA, GQA and MQA: kv 2 would take kv 4's code path again (each export of this model costs ~30 s).
 KV_CASES = [pytest.param(kv, id="original" if kv is None else f"kv{kv}") for kv in (None, 4, 1)]
 

@@ -50,7 +50,7 @@ def run_steps(folder: Path, source: dict[str, np.ndarray], target: np.ndarray, s
     """The encoder once, then the target chunk by chunk through decoder.onnx (the first with an empty
     self past), present fed back as past and the encoder's cross K/V fed every step."""
     encoder, decoder = session(folder / "encoder.onnx"), session(folder / "decoder.onnx")
-    encoded = dict(zip([o.name for o in encoder.get_outputs()], encoder.run(None, source)))
+    encoded = dict(zip([o.name for o in encoder.get_outputs()], encoder.run(None, source), strict=True))
     cross = {name.replace("present.", "past_key_values.", 1): v for name, v in encoded.items() if name.startswith("present.")}
     past = {
         i.name: np.zeros((len(target), i.shape[1], 0, i.shape[3]), np.float32)
@@ -59,7 +59,7 @@ def run_steps(folder: Path, source: dict[str, np.ndarray], target: np.ndarray, s
     mask = {"encoder_attention_mask": source["attention_mask"]} if "attention_mask" in source else {}
     names, logits, start = [o.name for o in decoder.get_outputs()], [], 0
     for n in steps:
-        out = dict(zip(names, decoder.run(None, {"input_ids": target[:, start : start + n], **mask, **past, **cross})))
+        out = dict(zip(names, decoder.run(None, {"input_ids": target[:, start : start + n], **mask, **past, **cross}), strict=True))
         logits.append(out.pop("logits"))
         past = {name.replace("present.", "past_key_values.", 1): v for name, v in out.items()}
         start += n

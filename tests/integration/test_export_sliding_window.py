@@ -134,9 +134,12 @@ def test_onnxruntime_genai_generates_transformers_tokens(sliding, family: str, a
     assert "sliding" not in (folder / "genai_config.json").read_text()
     model, prompts, new = load_model(checkpoint), [list(range(3, 12)), list(range(40, 53)), list(range(100, 106))], 12
     with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=new, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+        expected = [
+            model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=new, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
     for batch in ([0], [0, 1, 2]):
-        for row, got in zip(batch, og_greedy(folder, [prompts[i] for i in batch], new)):
+        for row, got in zip(batch, og_greedy(folder, [prompts[i] for i in batch], new), strict=True):
             want = expected[row]
             assert got[: len(want)] == want, f"og {family} {attention} row {row}: {got} against {want}"
 

@@ -53,7 +53,9 @@ def four_layers(tiny_checkpoint, tmp_path_factory):
         if key not in cache:
             source = tiny_checkpoint("gpt2" if family == "gpt_bigcode" else family, num_hidden_layers=LAYERS, **checkpoint)
             kv = 1 if family == "gpt_bigcode" else 2
-            cache[key] = source if family in ENCODERS else convert(source, tmp_path_factory.mktemp(f"{family}-{LAYERS}L") / "gqa", kv, method="mean", progress=False)
+            cache[key] = (
+                source if family in ENCODERS else convert(source, tmp_path_factory.mktemp(f"{family}-{LAYERS}L") / "gqa", kv, method="mean", progress=False)
+            )
         return cache[key]
 
     return get
@@ -124,7 +126,9 @@ GAINS = {  # injected into every attention module's forward: its output times a 
     "config list": lambda module: module.config.headfold_gains[module.layer_idx],  # config.json: the per-layer list check sees it
 }
 WHY = {"layer index": "layer 2's traced graph is not layer 1's renamed", "module state": "headfold_gain", "config list": "config.headfold_gains"}
-INJECTED = [pytest.param(family, "layer index", id=f"{family}-layer-index", marks=() if family in FAST else pytest.mark.slow) for family in (*FAMILIES, "gpt_bigcode")] + [
+INJECTED = [
+    pytest.param(family, "layer index", id=f"{family}-layer-index", marks=() if family in FAST else pytest.mark.slow) for family in (*FAMILIES, "gpt_bigcode")
+] + [
     pytest.param("llama", "module state", id="llama-module-state"),
     pytest.param("gpt2", "module state", id="gpt2-module-state", marks=pytest.mark.slow),
     pytest.param("bert", "module state", id="bert-module-state", marks=pytest.mark.slow),

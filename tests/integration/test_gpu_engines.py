@@ -75,7 +75,7 @@ def _engine_logits(engine: Path, feeds: list[dict[str, np.ndarray]]) -> list[np.
 
 
 def _valid(logits: list[np.ndarray], feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
-    return np.concatenate([out[feed["attention_mask"].astype(bool)] for out, feed in zip(logits, feeds)])
+    return np.concatenate([out[feed["attention_mask"].astype(bool)] for out, feed in zip(logits, feeds, strict=True)])
 
 
 def _compare(reference: np.ndarray, candidate: np.ndarray) -> dict[str, float]:

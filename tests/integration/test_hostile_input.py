@@ -106,8 +106,7 @@ def add_gpt2_tokenizer(folder: Path, tokenizer_config: dict | None = None) -> No
 def checkpoint_code(folder: Path, marker: Path) -> None:
     """Python a hostile checkpoint ships: loading it would write `marker`."""
     (folder / "evil.py").write_text(
-        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
-        "from transformers import PreTrainedTokenizer as EvilTokenizer\n"
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\nfrom transformers import PreTrainedTokenizer as EvilTokenizer\n"
     )
 
 
@@ -203,7 +202,11 @@ def test_nothing_read_outside_the_source(case: str, command: str, src: Path, tmp
     make, words = OUTSIDE[case]
     make(src)
     out = tmp_path / "out"
-    args = ["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"] if command == "convert" else ["verify", src, src, "--max-rows", "2", "--window", "8", "--report", out]
+    args = (
+        ["convert", src, out, "--kv-heads", "2", "--method", "mean", "-q"]
+        if command == "convert"
+        else ["verify", src, src, "--max-rows", "2", "--window", "8", "--report", out]
+    )
     refused(capsys, src, out, args, words)
 
 
@@ -253,7 +256,10 @@ TENSORS: dict[str, tuple[Callable[[dict], None], tuple[str, ...]]] = {
     "FP8 without scales": (_set(LAYER0 + "k_proj.weight", lambda t: t.to(torch.float8_e4m3fn)), ("k_proj.weight", "float8", "dequantize first")),
     "GPTQ qweight": (_add(LAYER0 + "q_proj.qweight", torch.zeros(4, 4, dtype=torch.int32)), ("q_proj.qweight", "GPTQ/AWQ", "dequantize first")),
     "bitsandbytes SCB": (_add(LAYER0 + "q_proj.SCB", torch.ones(4)), ("q_proj.SCB", "bitsandbytes", "dequantize first")),
-    "bitsandbytes 4-bit": (_add(LAYER0 + "q_proj.weight.quant_state.bitsandbytes__nf4", torch.zeros(8, dtype=torch.uint8)), ("quant_state", "dequantize first")),
+    "bitsandbytes 4-bit": (
+        _add(LAYER0 + "q_proj.weight.quant_state.bitsandbytes__nf4", torch.zeros(8, dtype=torch.uint8)),
+        ("quant_state", "dequantize first"),
+    ),
     "0-size tensor": (_set("model.norm.weight", lambda t: t[:0]), ("model.norm.weight", "0-size")),
 }
 
@@ -345,8 +351,11 @@ def test_internal_error_is_one_line_exit_3_and_debug_shows_the_traceback(src: Pa
 @pytest.mark.parametrize(
     "error, code, words",
     [
-        (MemoryError(), 2, "out of memory"), (BadInput("first\nsecond"), 2, "first second"), (OSError(28, "No space left on device"), 2, "no space left on the device"),
-        (RecursionError(), 2, "nests deeper than Python's recursion limit"), (BadInput("tensor \x1b]0;pwned\x07 is odd"), 2, "tensor \\x1b]0;pwned\\x07 is odd"),
+        (MemoryError(), 2, "out of memory"),
+        (BadInput("first\nsecond"), 2, "first second"),
+        (OSError(28, "No space left on device"), 2, "no space left on the device"),
+        (RecursionError(), 2, "nests deeper than Python's recursion limit"),
+        (BadInput("tensor \x1b]0;pwned\x07 is odd"), 2, "tensor \\x1b]0;pwned\\x07 is odd"),
     ],  # fmt: skip
 )
 def test_other_failures_are_one_line(error: Exception, code: int, words: str, src: Path, tmp_path: Path, capsys, monkeypatch) -> None:
@@ -378,7 +387,9 @@ def test_text_files_that_are_not_text(case: str, command: str, src: Path, tmp_pa
         path.write_bytes("caf\u00e9".encode("latin-1"))
     elif case == "empty":
         path.write_text("  \n")
-    words = {"/dev/zero": "not a regular file", "binary": "binary", "huge": "MiB", "not UTF-8": "not UTF-8", "empty": "empty", "missing": "does not exist"}[case]
+    words = {"/dev/zero": "not a regular file", "binary": "binary", "huge": "MiB", "not UTF-8": "not UTF-8", "empty": "empty", "missing": "does not exist"}[
+        case
+    ]
     out = tmp_path / "out"
     option = "--calibration" if command == "convert" else "--text"
     args = ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "-q"] if command == "convert" else ["verify", src, src, "--report", out]
@@ -443,7 +454,7 @@ def test_permission_denied_is_named_as_such(tiny_checkpoint) -> None:
         nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", AS_NOBODY, json.dumps(cases)]
         result = subprocess.run(nobody, capture_output=True, text=True, env={**os.environ, "HOME": str(root), "HF_HOME": str(root / "hf")})
         assert result.returncode == 0, result.stderr
-        for (code, err), unreadable, parent in zip(json.loads(result.stdout), ("config.json", "model.safetensors", "out-outputs"), outputs):
+        for (code, err), unreadable, parent in zip(json.loads(result.stdout), ("config.json", "model.safetensors", "out-outputs"), outputs, strict=True):
             assert_one_line(code, err, 2, "permission denied", unreadable)
             assert list(parent.iterdir()) == []
     finally:
@@ -481,11 +492,25 @@ def test_truncated_onnx_data(src: Path, tmp_path: Path, capsys) -> None:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 4])], [table],
     )  # fmt: skip
     graph_file = tmp_path / "model.onnx"
-    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), graph_file, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]),
+        graph_file,
+        save_as_external_data=True,
+        location="model.onnx.data",
+        size_threshold=0,
+    )
     data = (tmp_path / "model.onnx.data").read_bytes()
     (tmp_path / "model.onnx.data").write_bytes(data[: len(data) // 2])
     report = tmp_path / "report.json"
-    refused(capsys, src, report, ["verify", src, graph_file, "--max-rows", "2", "--window", "8", "--report", report], "model.onnx does not match its external data", "model.onnx.data", "re-export")
+    refused(
+        capsys,
+        src,
+        report,
+        ["verify", src, graph_file, "--max-rows", "2", "--window", "8", "--report", report],
+        "model.onnx does not match its external data",
+        "model.onnx.data",
+        "re-export",
+    )
 
 
 # ---- 6. usability -----------------------------------------------------------------------------
@@ -521,7 +546,12 @@ def test_verify_without_tokenizer(src: Path, tmp_path: Path, capsys) -> None:
 def test_build_dry_run_without_tensorrt_plans_for_the_newest_release(tmp_path: Path, capsys) -> None:
     from onnx import TensorProto, helper, save
 
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
     save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), tmp_path / "m.onnx")
     code = main(["build", str(tmp_path / "m.onnx"), str(tmp_path / "m.engine"), "--dry-run"])
     out = capsys.readouterr().out
@@ -536,7 +566,9 @@ def test_gpt2_tokenizer_files_in_calibration_and_verify_and_quiet(tiny_checkpoin
     add_gpt2_tokenizer(src)
     text = ascii_text(tmp_path / "text.txt")
     capsys.readouterr()  # building the tiny checkpoint printed transformers' own bar
-    code, err = run(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "--method", "aligned", "--calibration", text, "--calibration-tokens", "256", "-q")
+    code, err = run(
+        capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "--method", "aligned", "--calibration", text, "--calibration-tokens", "256", "-q"
+    )
     assert (code, err) == (0, "")
     report = tmp_path / "report.json"
     code, err = run(capsys, "verify", src, src, "--text", text, "--max-rows", "2", "--window", "16", "--decode-steps", "0", "--report", report)
@@ -630,9 +662,17 @@ HOSTILE_CHECKPOINTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...], tu
     "tie_word_embeddings not a flag": (_config(tie_word_embeddings="yes"), tuple(ON_CHECKPOINT), ("tie_word_embeddings", "true or false")),
     "unknown hidden_act": (_config(hidden_act="nope"), MODEL_BUILDERS, ("hidden_act", "nope")),
     "1 position": (_config(max_position_embeddings=1), ("verify",), ("max_position_embeddings", "positions")),
-    "corrupt generation_config.json": (lambda s: (s / "generation_config.json").write_text('{"max_length": "long"'), MODEL_BUILDERS, ("generation_config.json",)),
+    "corrupt generation_config.json": (
+        lambda s: (s / "generation_config.json").write_text('{"max_length": "long"'),
+        MODEL_BUILDERS,
+        ("generation_config.json",),
+    ),
     "a tensor in two shards": (lambda s: _shards(s, wrong_index=False), tuple(ON_CHECKPOINT), ("model.norm.weight", "a.safetensors", "b.safetensors")),
-    "an index naming the wrong shard": (lambda s: _shards(s, wrong_index=True), tuple(ON_CHECKPOINT), ("model.embed_tokens.weight", "a.safetensors", "b.safetensors")),
+    "an index naming the wrong shard": (
+        lambda s: _shards(s, wrong_index=True),
+        tuple(ON_CHECKPOINT),
+        ("model.embed_tokens.weight", "a.safetensors", "b.safetensors"),
+    ),
     "escape sequences in an index entry": (_escape_in_index, tuple(ON_CHECKPOINT), ("\\x1b]0;pwned\\x07",)),
 }
 CHECKPOINT_CASES = [(case, command) for case, (_, commands, _) in HOSTILE_CHECKPOINTS.items() for command in commands]
@@ -655,7 +695,10 @@ def test_every_command_refuses_a_hostile_checkpoint(case: str, command: str, wor
 def seq2seq_pairs(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """family → (its tiny checkpoint, its kv-2 conversion): what the encoder-decoder cases break."""
     folder = tmp_path_factory.mktemp("seq2seq")
-    return {family: (tiny_checkpoint(family), convert(tiny_checkpoint(family), folder / family, 2, method="mean", progress=False)) for family in ("t5", "bart", "whisper")}
+    return {
+        family: (tiny_checkpoint(family), convert(tiny_checkpoint(family), folder / family, 2, method="mean", progress=False))
+        for family in ("t5", "bart", "whisper")
+    }
 
 
 LOADERS = ("export", "verify", "run")  # what builds the model config.json describes and matches it to the weights
@@ -723,7 +766,10 @@ def _weights_linked_out(export: Path) -> None:
 HOSTILE_EXPORTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "a graph named ../x.onnx": (_graph_names("../x.onnx"), ("'../x.onnx'",)),
     "a graph named /etc/passwd": (_graph_names("/etc/passwd"), ("'/etc/passwd'",)),
-    "a graph linked out of the folder": (lambda e: (shutil.move(e / "prefill.onnx", e.parent / "elsewhere.onnx"), (e / "prefill.onnx").symlink_to(e.parent / "elsewhere.onnx")), ("links to",)),
+    "a graph linked out of the folder": (
+        lambda e: (shutil.move(e / "prefill.onnx", e.parent / "elsewhere.onnx"), (e / "prefill.onnx").symlink_to(e.parent / "elsewhere.onnx")),
+        ("links to",),
+    ),
     "an empty graph": (lambda e: (e / "prefill.onnx").write_bytes(b""), ("prefill.onnx", "empty")),
     "a graph of garbage": (lambda e: (e / "prefill.onnx").write_bytes(b"\x08\x07garbage" * 100), ("prefill.onnx", "not")),
     "weights outside the folder": (_weights_outside, ("../prefill.onnx.data", "escapes the folder")),
@@ -827,12 +873,18 @@ def test_distill_refuses_hostile_data(case: str, world: World, tmp_path: Path, c
     assert tree_digest(tmp_path) == before
 
 
-YAML_BOMB = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n' + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+YAML_BOMB = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n' + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8)
+)
 
 
 @pytest.mark.parametrize(
     "name, content, words",
-    [("budget.yaml", YAML_BOMB, ("aliases expand", "100000")), ("budget.json", "[" * 100_000 + "]" * 100_000, ("nested deeper",)), ("budget.toml", "a = " + "[" * 100_000 + "]" * 100_000, ("nested",))],
+    [
+        ("budget.yaml", YAML_BOMB, ("aliases expand", "100000")),
+        ("budget.json", "[" * 100_000 + "]" * 100_000, ("nested deeper",)),
+        ("budget.toml", "a = " + "[" * 100_000 + "]" * 100_000, ("nested",)),
+    ],
 )
 @pytest.mark.parametrize("command", ["verify", "run"])
 def test_budget_files_are_read_with_limits(command: str, name: str, content: str, words: tuple[str, ...], world: World, tmp_path: Path, capsys) -> None:
@@ -963,7 +1015,24 @@ def test_every_data_row_is_checked(command: str, kind: str, world: World, tmp_pa
 
 def test_a_diverging_distillation_writes_nothing_and_says_lower_lr(world: World, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
-    args = ["distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "2", "--eval-every", "1", "--eval-windows", "1"]
+    args = [
+        "distill",
+        world.src,
+        world.student,
+        out,
+        "--data",
+        world.text,
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "1",
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--eval-windows",
+        "1",
+    ]
     code, err = run(capsys, *args, "--lr", "1e30", "--save-every", "1", "-q")
     assert_one_line(code, err, 2, "diverged", "lower --lr")
     assert entries(tmp_path) == []  # the checkpoints of --save-every went with it
@@ -1009,7 +1078,25 @@ def test_a_corrupt_resume_state_is_one_line(world: World, tmp_path: Path, capsys
     """--resume over a damaged checkpoint in .OUT.distill-state: one line, the state kept as it was."""
     from headfold.distillation import state
 
-    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "4", "--save-every", "1", "--eval-every", "100", "-q"]
+    args = [
+        "distill",
+        world.src,
+        world.student,
+        tmp_path / "out",
+        "--data",
+        world.text,
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "1",
+        "--steps",
+        "4",
+        "--save-every",
+        "1",
+        "--eval-every",
+        "100",
+        "-q",
+    ]
     save = state.save
 
     def save_then_stop(*a, **kw):
@@ -1081,6 +1168,8 @@ def test_a_stray_rank_does_not_silence_a_single_process_distillation(world: Worl
     it reports it too (it once printed nothing, exit 0)."""
     monkeypatch.setenv("RANK", "1")
     out = tmp_path / "out"
-    code = main([str(a) for a in ("distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1", "-q")])
+    code = main(
+        [str(a) for a in ("distill", world.src, world.student, out, "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1", "-q")]
+    )
     captured = capsys.readouterr()
     assert code == 0 and f"wrote {out} (1 steps" in captured.out and (out / "headfold.json").is_file(), captured.err

@@ -76,7 +76,10 @@ def test_an_unknown_config_dtype_is_named(key: str, world: World, tmp_path: Path
     config = json.loads((src / "config.json").read_text())
     config.pop("dtype", None)
     (src / "config.json").write_text(json.dumps({**config, key: "float1024"}))
-    for command in (["convert", src, tmp_path / "out", "--kv-heads", "2", "-q"], ["convert", src, tmp_path / "out", "--kv-heads", "2", "--method", "mean", "-q"]):
+    for command in (
+        ["convert", src, tmp_path / "out", "--kv-heads", "2", "-q"],
+        ["convert", src, tmp_path / "out", "--kv-heads", "2", "--method", "mean", "-q"],
+    ):
         code, err = cli(capsys, *command)
         assert_one_line(code, err, 2, f"'{key}'", "float1024", "config.json")
         nothing_beside(tmp_path / "out")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -436,9 +436,17 @@ WRITERS: dict[str, tuple] = {
     "export": (lambda w, out: ["export", w.src, out, "-q"], True, lambda w: w.src / "model.safetensors"),
     "build --json": (lambda w, out: ["build", w.export, w.root / "engines", "--dry-run", "--trt-version", "10.15", "--json", out], False, lambda w: w.graph),
     "verify --report": (lambda w, out: ["verify", w.src, w.src, *SMALL_VERIFY, "--report", out], False, lambda w: w.src / "config.json"),
-    "verify --markdown": (lambda w, out: ["verify", w.export, w.export, *SMALL_VERIFY, "--markdown", out], False, lambda w: w.graph.with_name("prefill.onnx.data")),
+    "verify --markdown": (
+        lambda w, out: ["verify", w.export, w.export, *SMALL_VERIFY, "--markdown", out],
+        False,
+        lambda w: w.graph.with_name("prefill.onnx.data"),
+    ),
     "inspect --heatmap": (lambda w, out: ["inspect", w.src, "--calibration", "weights", "--heatmap", out, "-q"], False, lambda w: w.src / "model.safetensors"),
-    "distill": (lambda w, out: ["distill", w.src, w.student, out, "--data", w.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1", "-q"], True, lambda w: w.text),
+    "distill": (
+        lambda w, out: ["distill", w.src, w.student, out, "--data", w.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1", "-q"],
+        True,
+        lambda w: w.text,
+    ),
     "run": (lambda w, out: ["run", w.src, out, "--kv-heads", "2"], True, lambda w: w.src / "config.json"),
 }
 
@@ -468,7 +476,15 @@ def _plant(kind: str, w: World, out: Path, is_dir: bool, victim: Path) -> tuple[
     raise AssertionError(kind)
 
 
-OUTPUT_KINDS = ("an input", "a dangling link", "a link to an input", "the user's, with --overwrite", "existing, without --overwrite", "the other kind", "a planted lock link")
+OUTPUT_KINDS = (
+    "an input",
+    "a dangling link",
+    "a link to an input",
+    "the user's, with --overwrite",
+    "existing, without --overwrite",
+    "the other kind",
+    "a planted lock link",
+)
 
 
 @pytest.mark.parametrize("kind", OUTPUT_KINDS)
@@ -580,7 +596,14 @@ def test_all_reports_appear_together_or_none(world: World, tmp_path: Path, capsy
     from headfold.verification.report import Report
 
     reports = {"--report": tmp_path / "r.json", "--markdown": tmp_path / "r.md", "--junit": tmp_path / "j.xml"}
-    args = ["verify", world.src, world.src, *SMALL_VERIFY, "-q", *(a for option, path in reports.items() for a in (option, path))]  # -q: no progress bar before the line
+    args = [
+        "verify",
+        world.src,
+        world.src,
+        *SMALL_VERIFY,
+        "-q",
+        *(a for option, path in reports.items() for a in (option, path)),
+    ]  # -q: no progress bar before the line
     monkeypatch.setattr(Report, "junit", lambda self: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     code, err = cli(capsys, *args)
     assert_one_line(code, err, 2, "no space left")
@@ -670,7 +693,7 @@ def test_a_closed_stdout_is_not_a_failure(world: World, tiny_checkpoint, tiny_ex
     argv = [[str(a) for a in args] for args, _ in cases]
     done = subprocess.run([sys.executable, "-c", CLOSED_STDOUT, json.dumps(argv), str(tmp_path / "stderr")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    for (args, expected), (code, err) in zip(cases, json.loads(done.stderr)):
+    for (args, expected), (code, err) in zip(cases, json.loads(done.stderr), strict=True):
         assert code == expected, (args, err)
         assert "Traceback" not in err and "Exception ignored" not in err and (expected != 0 or "error" not in err), (args, err)
         assert expected != 2 or len(err.strip().splitlines()) == 1, (args, err)
@@ -802,7 +825,22 @@ def test_a_signal_while_the_models_load(signal_name: str, lands: str, save_every
             _SwallowsASignal(signum)  # collected at once: the signal lands in its __del__
         original(self, *args, **kwargs)
 
-    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "2", *save_every, "-q"]
+    args = [
+        "distill",
+        world.src,
+        world.student,
+        tmp_path / "out",
+        "--data",
+        world.text,
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "1",
+        "--steps",
+        "2",
+        *save_every,
+        "-q",
+    ]
     monkeypatch.setattr(trainer.Trainer, "__init__", loading)
     if signal_name == "SIGINT":
         assert cli(capsys, *args)[0] == 130

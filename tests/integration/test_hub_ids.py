@@ -68,7 +68,14 @@ def test_revision_picks_a_branch_or_a_commit(hub: Path, llama: Path, tiny_checkp
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["convert", "nobody/nothing", "{o}", "--kv-heads", "2"], ["nobody/nothing is neither a local folder nor in the Hugging Face cache", "downloads are off because HF_HUB_OFFLINE is set", "hf download nobody/nothing"]),
+        (
+            ["convert", "nobody/nothing", "{o}", "--kv-heads", "2"],
+            [
+                "nobody/nothing is neither a local folder nor in the Hugging Face cache",
+                "downloads are off because HF_HUB_OFFLINE is set",
+                "hf download nobody/nothing",
+            ],
+        ),
         (["export", "nobody/nothing", "{o}"], ["nobody/nothing is neither a local folder"]),
         (["inspect", "nobody/nothing"], ["nobody/nothing is neither a local folder"]),
         (["verify", "nobody/nothing", "nobody/nothing"], ["nobody/nothing is neither a local folder"]),
@@ -171,7 +178,9 @@ def test_a_path_that_does_not_exist_is_no_such_folder(command: str, arg: str, hu
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("arg", ["org/a..b", "org/model.git", "org/name-", "org/" + "x" * 120, "models/llama--gqa"], ids=["dots", "git", "dash", "120-chars", "double-dash"])
+@pytest.mark.parametrize(
+    "arg", ["org/a..b", "org/model.git", "org/name-", "org/" + "x" * 120, "models/llama--gqa"], ids=["dots", "git", "dash", "120-chars", "double-dash"]
+)
 def test_an_org_name_that_is_no_valid_id_is_one_line(arg: str, hub: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # no ./org nor ./models here: ORG/NAME reads as an id
     before = sorted(tmp_path.iterdir())
@@ -246,14 +255,48 @@ def test_inspect_distill_export_verify_and_run_take_a_hub_id(hub: Path, tmp_path
     assert set(json.loads(out)["per_layer"][0]["loss"]) == {"4"}
     student = tmp_path / "student"
     assert cli(capsys, "convert", EMBEDDED_REPO, student, "--kv-heads", "4", "--method", "mean", "-q")[0] == 0
-    code, out, err = cli(capsys, "distill", EMBEDDED_REPO, student, tmp_path / "distilled", "--steps", "1", "--seq-len", "32", "--batch-size", "1", "--eval-windows", "2", "--json", "-", "-q")
+    code, out, err = cli(
+        capsys,
+        "distill",
+        EMBEDDED_REPO,
+        student,
+        tmp_path / "distilled",
+        "--steps",
+        "1",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "1",
+        "--eval-windows",
+        "2",
+        "--json",
+        "-",
+        "-q",
+    )
     assert code == 0, err
     assert json.loads(out)["steps"] == 1
     assert cli(capsys, "export", EMBEDDED_REPO, tmp_path / "onnx", "-q")[0] == 0
     code, out, err = cli(capsys, "verify", EMBEDDED_REPO, student, *rows, "--max-kl", "5", "--max-ppl-increase", "500%", "--min-top1", "0", "--json", "-q")
     assert code == 0, err
     assert "models--headfold--default-model/snapshots/" in json.loads(out)["checks"][0]["reference"]["path"]
-    code, out, err = cli(capsys, "run", EMBEDDED_REPO, tmp_path / "run", "--kv-heads", "4", "--method", "mean", *rows, "--max-kl", "5", "--max-ppl-increase", "500%", "--min-top1", "0", "-q")
+    code, out, err = cli(
+        capsys,
+        "run",
+        EMBEDDED_REPO,
+        tmp_path / "run",
+        "--kv-heads",
+        "4",
+        "--method",
+        "mean",
+        *rows,
+        "--max-kl",
+        "5",
+        "--max-ppl-increase",
+        "500%",
+        "--min-top1",
+        "0",
+        "-q",
+    )
     assert code == 0, err
     assert json.loads((tmp_path / "run/convert/headfold.json").read_text())["source"]["repo_id"] == EMBEDDED_REPO
 
@@ -263,6 +306,11 @@ def test_the_command_reads_hf_home_and_hf_hub_offline_from_its_environment(llama
     cache_entry(tmp_path / "home" / "hub", REPO, llama)
     env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    done = subprocess.run([sys.executable, "-m", "headfold", "convert", REPO, tmp_path / "out", "--kv-heads", "2", "--method", "mean", "-q"], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "headfold", "convert", REPO, tmp_path / "out", "--kv-heads", "2", "--method", "mean", "-q"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "out/headfold.json").read_text())["source"]["repo_id"] == REPO

@@ -33,7 +33,7 @@ def byte_level(tiny_checkpoint, family: str) -> Path:
 
 
 def brute_force(layers: list[dict[int, float]], budget: int) -> float | None:
-    totals = [sum(o[k] for o, k in zip(layers, picks)) for picks in itertools.product(*layers) if sum(picks) <= budget]
+    totals = [sum(o[k] for o, k in zip(layers, picks, strict=True)) for picks in itertools.product(*layers) if sum(picks) <= budget]
     return min(totals, default=None)
 
 
@@ -52,7 +52,7 @@ def test_planner_equals_brute_force() -> None:
         plan = best_plan(layers, budget)
         assert plan.total <= budget and len(plan.kv_heads) == len(layers)
         assert plan.loss == pytest.approx(expected, abs=1e-12)
-        assert plan.loss == pytest.approx(sum(o[k] for o, k in zip(layers, plan.kv_heads)), abs=1e-12)
+        assert plan.loss == pytest.approx(sum(o[k] for o, k in zip(layers, plan.kv_heads, strict=True)), abs=1e-12)
         uniform = best_uniform(layers, budget)
         assert uniform is None or (uniform.total <= budget and uniform.loss >= plan.loss - 1e-12)
 
@@ -92,8 +92,7 @@ def test_identical_heads_predict_no_loss(method: str, tiny_checkpoint, tmp_path:
 @pytest.mark.slow
 def test_prediction_equals_a_real_conversion(tmp_path: Path) -> None:
     """The plan measured with every layer swapped in equals `convert` then loading the GQA model."""
-    from headfold import corpus
-    from headfold import Calibration, convert
+    from headfold import Calibration, convert, corpus
     from headfold.converter.calibration import token_ids
     from headfold.converter.modeling import load_model
 
@@ -113,7 +112,19 @@ def test_prediction_equals_a_real_conversion(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, Path]:
     out = tmp_path_factory.mktemp("inspect")
-    args = ["inspect", str(default_model_path()), "--kv-budget", "0.25", "--calibration-tokens", "2048", "--heatmap", str(out / "h.png"), "--json", str(out / "r.json"), "-q"]
+    args = [
+        "inspect",
+        str(default_model_path()),
+        "--kv-budget",
+        "0.25",
+        "--calibration-tokens",
+        "2048",
+        "--heatmap",
+        str(out / "h.png"),
+        "--json",
+        str(out / "r.json"),
+        "-q",
+    ]
     return main(args), out / "h.png", out / "r.json"
 
 
@@ -203,7 +214,6 @@ def test_overwrite_replaces_outputs(tiny_checkpoint, tmp_path: Path) -> None:
     inspect_checkpoint(byte_level(tiny_checkpoint, "llama"), candidates="2", json_path=existing, overwrite=True, **FAST)
     assert json.loads(existing.read_text())["candidates"] == [2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary left behind
-
 
 
 def test_per_layer_source_is_refused(tiny_checkpoint, tmp_path: Path, capsys) -> None:

@@ -52,14 +52,21 @@ def prompt_then_steps(graph: Path, steps: int = 4) -> np.ndarray:
     past = {i.name: np.zeros((2, i.shape[1], 0, i.shape[3]), np.float32) for i in sess.get_inputs() if is_cache(i.name, PAST)}
     names, logits = [o.name for o in sess.get_outputs()], []
     for _ in range(steps + 1):
-        out = dict(zip(names, sess.run(None, {"input_ids": ids, "attention_mask": mask, **past})))
+        out = dict(zip(names, sess.run(None, {"input_ids": ids, "attention_mask": mask, **past}), strict=True))
         past = past_from_present(out)
         logits.append(out["logits"][:, -1])
         ids, mask = out["logits"][:, -1].argmax(-1)[:, None], np.concatenate([mask, np.ones_like(mask[:, :1])], axis=1)
     return np.stack(logits, axis=1)
 
 
-@pytest.mark.parametrize(("family", "kv", "setting"), [("llama", 2, "symmetric-32"), pytest.param("llama", 2, "asymmetric-16", marks=pytest.mark.slow), pytest.param("gpt2", 1, "symmetric-32", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("family", "kv", "setting"),
+    [
+        ("llama", 2, "symmetric-32"),
+        pytest.param("llama", 2, "asymmetric-16", marks=pytest.mark.slow),
+        pytest.param("gpt2", 1, "symmetric-32", marks=pytest.mark.slow),
+    ],
+)
 def test_int4_export_equals_the_quantizers_own(tiny_export, tmp_path: Path, family: str, kv: int, setting: str) -> None:
     options = SETTINGS[setting]
     _, fp32 = tiny_export(family, kv, graphs="merged")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import read_tensors
 from support.tiny_models import FAMILIES, VOCAB
+from test_convert import read_tensors
 
 from headfold import Calibration, convert
 from headfold.converter import calibration, layerwise
@@ -51,7 +51,7 @@ def assert_equal_inputs(folder: Path) -> None:
     batch = windows()
     expected, got = whole_model_inputs(folder, batch), layerwise_inputs(folder, batch)
     assert len(got) == len(expected) == 2
-    for layer, (x, y) in enumerate(zip(got, expected)):
+    for layer, (x, y) in enumerate(zip(got, expected, strict=True)):
         assert x.shape == y.shape == (batch.numel(), y.shape[1])
         assert y.abs().max() > 0.1  # a real activation, not zeros
         diff = (x - y).abs().max().item()

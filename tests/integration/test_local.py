@@ -17,8 +17,8 @@ from support.checkpoint_edits import edit_attention, identical_heads
 from support.tiny_models import FAMILIES, HEADS
 from test_convert import outputs, read_tensors
 
-from headfold.converter import local
 from headfold import Calibration, LocalFit, convert, corpus
+from headfold.converter import local
 from headfold.converter.calibration import sample_windows, text_feeds, text_windows
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.layerwise import layer_runs
@@ -29,7 +29,12 @@ from headfold.converter.recipes import DEFAULT_METHOD, get_method
 from headfold.ground.errors import BadInput
 
 BYTES = 256  # a byte-level vocabulary: the tiny models calibrate on the built-in text as bytes
-POSITIONS = {"gpt2": {"n_positions": 256}, "opt": {"max_position_embeddings": 256}, "bert": {"max_position_embeddings": 256}, "roberta": {"max_position_embeddings": 258}}
+POSITIONS = {
+    "gpt2": {"n_positions": 256},
+    "opt": {"max_position_embeddings": 256},
+    "bert": {"max_position_embeddings": 256},
+    "roberta": {"max_position_embeddings": 258},
+}
 TOKENS = 2048  # eight calibration windows: six fitted, two held out
 
 
@@ -154,7 +159,7 @@ def seq2seq_block_error(src: Path, out: Path, index: int) -> float:
             path = parameter_names(model, ckpt.facts)[ckpt.attention.layers[index][key]][: -len(key) - 1]
             feeds = text_feeds(ckpt, model, corpus.calibration_text(), TOKENS, seed=0)
         outputs_ = []
-        model.get_submodule(path).register_forward_hook(lambda module, args, o: outputs_.append(o[0]))
+        model.get_submodule(path).register_forward_hook(lambda module, args, o, outputs_=outputs_: outputs_.append(o[0]))
         with torch.no_grad():
             for feed in feeds:
                 model(**feed, use_cache=False)
@@ -180,7 +185,9 @@ def test_an_exact_start_is_left_untouched(family: str, tiny_checkpoint) -> None:
         for run in layer_runs(ckpt, batch, torch.device("cpu"), sequential=False, progress=False):
             names, codec = ckpt.attention.layers[run.index], AttentionCodec(ckpt.spec, ckpt.layer_shapes[run.index])
             start = codec.decode({s: ckpt.get(n).float() for s, n in names.items()})
-            tensors = lambda attn: {run.names[names[s]]: t for s, t in codec.encode(expand_kv(attn, ckpt.shape.kv_heads)).items()}  # noqa: E731
+            tensors = lambda attn, run=run, names=names, codec=codec: {  # noqa: E731
+                run.names[names[s]]: t for s, t in codec.encode(expand_kv(attn, ckpt.shape.kv_heads)).items()
+            }
             result = local.fit(run, start, tensors, steps=5)
             assert result.attn is start and result.start == result.end and result.start.whole <= local.EXACT and result.steps == 0
 

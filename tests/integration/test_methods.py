@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.checkpoint_edits import edit_attention, identical_heads
-from test_convert import outputs
 from support.tiny_models import HEADS
+from test_convert import outputs
 
 from headfold import convert
 from headfold.converter import alignment

@@ -47,7 +47,7 @@ def _ort_generate(folder: Path, inputs: dict[str, torch.Tensor], layers: int) ->
     names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
     for _ in range(STEPS - 1):
         mask = np.concatenate([mask, np.ones_like(mask[:, :1])], axis=1)
-        logits, *present = decode.run(None, {"input_ids": tokens[-1][:, None], "attention_mask": mask, **dict(zip(names, present))})
+        logits, *present = decode.run(None, {"input_ids": tokens[-1][:, None], "attention_mask": mask, **dict(zip(names, present, strict=True))})
         tokens.append(logits[:, -1].argmax(-1))
     return prefill, np.stack(tokens, axis=1), present
 

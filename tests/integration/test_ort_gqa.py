@@ -64,7 +64,7 @@ def _generate(folder: Path, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     names = [f"past_key_values.{i}.{kind}" for i in range(LAYERS) for kind in ("key", "value")]
     for _ in range(STEPS):
         mask = np.concatenate([mask, np.ones_like(mask[:, :1])], axis=1)
-        feeds = {"input_ids": tokens[-1][:, None], "attention_mask": mask, **dict(zip(names, present))}
+        feeds = {"input_ids": tokens[-1][:, None], "attention_mask": mask, **dict(zip(names, present, strict=True))}
         logits, *present = sessions["decode"].run(None, feeds)
         tokens.append(logits[:, -1].argmax(-1))
     return prefill, np.stack(tokens, axis=1), logits

@@ -78,7 +78,9 @@ def test_perplexity_matches_an_independent_loop() -> None:
 def test_mqa_against_a_tight_budget_exits_1_naming_the_metric(tmp_path: Path, capsys) -> None:
     mqa = convert(EMBEDDED, tmp_path / "mqa", 1, method="mean", progress=False)
     report = tmp_path / "r.json"
-    code = main(["verify", str(EMBEDDED), str(mqa), "--max-ppl-increase", "5%", "--max-kl", "10", "--min-top1", "0", "--max-rows", "32", "--report", str(report)])
+    code = main(
+        ["verify", str(EMBEDDED), str(mqa), "--max-ppl-increase", "5%", "--max-kl", "10", "--min-top1", "0", "--max-rows", "32", "--report", str(report)]
+    )
     assert code == 1
     data = json.loads(report.read_text())
     increase = data["checks"][0]["metrics"]["ppl_increase"]
@@ -128,7 +130,9 @@ def test_demo_passes_its_reference_budget(tmp_path: Path, capsys) -> None:
     assert code == 0 and "conversion-loss: torch:default_model vs torch:distill" in out and "all checks passed" in out
     assert "fidelity-onnx: torch:distill vs onnxruntime:model.onnx" in out
     assert "PASS fidelity-onnx-decode: torch:distill vs onnxruntime:model.onnx" in out
-    steps = [line.split("] ")[0] + "] " + unnumbered(line).split(" ")[0].rstrip(":") for line in err.splitlines() if line.startswith("[") and "done in" not in line]
+    steps = [
+        line.split("] ")[0] + "] " + unnumbered(line).split(" ")[0].rstrip(":") for line in err.splitlines() if line.startswith("[") and "done in" not in line
+    ]
     assert steps == ["[1/5] convert", "[2/5] distill", "[3/5] export", "[4/5] build", "[5/5] verify"]  # stage progress (build: skipped without TensorRT)
     for kept in ("stages.json", "convert/headfold.json", "distill/distill-log.json", "export/model.onnx", "verify/report.json"):
         assert (tmp_path / "demo" / kept).is_file(), kept

@@ -37,10 +37,7 @@ _PRESENT = ["present_key", "present_value"]
 
 
 def _one_node_model(node: onnx.NodeProto, feeds: dict[str, np.ndarray], outputs: list[str]) -> onnx.ModelProto:
-    inputs = [
-        helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), list(array.shape))
-        for name, array in feeds.items()
-    ]
+    inputs = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), list(array.shape)) for name, array in feeds.items()]
     float_outputs = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in outputs]
     graph = helper.make_graph([node], "one_node", inputs, float_outputs)
     opsets = [helper.make_opsetid("", 23), helper.make_opsetid(DOMAIN, 1)]
@@ -49,6 +46,7 @@ def _one_node_model(node: onnx.NodeProto, feeds: dict[str, np.ndarray], outputs:
 
 def _attention_feeds(heads: int, kv_heads: int, batch: int, past: int, new: int, mask: str | None, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
+
     def normal(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32)
 
@@ -70,7 +68,7 @@ def _run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
 
 
 def _max_errors(ours: list[np.ndarray], expected: list[np.ndarray]) -> list[float]:
-    return [float(np.abs(np.asarray(a, dtype=np.float64) - b).max()) if b.size else 0.0 for a, b in zip(ours, expected)]
+    return [float(np.abs(np.asarray(a, dtype=np.float64) - b).max()) if b.size else 0.0 for a, b in zip(ours, expected, strict=True)]
 
 
 # (q heads, kv heads, batch, past, new tokens, mask, is_causal)

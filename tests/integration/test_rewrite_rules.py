@@ -206,7 +206,7 @@ def test_pipeline_fuses_eager_transformers_attention(eager_llama_gqa) -> None:
     # Only real tokens: fully masked (padded) query rows are implementation-defined.
     valid = feeds["attention_mask"].astype(bool)
     np.testing.assert_allclose(got[0][valid], expected[0][valid], rtol=1e-5, atol=1e-5)
-    for e, g in zip(expected[1:], got[1:]):  # present K/V (B, kv, S, D)
+    for e, g in zip(expected[1:], got[1:], strict=True):  # present K/V (B, kv, S, D)
         np.testing.assert_allclose(g.transpose(0, 2, 1, 3)[valid], e.transpose(0, 2, 1, 3)[valid], rtol=1e-5, atol=1e-5)
 
 

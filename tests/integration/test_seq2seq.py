@@ -215,6 +215,7 @@ def test_inspect_reports_self_and_cross_cache_bytes(tiny_checkpoint, tmp_path: P
 
 # -- distill: token-level KL of the decoder's logits, teacher-forced on prefix → continuation ------
 
+
 def distilled(out: Path) -> dict:
     return json.loads((out / "headfold.json").read_text())["distillation"]
 
@@ -283,7 +284,9 @@ def test_distill_on_source_target_pairs(tiny_checkpoint, pairs_file: Path, tmp_p
     assert distilled(out)["data"]["train"] == str(pairs_file)
     decoder = tiny_checkpoint("llama", **BYTES)
     decoder_student = convert(decoder, tmp_path / "llama-kv2", 2, method="mean", progress=False)
-    err = refused(["distill", str(decoder), str(decoder_student), str(tmp_path / "llama-out"), "--data", str(pairs_file), "--steps", "1", "--seq-len", "32"], capsys)
+    err = refused(
+        ["distill", str(decoder), str(decoder_student), str(tmp_path / "llama-out"), "--data", str(pairs_file), "--steps", "1", "--seq-len", "32"], capsys
+    )
     assert "row 1 is a (source, target) pair, which only an encoder-decoder (T5, BART) reads" in err
 
 
@@ -292,7 +295,11 @@ def test_decoder_heads_other_than_the_encoders(tiny_checkpoint, tmp_path: Path) 
     src = tiny_checkpoint("bart", decoder_attention_heads=4)
     out = convert(src, tmp_path / "out", kv_heads=2, method="mean", progress=False)
     conversion = json.loads((out / "headfold.json").read_text())["conversion"]
-    assert {k: (a["heads"], a["kv_heads"]) for k, a in conversion["attentions"].items()} == {"encoder_self": (8, 8), "decoder_self": (4, 2), "decoder_cross": (4, 2)}
+    assert {k: (a["heads"], a["kv_heads"]) for k, a in conversion["attentions"].items()} == {
+        "encoder_self": (8, 8),
+        "decoder_self": (4, 2),
+        "decoder_cross": (4, 2),
+    }
     assert conversion["kv_head_of_query_head"][-1] == [0, 0, 1, 1]
     assert conversion["cache_bytes_per_token"]["cross"] == {"before": 2 * 2 * 4 * 16 * 4, "after": 2 * 2 * 2 * 16 * 4}
     original, converted = load_model(src), load_model(out)

@@ -111,7 +111,7 @@ def test_the_teachers_transcripts_are_its_greedy_generation(whisper: Path, whisp
     batch = plan.complete(plan.eval_batch(), teacher, rows=1)
     generated = teacher.generate(input_features=batch.features, max_new_tokens=16, do_sample=False, return_dict_in_generate=True).sequences
     assert generated[:, 0].tolist() == [config["decoder_start_token_id"]] * 2
-    for row, ids in zip(generated[:, 1:].tolist(), batch.ids.tolist()):
+    for row, ids in zip(generated[:, 1:].tolist(), batch.ids.tolist(), strict=True):
         end = row.index(config["eos_token_id"]) + 1 if config["eos_token_id"] in row else len(row)
         assert ids == row[:end] + [-1] * (16 - end)
 
@@ -128,10 +128,14 @@ def test_a_preprocessor_config_gives_the_features(whisper: Path, audio, tmp_path
     out = distill(teacher, student, tmp_path / "out", data=audio["transcribed"], steps=1, **AUDIO)
     assert distilled(out)["data"]["features"] == f"preprocessor_config.json of {student}"
     WhisperFeatureExtractor(feature_size=4).save_pretrained(student)
-    err = refused(["distill", str(teacher), str(student), str(tmp_path / "bad"), "--data", str(audio["transcribed"]), "--seq-len", "16", "--steps", "1"], capsys)
+    err = refused(
+        ["distill", str(teacher), str(student), str(tmp_path / "bad"), "--data", str(audio["transcribed"]), "--seq-len", "16", "--steps", "1"], capsys
+    )
     assert "gives 4 mel bins, config.json's num_mel_bins 8" in err and not (tmp_path / "bad").exists()
     (student / "preprocessor_config.json").write_text(json.dumps({"feature_size": 8, "hop_length": 0}))
-    err = refused(["distill", str(teacher), str(student), str(tmp_path / "bad"), "--data", str(audio["transcribed"]), "--seq-len", "16", "--steps", "1"], capsys)
+    err = refused(
+        ["distill", str(teacher), str(student), str(tmp_path / "bad"), "--data", str(audio["transcribed"]), "--seq-len", "16", "--steps", "1"], capsys
+    )
     assert "is not a Whisper feature extractor's settings (ZeroDivisionError" in err and not (tmp_path / "bad").exists()
 
 
@@ -208,7 +212,9 @@ def test_bad_audio_is_one_line_exit_2_nothing_written(case: str, whisper: Path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-def test_whisper_seq_len_beyond_its_decoder_and_audio_rows_for_a_text_model(whisper: Path, whisper_students, audio, tiny_checkpoint, tmp_path: Path, capsys) -> None:
+def test_whisper_seq_len_beyond_its_decoder_and_audio_rows_for_a_text_model(
+    whisper: Path, whisper_students, audio, tiny_checkpoint, tmp_path: Path, capsys
+) -> None:
     err = refused(["distill", str(whisper), str(whisper_students[2]), str(tmp_path / "out"), "--data", str(audio["transcribed"]), "--seq-len", "64"], capsys)
     assert "--seq-len 64 exceeds the decoder's 32 positions (max_target_positions)" in err
     t5 = tiny_checkpoint("t5", **BYTES)

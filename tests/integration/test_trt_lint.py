@@ -58,7 +58,10 @@ def test_findings_name_their_op_and_the_release_that_parses_it() -> None:
     from headfold.graphs.trt_lint import LintReport
 
     nodes = [helper.make_node("Attention", ["q", "k", "v"], ["y"], name="attn"), helper.make_node("Foo", ["q"], ["f"], name="foo", domain="my.ops")]
-    report = lint(_model(nodes, {"q": (TensorProto.FLOAT, Q_SHAPE), "k": (TensorProto.FLOAT, KV_SHAPE), "v": (TensorProto.FLOAT, KV_SHAPE)}, extra_opsets=("my.ops",)), "11.0")
+    report = lint(
+        _model(nodes, {"q": (TensorProto.FLOAT, Q_SHAPE), "k": (TensorProto.FLOAT, KV_SHAPE), "v": (TensorProto.FLOAT, KV_SHAPE)}, extra_opsets=("my.ops",)),
+        "11.0",
+    )
     assert [(f.node, f.rule, f.op, f.since) for f in report.findings] == [("foo", "custom-domain", "my.ops.Foo", None)]
     assert LintReport.from_dict(report.to_dict()) == report
 
@@ -112,9 +115,7 @@ def test_unsupported_standard_op_is_an_error() -> None:
 
 
 def test_ops_inside_subgraphs_are_checked() -> None:
-    branch = helper.make_graph(
-        [helper.make_node("Unique", ["x"], ["u"])], "then", [], [helper.make_tensor_value_info("u", TensorProto.FLOAT, None)]
-    )
+    branch = helper.make_graph([helper.make_node("Unique", ["x"], ["u"])], "then", [], [helper.make_tensor_value_info("u", TensorProto.FLOAT, None)])
     node = helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)
     model = _model([node], {"cond": (TensorProto.BOOL, []), "x": (TensorProto.FLOAT, [4])})
     assert [f.node for f in lint(model, "10.15").errors] == ["Unique#1", "Unique#2"]

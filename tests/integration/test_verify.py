@@ -16,9 +16,9 @@ from headfold import convert
 from headfold.cli import main
 from headfold.graphs.export import export
 from headfold.ground.errors import BadInput
+from headfold.ground.units import parse_fraction
 from headfold.verification import InputSpec, verify
 from headfold.verification.artifacts import check_kind, resolve
-from headfold.ground.units import parse_fraction
 from headfold.verification.budget import fidelity_budget, load_budget_file, loss_budget
 from headfold.verification.checks import run_check
 from headfold.verification.inputs import cut_rows, make_inputs, pad_batch
@@ -36,7 +36,11 @@ def tiny(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
     """A byte-vocabulary tiny llama, its identity and 2-kv-head conversions, and the latter's ONNX export."""
     root = tmp_path_factory.mktemp("verify")
     src = tiny_checkpoint("llama", vocab_size=256)
-    paths = {"src": src, "kv8": convert(src, root / "kv8", 8, method="mean", progress=False), "kv2": convert(src, root / "kv2", 2, method="mean", progress=False)}
+    paths = {
+        "src": src,
+        "kv8": convert(src, root / "kv8", 8, method="mean", progress=False),
+        "kv2": convert(src, root / "kv2", 2, method="mean", progress=False),
+    }
     export(paths["kv2"], root / "kv2-onnx", progress=False, graphs="split")
     paths["onnx"] = root / "kv2-onnx"
     paths["other"] = tiny_checkpoint("llama", vocab_size=256, intermediate_size=64, seed=1)
@@ -62,7 +66,14 @@ def test_fractions_and_budget_precedence(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "content, suffix",
-    [("[loss]\nmax_lk = 1\n", ".toml"), ("[loss\n", ".toml"), ("loss: [1, 2]\n", ".yaml"), ("[speed]\nx = 1\n", ".toml"), ("a", ".ini"), ('[loss]\nmax_kl = "-1"\n', ".toml")],
+    [
+        ("[loss]\nmax_lk = 1\n", ".toml"),
+        ("[loss\n", ".toml"),
+        ("loss: [1, 2]\n", ".yaml"),
+        ("[speed]\nx = 1\n", ".toml"),
+        ("a", ".ini"),
+        ('[loss]\nmax_kl = "-1"\n', ".toml"),
+    ],
 )
 def test_bad_budget_files(tmp_path: Path, content: str, suffix: str) -> None:
     file = tmp_path / f"budget{suffix}"
@@ -202,7 +213,9 @@ def trt_runner(tmp_path: Path, monkeypatch):
     runner.context = SimpleNamespace(active_optimization_profile=0)
     runner.calls = []
     monkeypatch.setattr(runner, "get_input_metadata", lambda use_numpy_dtypes=None: meta)
-    monkeypatch.setattr(runner, "set_profile", lambda index: (runner.calls.append(("set_profile", index)), setattr(runner.context, "active_optimization_profile", index)))
+    monkeypatch.setattr(
+        runner, "set_profile", lambda index: (runner.calls.append(("set_profile", index)), setattr(runner.context, "active_optimization_profile", index))
+    )
 
     def parent_infer(self, feed, check_inputs=True):
         runner.calls.append(("infer", {name: (value.dtype, tuple(value.shape)) for name, value in feed.items()}))
@@ -313,7 +326,9 @@ def test_fidelity_of_export_reports_every_metric(tiny, tmp_path: Path) -> None:
 
 def test_tight_budget_fails_with_junit_failure(tiny, tmp_path: Path, capsys) -> None:
     junit = tmp_path / "j.xml"
-    code = main(["verify", str(tiny["src"]), str(tiny["onnx"]), *SMALL, "--max-ppl-increase", "100%", "--max-kl", "0.01", "--min-top1", "0", "--junit", str(junit)])
+    code = main(
+        ["verify", str(tiny["src"]), str(tiny["onnx"]), *SMALL, "--max-ppl-increase", "100%", "--max-kl", "0.01", "--min-top1", "0", "--junit", str(junit)]
+    )
     assert code == 1
     err = capsys.readouterr().err  # a random tiny model: KL ≈ 0.56 nats after pooling to 2 kv heads
     assert "conversion-loss: kl = 0.5" in err and "> budget 0.01" in err and "ppl_increase" not in err
@@ -345,7 +360,13 @@ def test_tight_budget_fails_with_junit_failure(tiny, tmp_path: Path, capsys) -> 
 def test_malformed_inputs_exit_2(tiny, tmp_path: Path, args: list[str]) -> None:
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
     (tmp_path / "empty.txt").write_text("  \n")
-    names = {**{k: str(v) for k, v in tiny.items()}, "missing": str(tmp_path / "nope"), "binary": str(tmp_path / "binary.txt"), "empty": str(tmp_path / "empty.txt"), "tmp": str(tmp_path)}
+    names = {
+        **{k: str(v) for k, v in tiny.items()},
+        "missing": str(tmp_path / "nope"),
+        "binary": str(tmp_path / "binary.txt"),
+        "empty": str(tmp_path / "empty.txt"),
+        "tmp": str(tmp_path),
+    }
     report = tmp_path / "r.json"
     assert main(["verify", *(a.format(**names) for a in args), "--report", str(report)]) == 2
     assert not report.exists()

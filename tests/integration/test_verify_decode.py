@@ -149,7 +149,9 @@ def test_left_padded_rows_decode_like_the_prompt(exports, layout: str) -> None:
     checkpoint, onnx_dir = exports["llama-kv2:onnx" if layout == "merged" else "llama-kv2:split"]  # GroupQueryAttention takes right padding only
     inputs = make_inputs(checkpoint, SPEC)
     pads = [(feed["attention_mask"] == 0).sum(1) for feed in inputs.feeds]  # right padding → left padding
-    inputs.feeds = [{k: np.stack([np.roll(row, n) for row, n in zip(v, p)]) for k, v in f.items()} for f, p in zip(inputs.feeds, pads)]
+    inputs.feeds = [
+        {k: np.stack([np.roll(row, n) for row, n in zip(v, p, strict=True)]) for k, v in f.items()} for f, p in zip(inputs.feeds, pads, strict=True)
+    ]
     assert any((f["attention_mask"][:, 0] == 0).any() for f in inputs.feeds)
     if layout == "merged":  # one graph, one session: the prompt and every step
         prefill = OnnxRuntimeRunner(onnx_dir / "model.onnx")
@@ -220,7 +222,9 @@ def test_broken_decode_graph_exits_1_naming_the_decode_metric(exports, tmp_path:
 
     # --decode-steps 0: the broken decode graph goes unchecked, and the report says so
     markdown = tmp_path / "r.md"
-    assert main(["verify", str(checkpoint), str(broken), *SMALL, "--decode-steps", "0", "--report", str(report), "--markdown", str(markdown), "--overwrite"]) == 0
+    assert (
+        main(["verify", str(checkpoint), str(broken), *SMALL, "--decode-steps", "0", "--report", str(report), "--markdown", str(markdown), "--overwrite"]) == 0
+    )
     data = json.loads(report.read_text())
     (check,) = data["checks"]
     assert check["notes"] == [SKIPPED_NOTE] and data["inputs"]["decode_steps"] == 0

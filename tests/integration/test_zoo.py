@@ -32,7 +32,14 @@ def cache(zoo, tmp_path_factory) -> Path:
 def test_a_member_is_written_whole_with_its_record(zoo, cache: Path) -> None:
     _, models, _ = zoo
     record = json.loads((cache / "llama-16h" / "training.json").read_text())
-    assert sorted(p.name for p in (cache / "llama-16h").iterdir()) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training.json"]
+    assert sorted(p.name for p in (cache / "llama-16h").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "training.json",
+    ]
     assert record["weights_sha256"] == models.sha256(cache / "llama-16h" / "model.safetensors")
     assert (record["heads"], record["head_dim"], record["layers"]) == (16, 8, 2)
     assert record["pretraining_tokens"] == 3 * 2 * 256 == record["recipe"]["steps"] * record["recipe"]["batch_size"] * record["recipe"]["seq_len"]
@@ -55,7 +62,10 @@ def test_quality_rows_score_each_conversion_on_held_out_text(zoo, cache: Path, t
         model = harness.subject(name, cache, log=lambda _: None)
         entries.append(harness.model_entry(model, (0.0, 0.0)))
         rows += harness.quality_rows(model, ["mean"], "h/4", tmp_path, log=lambda _: None)
-    assert [(r["model"], r["kv"], r["kv_heads"], r["method"], r["calibration"]) for r in rows] == [("llama-16h", "h/4", 4, "mean", "built-in"), ("t5", "h/4", 2, "mean", "built-in")]
+    assert [(r["model"], r["kv"], r["kv_heads"], r["method"], r["calibration"]) for r in rows] == [
+        ("llama-16h", "h/4", 4, "mean", "built-in"),
+        ("t5", "h/4", 2, "mean", "built-in"),
+    ]
     for row, entry in zip(rows, entries, strict=True):
         assert set(row) == {"model", "kv", "kv_heads", "method", "calibration", "kl", "ppl", "reference_ppl", "ppl_increase", "top1", "convert_s"}
         assert row["kl"] > 0 and 0 <= row["top1"] <= 1 and row["convert_s"] > 0
@@ -82,6 +92,10 @@ def test_the_default_is_chosen_by_mean_rank(zoo) -> None:
             row("b", "mean", {"kl": 1.0}), row("b", "x", {"kl": 0.3}), row("b", "y", {"kl": 0.2}),
             row("enc", "mean", {"cosine": 0.5}), row("enc", "x", {"cosine": 0.9}), row("enc", "y", {"cosine": 0.9})]  # fmt: skip
     data = {"models": [{"model": m} for m in ("a", "b", "enc")], "rows": rows, "default_method": "mean"}
-    assert render.zoo_ranks(data) == {"y": ((2 + 1 + 1.5) / 3, pytest.approx(1.1)), "x": ((1 + 2 + 1.5) / 3, pytest.approx(1.5)), "mean": (3.0, pytest.approx(5.0))}
+    assert render.zoo_ranks(data) == {
+        "y": ((2 + 1 + 1.5) / 3, pytest.approx(1.1)),
+        "x": ((1 + 2 + 1.5) / 3, pytest.approx(1.5)),
+        "mean": (3.0, pytest.approx(5.0)),
+    }
     assert list(render.zoo_ranks(data)) == ["y", "x", "mean"]  # x and y tie on mean rank: y stays within 10 % of the best, x within 50 %
     assert "Chosen: `y`; the default is `mean`." in render.zoo_choice(data)

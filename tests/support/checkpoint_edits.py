@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from safetensors.torch import save_file
 
@@ -19,7 +19,7 @@ def edit_attention(src: Path, dst: Path, edit: Callable[[AttentionWeights, Layer
     with SourceCheckpoint(src) as ckpt:
         tensors = {name: ckpt.get(name).clone() for name in ckpt.tensors}
         codec = AttentionCodec(ckpt.spec, ckpt.shape)
-        for layer, ctx in zip(ckpt.attention.layers, layer_contexts(ckpt, None, 0, 0, False)):
+        for layer, ctx in zip(ckpt.attention.layers, layer_contexts(ckpt, None, 0, 0, False), strict=True):
             attn = edit(codec.decode({s: tensors[n].float() for s, n in layer.items()}), ctx)
             for suffix, t in codec.encode(attn).items():
                 tensors[layer[suffix]] = t.to(tensors[layer[suffix]].dtype).contiguous()

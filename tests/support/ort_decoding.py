@@ -30,7 +30,7 @@ def ort_greedy(onnx_dir: Path, input_ids: np.ndarray, mask: np.ndarray, layers: 
     names = cache_names(PAST, layers)
     for _ in range(new_tokens - 1):
         mask = np.concatenate([mask, np.ones_like(mask[:, :1])], axis=1)
-        feeds = {"input_ids": tokens[-1][:, None], "attention_mask": mask, **dict(zip(names, present))}
+        feeds = {"input_ids": tokens[-1][:, None], "attention_mask": mask, **dict(zip(names, present, strict=True))}
         logits, *present = decode.run(None, feeds)
         tokens.append(logits[:, -1].argmax(-1))
     return np.stack(tokens, axis=1), present
@@ -66,7 +66,7 @@ def run_chunks(graph: Path, ids: np.ndarray, mask: np.ndarray, chunks) -> np.nda
     for n in chunks:
         feeds = {"input_ids": ids[:, start : start + n], "attention_mask": mask[:, : start + n], **past}
         feeds |= {"position_ids": positions[:, start : start + n]} if explicit else {}
-        out = dict(zip(names, sess.run(None, feeds)))
+        out = dict(zip(names, sess.run(None, feeds), strict=True))
         past = {str(CacheName.parse(k).as_past()): v for k, v in out.items() if is_cache(k, PRESENT)}
         logits.append(out["logits"])
         start += n

@@ -17,11 +17,15 @@ def llama_shapes(config: transformers.LlamaConfig) -> list[dict[str, tuple[int, 
     kv = config.num_key_value_heads * (h // config.num_attention_heads)
     layers = [
         {
-            f"model.layers.{i}.self_attn.q_proj.weight": (h, h), f"model.layers.{i}.self_attn.k_proj.weight": (kv, h),
-            f"model.layers.{i}.self_attn.v_proj.weight": (kv, h), f"model.layers.{i}.self_attn.o_proj.weight": (h, h),
-            f"model.layers.{i}.mlp.gate_proj.weight": (f, h), f"model.layers.{i}.mlp.up_proj.weight": (f, h),
+            f"model.layers.{i}.self_attn.q_proj.weight": (h, h),
+            f"model.layers.{i}.self_attn.k_proj.weight": (kv, h),
+            f"model.layers.{i}.self_attn.v_proj.weight": (kv, h),
+            f"model.layers.{i}.self_attn.o_proj.weight": (h, h),
+            f"model.layers.{i}.mlp.gate_proj.weight": (f, h),
+            f"model.layers.{i}.mlp.up_proj.weight": (f, h),
             f"model.layers.{i}.mlp.down_proj.weight": (h, f),
-            f"model.layers.{i}.input_layernorm.weight": (h,), f"model.layers.{i}.post_attention_layernorm.weight": (h,),
+            f"model.layers.{i}.input_layernorm.weight": (h,),
+            f"model.layers.{i}.post_attention_layernorm.weight": (h,),
         }  # fmt: skip
         for i in range(config.num_hidden_layers)
     ]
@@ -40,7 +44,7 @@ def llama_checkpoint(folder: Path, *, dtype: torch.dtype = torch.float16, seed: 
     groups = llama_shapes(config)
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map, group_bytes = {}, []
-    for group, name in zip(groups, names):
+    for group, name in zip(groups, names, strict=True):
         tensors = {n: (torch.randn(s, generator=generator) * 0.02).to(dtype) for n, s in group.items()}
         tensors |= {n: (1 + torch.randn(s, generator=generator) * 0.02).to(dtype) for n, s in group.items() if len(s) == 1}  # norm scales
         save_file(tensors, folder / name, metadata={"format": "pt"})

@@ -178,18 +178,40 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "T5Config",
         "T5ForConditionalGeneration",
         dict(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=HEADS,
-            relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-            pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=HEADS,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+            dropout_rate=0.0,
+            pad_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=0,
         ),
     ),
     "bart": (
         "BartConfig",
         "BartForConditionalGeneration",
         dict(
-            vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
-            encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-            decoder_start_token_id=2, forced_eos_token_id=None, **_IDS,
+            vocab_size=VOCAB,
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=HEADS,
+            decoder_attention_heads=HEADS,
+            encoder_ffn_dim=96,
+            decoder_ffn_dim=96,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            decoder_start_token_id=2,
+            forced_eos_token_id=None,
+            **_IDS,
         ),
     ),
     # 8 mel bins and 32 frames (16 positions after the stride-2 convolution): input_features [B, 8, 32]
@@ -197,10 +219,24 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "WhisperConfig",
         "WhisperForConditionalGeneration",
         dict(
-            vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
-            encoder_ffn_dim=96, decoder_ffn_dim=96, num_mel_bins=8, max_source_positions=16, max_target_positions=32,
-            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=1, suppress_tokens=None,
-            begin_suppress_tokens=None, **_IDS,
+            vocab_size=VOCAB,
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=HEADS,
+            decoder_attention_heads=HEADS,
+            encoder_ffn_dim=96,
+            decoder_ffn_dim=96,
+            num_mel_bins=8,
+            max_source_positions=16,
+            max_target_positions=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            decoder_start_token_id=1,
+            suppress_tokens=None,
+            begin_suppress_tokens=None,
+            **_IDS,
         ),
     ),
 }
@@ -245,9 +281,7 @@ def make_checkpoint(
     return path
 
 
-def sample_batch(
-    config: transformers.PretrainedConfig, batch: int = 2, seq: int = 7, seed: int = 0
-) -> dict[str, torch.Tensor]:
+def sample_batch(config: transformers.PretrainedConfig, batch: int = 2, seq: int = 7, seed: int = 0) -> dict[str, torch.Tensor]:
     """input_ids + attention_mask; the last row is padded (left for decoders, right for encoders)."""
     gen = torch.Generator().manual_seed(seed)
     first_free = 3  # keep clear of pad/bos/eos

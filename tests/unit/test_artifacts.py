@@ -55,7 +55,10 @@ MANIFEST_DATA = {
     "skipped_weight_files": [],
 }
 # stages.json before format 1: the stages alone
-OLD_LEDGER = {"convert": {"key": "k1", "inputs": {"kv_heads": 2}, "output": "convert", "sha256": "s1", "seconds": 1.5}, "export": {"key": None, "output": "export"}}
+OLD_LEDGER = {
+    "convert": {"key": "k1", "inputs": {"kv_heads": 2}, "output": "convert", "sha256": "s1", "seconds": 1.5},
+    "export": {"key": None, "output": "export"},
+}
 
 
 def _write(path: Path, data: object) -> Path:
@@ -68,7 +71,11 @@ def _write(path: Path, data: object) -> Path:
 
 @pytest.mark.parametrize(
     "record, data",
-    [(export_summary.ExportSummary, EXPORT), (manifest.Manifest, MANIFEST_DATA), (ledger.RunLedger, {"format": 1, "created_by": created_by(), "stages": OLD_LEDGER})],
+    [
+        (export_summary.ExportSummary, EXPORT),
+        (manifest.Manifest, MANIFEST_DATA),
+        (ledger.RunLedger, {"format": 1, "created_by": created_by(), "stages": OLD_LEDGER}),
+    ],
 )
 def test_round_trip_keeps_every_key_and_value_in_order(record, data: dict) -> None:
     loaded = record.from_dict(json.loads(json.dumps(data)))
@@ -166,7 +173,10 @@ def test_corrupt_manifest(tmp_path: Path, edit, why: str) -> None:
     assert f"{MANIFEST} is corrupt (" in str(err.value) and why in str(err.value)
 
 
-@pytest.mark.parametrize("content", ["{", "[]", json.dumps({"convert": {"key": 1, "output": "convert"}}), json.dumps({"format": 1, "stages": []}), json.dumps({"format": 2, "stages": {}})])
+@pytest.mark.parametrize(
+    "content",
+    ["{", "[]", json.dumps({"convert": {"key": 1, "output": "convert"}}), json.dumps({"format": 1, "stages": []}), json.dumps({"format": 2, "stages": {}})],
+)
 def test_corrupt_ledger(tmp_path: Path, content: str) -> None:
     path = _write(tmp_path / LEDGER, content)
     with pytest.raises(BadInput) as err:
@@ -189,7 +199,9 @@ def test_lint_report_round_trip_and_typed_findings() -> None:
         trt_version="10.13.2",
         rules="10.13",
         findings=[
-            Finding("n1", "op-unsupported", "Attention has no importer in TensorRT 10.13 (parsed from TensorRT 10.14 on)", "error", op="Attention", since="10.14"),
+            Finding(
+                "n1", "op-unsupported", "Attention has no importer in TensorRT 10.13 (parsed from TensorRT 10.14 on)", "error", op="Attention", since="10.14"
+            ),
             Finding("<model>", "opset-range", "opset 25 is outside …", "warning"),
         ],
     )

@@ -66,7 +66,7 @@ def test_outputs_collect_each_blocks_output_in_order_and_leave_no_hook() -> None
     for block in blocks:
         expected.append(block(x))
         x = expected[-1] + 1
-    assert len(out.attention) == 3 and all(torch.equal(a, e) for a, e in zip(out.attention, expected))
+    assert len(out.attention) == 3 and all(torch.equal(a, e) for a, e in zip(out.attention, expected, strict=True))
     assert not any(b._forward_hooks for b in blocks)
     assert Objective(encoder=False).outputs(Model(), ids, blocks=list(blocks)).attention == ()  # weight 0: nothing collected
 

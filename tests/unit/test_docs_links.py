@@ -35,7 +35,11 @@ def test_nothing_points_at_a_design_outside_the_repository() -> None:
     """The design lives in docs/design.md; a clone has no other design file to read."""
     name = "DESIGN" + ".md"  # spelled apart: this file names it too
     ignored = {".git", "build", "dist"}
-    files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".md", ".toml", ".txt") and not ignored & set(p.parts) and not p.parts[len(ROOT.parts)].startswith(".venv")]
+    files = [
+        p
+        for p in ROOT.rglob("*")
+        if p.suffix in (".py", ".md", ".toml", ".txt") and not ignored & set(p.parts) and not p.parts[len(ROOT.parts)].startswith(".venv")
+    ]
     outside = [p.relative_to(ROOT).as_posix() for p in files if name in p.read_text(errors="replace")]
     assert outside == []
     assert (ROOT / "docs" / "design.md").is_file()

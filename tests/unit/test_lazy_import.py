@@ -25,7 +25,9 @@ def _declared() -> dict[str, str]:
     return {Requirement(line).name: str(Requirement(line).specifier) for line in lines}
 
 
-@pytest.mark.parametrize("module, distribution", [("tensorrt", "tensorrt"), ("onnxruntime_genai", "onnxruntime-genai"), ("accelerate", "accelerate"), ("yaml", "pyyaml")])
+@pytest.mark.parametrize(
+    "module, distribution", [("tensorrt", "tensorrt"), ("onnxruntime_genai", "onnxruntime-genai"), ("accelerate", "accelerate"), ("yaml", "pyyaml")]
+)
 def test_the_pins_are_pyprojects(module: str, distribution: str) -> None:
     assert str(lazy.requirement(module).specifier) == _declared()[distribution] != ""
 
@@ -48,7 +50,7 @@ def test_nothing_is_imported_until_an_attribute_is_read() -> None:
 def test_a_missing_module_names_the_pip_command_with_its_range() -> None:
     trt = lazy.lazy_import("tensorrt")
     with pytest.raises(BadInput) as caught:
-        trt.Builder
+        _ = trt.Builder
     assert caught.value.exit_code == 2 and "\n" not in str(caught.value)
     assert str(caught.value).endswith(f"pip install 'tensorrt{_declared()['tensorrt']}'")
 

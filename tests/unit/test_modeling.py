@@ -118,9 +118,7 @@ def _write_gqa(src: Path, dst: Path, n_kv: int, *, shards: int = 1) -> None:
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _gqa_pair(
-    family: str, n_kv: int, root: Path, *, shards: int = 1, dtype: torch.dtype = torch.float32
-) -> tuple[transformers.PreTrainedModel, Path]:
+def _gqa_pair(family: str, n_kv: int, root: Path, *, shards: int = 1, dtype: torch.dtype = torch.float32) -> tuple[transformers.PreTrainedModel, Path]:
     """(MHA model whose K/V heads are identical within groups, folder of its GQA checkpoint)."""
     make_checkpoint(family, root / "src", dtype=dtype)
     tensors = load_file(root / "src" / "model.safetensors")

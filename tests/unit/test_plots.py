@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def extents(fig, artists) -> list:
 
 
 def assert_apart(boxes) -> None:
-    for a, b in zip(boxes, boxes[1:]):
+    for a, b in itertools.pairwise(boxes):
         assert not a.overlaps(b), f"labels overlap: {a} and {b}"
 
 

@@ -11,7 +11,11 @@ import torch
 from headfold.ground.errors import BadOption
 from headfold.ground.precision import Precision
 
-FLOATS = {Precision.FP32: (torch.float32, ir.DataType.FLOAT, "F32"), Precision.FP16: (torch.float16, ir.DataType.FLOAT16, "F16"), Precision.BF16: (torch.bfloat16, ir.DataType.BFLOAT16, "BF16")}
+FLOATS = {
+    Precision.FP32: (torch.float32, ir.DataType.FLOAT, "F32"),
+    Precision.FP16: (torch.float16, ir.DataType.FLOAT16, "F16"),
+    Precision.BF16: (torch.bfloat16, ir.DataType.BFLOAT16, "BF16"),
+}
 
 
 def test_names_are_what_users_type_and_files_hold() -> None:

@@ -27,6 +27,8 @@ def test_a_gate_prints_the_digits_that_decide_it(value: float, op: str, budget: 
 
 
 def test_the_table_prints_the_budget_given() -> None:
-    check = CheckResult("fidelity", "fidelity", {"runner": "a"}, {"runner": "b"}, {"cosine": 0.9999996}, [Gate("cosine", 0.9999996, ">=", 0.99999)], {"min_cosine": 0.99999})
+    check = CheckResult(
+        "fidelity", "fidelity", {"runner": "a"}, {"runner": "b"}, {"cosine": 0.9999996}, [Gate("cosine", 0.9999996, ">=", 0.99999)], {"min_cosine": 0.99999}
+    )
     rows = Report([check], {}).rows(check)
     assert rows == [("cosine", "1", ">= 0.99999", "PASS")]
