@@ -47,7 +47,7 @@ CONFIGS = {  # (config class, model class, kwargs): byte-level, 8 heads of 16 di
             partial_rotary_factor=0.5,
             qk_layernorm=True,
         ),
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -98,8 +98,19 @@ def family_rows(family: str, tmp: Path, steps: int, distill_steps: int) -> list[
             out = convert(source, tmp / f"{family}-{kv}-{method}", kv, method, progress=False)
             seconds = time.perf_counter() - start
             report = compare(reference, log_probs(load_model(out), batch), batch)
-            rows.append({"family": family, "kv_heads": kv, "method": method, "kl": report.kl, "ppl": report.candidate_ppl,
-                         "reference_ppl": report.reference_ppl, "top1": report.top1, "convert_s": round(seconds, 2), **training})  # fmt: skip
+            rows.append(
+                {
+                    "family": family,
+                    "kv_heads": kv,
+                    "method": method,
+                    "kl": report.kl,
+                    "ppl": report.candidate_ppl,
+                    "reference_ppl": report.reference_ppl,
+                    "top1": report.top1,
+                    "convert_s": round(seconds, 2),
+                    **training,
+                }
+            )
             print(_line(rows[-1]), flush=True)
     best = min((r for r in rows if r["kv_heads"] == HEADS // 4), key=lambda r: r["kl"])
     text = tmp / "train.txt"
@@ -109,15 +120,28 @@ def family_rows(family: str, tmp: Path, steps: int, distill_steps: int) -> list[
     out = distill(source, student, tmp / f"{family}-distilled", DistillOptions(steps=distill_steps, seq_len=WINDOW, batch_size=16), data=text, progress=False)
     seconds = time.perf_counter() - start
     report = compare(reference, log_probs(load_model(out), batch), batch)
-    rows.append({"family": family, "kv_heads": best["kv_heads"], "method": f"{best['method']} + distill {distill_steps} steps", "kl": report.kl,
-                 "ppl": report.candidate_ppl, "reference_ppl": report.reference_ppl, "top1": report.top1, "distill_s": round(seconds, 1), **training})  # fmt: skip
+    rows.append(
+        {
+            "family": family,
+            "kv_heads": best["kv_heads"],
+            "method": f"{best['method']} + distill {distill_steps} steps",
+            "kl": report.kl,
+            "ppl": report.candidate_ppl,
+            "reference_ppl": report.reference_ppl,
+            "top1": report.top1,
+            "distill_s": round(seconds, 1),
+            **training,
+        }
+    )
     print(_line(rows[-1]), flush=True)
     return rows
 
 
 def _line(row: dict) -> str:
-    return (f"{row['family']:<9} kv={row['kv_heads']:<2} {row['method']:<36} KL {row['kl']:.4f}  ppl {row['ppl']:.3f} "
-            f"(orig {row['reference_ppl']:.3f})  top-1 {row['top1']:.1%}")  # fmt: skip
+    return (
+        f"{row['family']:<9} kv={row['kv_heads']:<2} {row['method']:<36} KL {row['kl']:.4f}  ppl {row['ppl']:.3f} "
+        f"(orig {row['reference_ppl']:.3f})  top-1 {row['top1']:.1%}"
+    )
 
 
 WHAT = (

@@ -56,9 +56,25 @@ def one_run(source: Path, kv: int, start: str, tmp: Path, data: Path | None, eva
     steps = budget_steps(batch, args.seq_len, budgets)
     eval_windows = args.eval_windows or (ENCODER_EVAL_WINDOWS if data else heldout_windows(args.seq_len))
     began, cpu = time.perf_counter(), time.process_time()
-    out = distill(source, student, tmp / f"{name}-distilled", data=data, eval_data=eval_data, steps=steps[-1], batch_size=batch,
-                  seq_len=args.seq_len, lr=args.lr, hidden_weight=args.hidden_weight, train=args.train, loss=args.loss, temperature=args.temperature, eval_every=steps[-1],
-                  eval_at=tuple(steps[1:-1]), eval_windows=eval_windows, progress=False)  # fmt: skip
+    out = distill(
+        source,
+        student,
+        tmp / f"{name}-distilled",
+        data=data,
+        eval_data=eval_data,
+        steps=steps[-1],
+        batch_size=batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        hidden_weight=args.hidden_weight,
+        train=args.train,
+        loss=args.loss,
+        temperature=args.temperature,
+        eval_every=steps[-1],
+        eval_at=tuple(steps[1:-1]),
+        eval_windows=eval_windows,
+        progress=False,
+    )
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     evals = {e["step"]: e for e in json.loads((out / "distill-log.json").read_text())["eval"]}
     points = [
@@ -112,8 +128,12 @@ def main() -> None:
     parser.add_argument("--encoder-kv", default="6,3,1")
     parser.add_argument("--skip-encoder", action="store_true")
     parser.add_argument("--skip-decoder", action="store_true")
-    parser.add_argument("--budgets", type=lambda text: tuple(map(float, text.split(","))), default=BUDGETS,
-                        help="fractions of the pre-training tokens to read at, the last the run's budget (with --section)")  # fmt: skip
+    parser.add_argument(
+        "--budgets",
+        type=lambda text: tuple(map(float, text.split(","))),
+        default=BUDGETS,
+        help="fractions of the pre-training tokens to read at, the last the run's budget (with --section)",
+    )
     parser.add_argument("--section", default="decoder", help="where the decoder rows go in the results file (another one for other --budgets)")
     parser.add_argument("--quarter", action="store_true", help="also run aligned+grouped+refit once with ¼ of the 5 %% budget (decoder kvs)")
     parser.add_argument("--lr", type=float, default=DistillOptions.lr)

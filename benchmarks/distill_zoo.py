@@ -69,7 +69,8 @@ def recipe_options(recipe: str) -> dict:
 
 WHAT = ("Distillation recipes on the zoo's trained models (benchmarks/distill_zoo.py): the student is each model at kv = h/4 converted with "
         f"`{METHOD}` (BLOOM without `grouped`), calibrated on the built-in text; it trains on the model's own training text and is scored "
-        "on its own held-out windows of 256 bytes (the zoo's 128, or every other one of them: each model's entry says how many). Each budget (a share of the model's 1 048 576 pre-training tokens) is a run of its own "
+        "on its own held-out windows of 256 bytes (the zoo's 128, or every other one of them: each model's entry says how many). Each budget "
+            "(a share of the model's 1 048 576 pre-training tokens) is a run of its own "
         "whose LR schedule ends there; the longest run is also read on the way.")  # fmt: skip
 
 

@@ -47,12 +47,23 @@ def rows_for(name: str, checkpoint: Path, tmp: Path, spec: InputSpec) -> list[di
         export(checkpoint, int4, dtype="int4", progress=False, **options)
         (check,) = verify(fp32, int4, inputs=spec).checks
         m = check.metrics
-        rows.append({
-            "model": name, "layers": facts.layers, "hidden": facts.hidden, "kv_heads": facts.kv_heads[0], "int4": setting,
-            "ppl_fp32": round(m["reference_ppl"], 4), "ppl_int4": round(m["candidate_ppl"], 4), "ppl_increase": f"{m['ppl_increase']:+.2%}",
-            "kl": round(m["kl"], 4), "top1": f"{m['top1']:.1%}", "budget": "pass" if check.passed else "fail",
-            "data_mb_fp32": round((fp32 / "model.onnx.data").stat().st_size / 2**20, 2), "data_mb_int4": round((int4 / "model.onnx.data").stat().st_size / 2**20, 2),
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": name,
+                "layers": facts.layers,
+                "hidden": facts.hidden,
+                "kv_heads": facts.kv_heads[0],
+                "int4": setting,
+                "ppl_fp32": round(m["reference_ppl"], 4),
+                "ppl_int4": round(m["candidate_ppl"], 4),
+                "ppl_increase": f"{m['ppl_increase']:+.2%}",
+                "kl": round(m["kl"], 4),
+                "top1": f"{m['top1']:.1%}",
+                "budget": "pass" if check.passed else "fail",
+                "data_mb_fp32": round((fp32 / "model.onnx.data").stat().st_size / 2**20, 2),
+                "data_mb_int4": round((int4 / "model.onnx.data").stat().st_size / 2**20, 2),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -121,16 +121,39 @@ def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path, 
             fit = "local" in method.split("+")
             start, cpu = time.perf_counter(), time.process_time()
             calibration = {} if tokens is None else {"calibration_tokens": tokens}
-            out = convert(m.folder, tmp / f"{m.name}-{kv}-{method}", kv, method, progress=False, builtin_text=m.calibration, local_steps=steps if fit else None, overwrite=True,
-                          local_fit=fit_settings, **calibration)  # fmt: skip
+            out = convert(
+                m.folder,
+                tmp / f"{m.name}-{kv}-{method}",
+                kv,
+                method,
+                progress=False,
+                builtin_text=m.calibration,
+                local_steps=steps if fit else None,
+                overwrite=True,
+                local_fit=fit_settings,
+                **calibration,
+            )
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
             report = compare(reference, scored_log_probs(load_model(out), m.heldout)[0], ids)
             row = {
-                "model": m.name, "family": family, "heads": heads, "head_dim": head_dim, "layers": config.get("num_hidden_layers", config.get("n_layer", config.get("num_layers"))),
-                "kv_heads": kv, "method": method, "label": label, "kl": report.kl, "ppl": report.candidate_ppl, "reference_ppl": report.reference_ppl, "top1": report.top1,
-                "convert_s": round(seconds, 1), "convert_cpu_s": round(cpu_seconds, 1), "load_average_1min": round(os.getloadavg()[0], 2), **calibration,
+                "model": m.name,
+                "family": family,
+                "heads": heads,
+                "head_dim": head_dim,
+                "layers": config.get("num_hidden_layers", config.get("n_layer", config.get("num_layers"))),
+                "kv_heads": kv,
+                "method": method,
+                "label": label,
+                "kl": report.kl,
+                "ppl": report.candidate_ppl,
+                "reference_ppl": report.reference_ppl,
+                "top1": report.top1,
+                "convert_s": round(seconds, 1),
+                "convert_cpu_s": round(cpu_seconds, 1),
+                "load_average_1min": round(os.getloadavg()[0], 2),
+                **calibration,
                 **({"local_steps": steps, "local_rate": fit_settings.rate, "local_sequential": fit_settings.sequential} if fit else {}),
-            }  # fmt: skip
+            }
             rows.append(row)
             print(_line(row), flush=True)
             shutil.rmtree(out)
@@ -139,8 +162,10 @@ def rows_for(m: Model, methods: list[str], kv_spec: str, steps: int, tmp: Path, 
 
 def _line(row: dict) -> str:
     extra = f" steps {row['local_steps']} rate {row['local_rate']} {'sequential' if row['local_sequential'] else 'teacher'}" if "local_steps" in row else ""
-    return (f"{row['model']:<11} kv={row['kv_heads']:<2} {row['method']:<30} KL {row['kl']:.4f}  ppl {row['ppl']:.3f} (orig {row['reference_ppl']:.3f})  "
-            f"top-1 {row['top1']:.1%}  {row['convert_s']:.0f}s ({row['convert_cpu_s']:.0f} CPU s){extra}")  # fmt: skip
+    return (
+        f"{row['model']:<11} kv={row['kv_heads']:<2} {row['method']:<30} KL {row['kl']:.4f}  ppl {row['ppl']:.3f} (orig {row['reference_ppl']:.3f})  "
+        f"top-1 {row['top1']:.1%}  {row['convert_s']:.0f}s ({row['convert_cpu_s']:.0f} CPU s){extra}"
+    )
 
 
 # One conversion in a fresh process: the wall and CPU seconds of the convert call, the CPU seconds of
@@ -163,7 +188,8 @@ start, cpu = time.perf_counter(), time.process_time()
 steps = int(sys.argv[4]) or None
 convert(sys.argv[1], sys.argv[2], 4, sys.argv[3], local_steps=steps, progress=False)
 hwm_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
-print(json.dumps({"convert_s": time.perf_counter() - start, "convert_cpu_s": time.process_time() - cpu, "local_fit_cpu_s": fitting[0], "peak_rss_mb": hwm_kb * 1024 / 1e6}))
+cost = {"convert_s": time.perf_counter() - start, "convert_cpu_s": time.process_time() - cpu, "local_fit_cpu_s": fitting[0], "peak_rss_mb": hwm_kb * 1024 / 1e6}
+    print(json.dumps(cost))
 """
 
 
@@ -184,8 +210,17 @@ def layout_rows(methods: list[str], steps: list[int], threads: int, keep: Path |
                     sys.exit(done.stderr[-3000:])
                 shutil.rmtree(Path(tmp) / "out")
                 result = {k: round(v, 1) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
-                rows.append({"layout": f"Llama {sizes['total_bytes'] / 1e9:.2f} GB fp16, 10 layers, 16 heads of 128", "kv_heads": 4, "method": method,
-                             **({"local_steps": count} if count else {}), **result, "threads": threads, "load_average_1min": round(os.getloadavg()[0], 2)})  # fmt: skip
+                rows.append(
+                    {
+                        "layout": f"Llama {sizes['total_bytes'] / 1e9:.2f} GB fp16, 10 layers, 16 heads of 128",
+                        "kv_heads": 4,
+                        "method": method,
+                        **({"local_steps": count} if count else {}),
+                        **result,
+                        "threads": threads,
+                        "load_average_1min": round(os.getloadavg()[0], 2),
+                    }
+                )
                 print("  ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     return rows
 
@@ -211,9 +246,19 @@ def scored_rows(threads: int, heads: int = 32, head_dim: int = 128, hidden: int 
         similar_s = time.process_time() - cpu
         loss = predicted_loss(attn, keys, values, ctx, head_dim)
         groups = scored_groups(loss, [contiguous_groups(heads, kv), similar])
-        rows.append({"layout": f"one layer: {heads} heads of {head_dim}, hidden {hidden}, {tokens} tokens (random)", "kv_heads": kv, "method": "scored (grouping alone)",
-                     "convert_s": round(time.perf_counter() - start, 1), "convert_cpu_s": round(time.process_time() - cpu, 1), "similarity_cpu_s": round(similar_s, 1),
-                     "predicted_drop": round(1 - loss.total(groups) / loss.total(similar), 3), "threads": threads, "load_average_1min": round(os.getloadavg()[0], 2)})  # fmt: skip
+        rows.append(
+            {
+                "layout": f"one layer: {heads} heads of {head_dim}, hidden {hidden}, {tokens} tokens (random)",
+                "kv_heads": kv,
+                "method": "scored (grouping alone)",
+                "convert_s": round(time.perf_counter() - start, 1),
+                "convert_cpu_s": round(time.process_time() - cpu, 1),
+                "similarity_cpu_s": round(similar_s, 1),
+                "predicted_drop": round(1 - loss.total(groups) / loss.total(similar), 3),
+                "threads": threads,
+                "load_average_1min": round(os.getloadavg()[0], 2),
+            }
+        )
         print("  ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     return rows
 
@@ -221,7 +266,8 @@ def scored_rows(threads: int, heads: int = 32, head_dim: int = 128, hidden: int 
 WHAT = (
     "Training-free conversion of several trained models (the embedded decoder, the quality zoo's, small ones of the added families "
     "trained by benchmarks/added_families.py's recipe): KL(original ‖ converted) per token, perplexity and top-1 on each model's held-out "
-    "windows, at kv = h/2, h/4 and MQA, for mean pooling and combinations of the method parts, `local` among them (each as the family allows it); convert seconds on a shared 2-core machine "
+    "windows, at kv = h/2, h/4 and MQA, for mean pooling and combinations of the method parts, `local` among them (each as the family allows "
+    "it); convert seconds on a shared 2-core machine "
     "(CPU seconds are the robust figure)"
 )
 

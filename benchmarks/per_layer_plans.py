@@ -59,7 +59,10 @@ def rows_for(name: str, source: Path, score, budgets: list[float], method: str, 
 def _line(row: dict) -> str:
     value = f"KL {row['kl']:.4f}" if "kl" in row else f"cosine {row['cosine']:.4f}"
     kv = ",".join(map(str, row["kv_heads"]))
-    return f"{row['model']:<17} budget {row['budget']:<5} {row['choice']:<8} --kv-heads {kv:<20} cache {row['cache_fraction']:.1%}  held-out {value}  (inspect {row['inspect_s']:.0f} s)"
+    return (
+        f"{row['model']:<17} budget {row['budget']:<5} {row['choice']:<8} --kv-heads {kv:<20} cache {row['cache_fraction']:.1%}  held-out {value}  "
+        f"(inspect {row['inspect_s']:.0f} s)"
+    )
 
 
 def main() -> None:

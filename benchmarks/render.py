@@ -75,7 +75,10 @@ def conversion_quality(data: list[dict]) -> str:
         cell = {(r["method"], r["kv_heads"]): r for r in rows}
         decoder = "kl" in rows[0]
         if decoder:
-            intro = f"**{model}**: KL(original ‖ converted) per token / perplexity on held-out text (original perplexity {rows[0]['reference_ppl']:.4g}); lower is better."
+            intro = (
+                f"**{model}**: KL(original ‖ converted) per token / perplexity on held-out text (original perplexity "
+                f"{rows[0]['reference_ppl']:.4g}); lower is better."
+            )
             show = lambda r: f"{r['kl']:.4g} / {r['ppl']:.4g}"  # noqa: E731
         else:
             intro = f"**{model}**: cosine of the sentence embeddings to the original's (mean over held-out paragraphs); higher is better."
@@ -111,8 +114,10 @@ def per_layer_plans(data: list[dict]) -> str:
 def decode_latency(data: dict) -> str:
     """benchmarks/decode_latency.py: one ONNX Runtime decode step, MHA against its conversions."""
     args = data["args"]
-    parts = [f"Milliseconds per generated token (speed-up over MHA); load average {data['load_avg_before'][0]:.2f} before, "
-             f"{data['load_avg_after'][0]:.2f} after, {data['cpus']} CPUs; {args['threads']} intra-op threads, median of {args['runs']} steps."]  # fmt: skip
+    parts = [
+        f"Milliseconds per generated token (speed-up over MHA); load average {data['load_avg_before'][0]:.2f} before, "
+        f"{data['load_avg_after'][0]:.2f} after, {data['cpus']} CPUs; {args['threads']} intra-op threads, median of {args['runs']} steps."
+    ]
     for model in dict.fromkeys(r["model"] for r in data["rows"]):
         rows = [r for r in data["rows"] if r["model"] == model]
         kvs = sorted({r["kv_heads"] for r in rows}, reverse=True)
@@ -265,18 +270,27 @@ def distill_zoo_summary(data: dict) -> str:
             cells.append(f"{p['ppl_increase']:+.2%}: {'met' if p['ppl_increase'] <= goal else 'missed'}" if p else "not run")
         body.append([model, _zoo_cell(points.get("start")), *cells])
     goal_table = table(["model", "start", *(f"{b:.0%} (goal ≤ {g:.0%})" for b, g in sorted(goals.items()))], body)
-    return "\n\n".join([
-        f"**The recipes run on every model of the sweep ({', '.join(sweep_models(data))}) at every budget with a goal**, by mean rank over those models and budgets "
-        "(perplexity increase of each budget's own run; 1 = best); the other models check the best:", ranks,
-        "**One more change** (perplexity increase / KL; in brackets the recipe without that change):", other_table,
-        f"**Goals with `{best}`** (perplexity increase / KL over the original; each budget's own run):", goal_table,
-    ])  # fmt: skip
+    return "\n\n".join(
+        [
+            f"**The recipes run on every model of the sweep ({', '.join(sweep_models(data))}) at every budget with a goal**, by mean rank over "
+            "those models and budgets "
+            "(perplexity increase of each budget's own run; 1 = best); the other models check the best:",
+            ranks,
+            "**One more change** (perplexity increase / KL; in brackets the recipe without that change):",
+            other_table,
+            f"**Goals with `{best}`** (perplexity increase / KL over the original; each budget's own run):",
+            goal_table,
+        ]
+    )
 
 
 def generate_throughput(data: dict) -> str:
     """benchmarks/generate_throughput.py: onnxruntime-genai tokens/s, headfold's export against og's model builder."""
     args = data["args"]
-    setup = f"{args['new_tokens']} tokens generated after a {args['context']}-token prompt; Llama of {args['layers']} layers, {args['heads']} heads of {args['head_dim']}; {args['threads']} threads"
+    setup = (
+        f"{args['new_tokens']} tokens generated after a {args['context']}-token prompt; Llama of {args['layers']} layers, {args['heads']} heads of "
+        f"{args['head_dim']}; {args['threads']} threads"
+    )
     exporters = args["exporters"]
     speed = {(r["variant"], r["batch"], r["round"], r["exporter"]): r for r in data["rows"]}
     body = []
@@ -312,10 +326,20 @@ def _side_by_side_setup(data: dict) -> str:
 def side_by_side_tables(data: dict) -> str:
     """The speed table and the MHA → h/4 table (docs/deploying.md quotes both)."""
     speed = [
-        [s["precision"], s["model"], s["batch"], s["past"], s["builder_step_ms"], s["headfold_step_ms"], s["builder_tokens_per_s"], s["headfold_tokens_per_s"],
-         f"{s['headfold_vs_builder']:.2f} ({s['ratio_range'][0]:.2f}–{s['ratio_range'][1]:.2f})", f"{s['headfold_vs_builder_cpu']:.2f}"]
+        [
+            s["precision"],
+            s["model"],
+            s["batch"],
+            s["past"],
+            s["builder_step_ms"],
+            s["headfold_step_ms"],
+            s["builder_tokens_per_s"],
+            s["headfold_tokens_per_s"],
+            f"{s['headfold_vs_builder']:.2f} ({s['ratio_range'][0]:.2f}–{s['ratio_range'][1]:.2f})",
+            f"{s['headfold_vs_builder_cpu']:.2f}",
+        ]
         for s in data["summary"]
-    ]  # fmt: skip
+    ]
     header = [
         "weights",
         "model",
@@ -329,15 +353,26 @@ def side_by_side_tables(data: dict) -> str:
         "by CPU time",
     ]
     gqa = [
-        [g["precision"], g["batch"], g["past"], f"{g['speedup']:.2f}×", f"{g['speedup_cpu']:.2f}×", f"{g['ideal_bytes_ratio']:.2f}×", f"{g['of_ideal']:.0%}",
-         f"{g['builder_speedup']:.2f}× ({g['builder_of_ideal']:.0%})"]
+        [
+            g["precision"],
+            g["batch"],
+            g["past"],
+            f"{g['speedup']:.2f}×",
+            f"{g['speedup_cpu']:.2f}×",
+            f"{g['ideal_bytes_ratio']:.2f}×",
+            f"{g['of_ideal']:.0%}",
+            f"{g['builder_speedup']:.2f}× ({g['builder_of_ideal']:.0%})",
+        ]
         for g in data["gqa_speedup"]
-    ]  # fmt: skip
-    return "\n\n".join([
-        table(header, speed),
-        "headfold's folder, MHA → GQA h/4: decode-step speed-up (by wall and by CPU time) beside the ideal, the ratio of bytes a step moves (weights + K/V cache read + K/V written), and the builder's folders' own speed-up (of ideal):",
-        table(["weights", "batch", "past", "speed-up", "by CPU time", "ideal (bytes)", "of ideal", "builder's folders"], gqa),
-    ])  # fmt: skip
+    ]
+    return "\n\n".join(
+        [
+            table(header, speed),
+            "headfold's folder, MHA → GQA h/4: decode-step speed-up (by wall and by CPU time) beside the ideal, the ratio of bytes a step moves "
+            "(weights + K/V cache read + K/V written), and the builder's folders' own speed-up (of ideal):",
+            table(["weights", "batch", "past", "speed-up", "by CPU time", "ideal (bytes)", "of ideal", "builder's folders"], gqa),
+        ]
+    )
 
 
 def _profile_table(profile: dict) -> str:
@@ -374,8 +409,21 @@ def calibration_memory(data: dict) -> str:
 
 
 def scaling_table(data: dict) -> str:
-    rows = [[r["model"], f"{r['checkpoint_gb']} GB", f"{_duration(r['mean_s'])}, {r['mean_rss_gb']} GB", _duration(r["calibration_cpu_s"]), _duration(r["conversion_cpu_s"]),
-             _duration(r["calibration_gpu_s"]), _duration(r["conversion_gpu_s"]), f"{r['rss_gb']} GB", f"{r['disk_gb']} GB", f"{r['local_disk_gb']} GB"] for r in data["scaling_plan"]]  # fmt: skip
+    rows = [
+        [
+            r["model"],
+            f"{r['checkpoint_gb']} GB",
+            f"{_duration(r['mean_s'])}, {r['mean_rss_gb']} GB",
+            _duration(r["calibration_cpu_s"]),
+            _duration(r["conversion_cpu_s"]),
+            _duration(r["calibration_gpu_s"]),
+            _duration(r["conversion_gpu_s"]),
+            f"{r['rss_gb']} GB",
+            f"{r['disk_gb']} GB",
+            f"{r['local_disk_gb']} GB",
+        ]
+        for r in data["scaling_plan"]
+    ]
     header = [
         "layout (MHA K/V, bf16)",
         "checkpoint",
@@ -460,7 +508,10 @@ def method_parts(data: dict) -> str:
             return f"{r['kl']:.3g}" + ("" if r["method"] == "mean" else f" ({mean[r['kv_heads']] / r['kl']:.1f}×)") + f" · {r['convert_cpu_s']:.0f} s"
 
         first = mine[0]
-        intro = f"**{model}** ({first['family']}, {first['layers']} layers, {first['heads']} heads of {first['head_dim']}; original perplexity {first['reference_ppl']:.4g}):"
+        intro = (
+            f"**{model}** ({first['family']}, {first['layers']} layers, {first['heads']} heads of {first['head_dim']}; original perplexity "
+            f"{first['reference_ppl']:.4g}):"
+        )
         parts += [intro, table(["method", *(f"kv {k}" for k in kvs)], [[name, *(show(cell.get((name, k))) for k in kvs)] for name in names])]
     return "\n\n".join(parts)
 
@@ -468,8 +519,10 @@ def method_parts(data: dict) -> str:
 def zoo_quality(data: dict) -> str:
     """benchmarks/zoo.py quality: every training-free method on every zoo model at h/2, h/4 and MQA."""
     c = data["corpus"]
-    corpus = (f"*corpus of the trained members*: {c['source']}; {c['files']} files, {c['heldout_files']} of them held out ({c['split']}); "
-              f"{c['train_bytes']} training and {c['heldout_bytes']} held-out bytes, sha256 `{c['sha256']}`")  # fmt: skip
+    corpus = (
+        f"*corpus of the trained members*: {c['source']}; {c['files']} files, {c['heldout_files']} of them held out ({c['split']}); "
+        f"{c['train_bytes']} training and {c['heldout_bytes']} held-out bytes, sha256 `{c['sha256']}`"
+    )
     parts = [about(data, "what", "machine"), corpus, zoo_models_table(data), zoo_table(data), zoo_choice(data), zoo_leave_one_out(data), zoo_summary(data)]
     for key, name in (("ppl_increase", "perplexity increase"), ("top1", "top-1 agreement"), ("convert_s", "conversion wall seconds")):
         show = (lambda r, k=key: pct(r[k])) if key == "ppl_increase" else (lambda r, k=key: f"{r[k]:.1%}") if key == "top1" else (lambda r, k=key: fmt(r[k]))
@@ -478,8 +531,20 @@ def zoo_quality(data: dict) -> str:
 
 
 def zoo_models_table(data: dict) -> str:
-    body = [[m["model"], m["family"], m["heads"], m["head_dim"], m["layers"], m.get("parameters", ""), m.get("pretraining_tokens", ""), m.get("heldout_perplexity", ""),
-             f"`{m['weights_sha256'][:12]}`"] for m in data["models"]]  # fmt: skip
+    body = [
+        [
+            m["model"],
+            m["family"],
+            m["heads"],
+            m["head_dim"],
+            m["layers"],
+            m.get("parameters", ""),
+            m.get("pretraining_tokens", ""),
+            m.get("heldout_perplexity", ""),
+            f"`{m['weights_sha256'][:12]}`",
+        ]
+        for m in data["models"]
+    ]
     return table(["model", "what", "heads", "head_dim", "layers", "parameters", "pre-training tokens", "held-out ppl", "weights sha256"], body)
 
 
@@ -507,9 +572,11 @@ def zoo_grid(data: dict, show: Callable, decoders_only: bool = False) -> str:
 def zoo_table(data: dict) -> str:
     """The main grid: KL per token for the decoders, 1 − cosine for the encoder (lower is better)."""
     show = lambda r: f"{r['kl']:.3g}" if "kl" in r else f"{1 - r['cosine']:.3g} (1−cos)"  # noqa: E731
-    intro = ("**KL(original ‖ converted) per token** on each model's held-out text (all-MiniLM-L6-v2: 1 − sentence-embedding cosine), "
-             "calibrated on the built-in text; *own text*: a method calibrated on the model's training split (the embedded model's is the "
-             "built-in text; MiniLM's is not ours). Lower is better.")  # fmt: skip
+    intro = (
+        "**KL(original ‖ converted) per token** on each model's held-out text (all-MiniLM-L6-v2: 1 − sentence-embedding cosine), "
+        "calibrated on the built-in text; *own text*: a method calibrated on the model's training split (the embedded model's is the "
+        "built-in text; MiniLM's is not ours). Lower is better."
+    )
     return intro + "\n\n" + zoo_grid(data, show)
 
 
@@ -580,13 +647,17 @@ def zoo_choice(data: dict) -> str:
     ranks, default = zoo_ranks(data), data["default_method"]
     chosen = next(iter(ranks), None)
     everywhere = [m for m, (_, worst) in ranks.items() if worst <= 1.05]
-    verdict = (f"Chosen: `{chosen}`" + (", within 5 % of the best on every model" if chosen in everywhere else "")
-               + (f"; the default, `{default}`, is that method." if chosen == default else f"; the default is `{default}`."))  # fmt: skip
+    verdict = (
+        f"Chosen: `{chosen}`"
+        + (", within 5 % of the best on every model" if chosen in everywhere else "")
+        + (f"; the default, `{default}`, is that method." if chosen == default else f"; the default is `{default}`.")
+    )
     body = [[f"`{m}`" + (" (default)" if m == default else ""), f"{rank:.2f}", f"{worst:.3f}"] for m, (rank, worst) in ranks.items()]
-    intro = ("**How the default is chosen**: at h/4 the methods measured on every zoo model are ranked on each model by their loss "
-             "(1 = least; ties share a rank). The default is the method with the lowest mean rank, a tie going to the one whose loss "
-             "stays closest to the best on its worst model (a method within 5 % of the best on every model would be chosen as well). "
-             + verdict)  # fmt: skip
+    intro = (
+        "**How the default is chosen**: at h/4 the methods measured on every zoo model are ranked on each model by their loss "
+        "(1 = least; ties share a rank). The default is the method with the lowest mean rank, a tie going to the one whose loss "
+        "stays closest to the best on its worst model (a method within 5 % of the best on every model would be chosen as well). " + verdict
+    )
     return intro + "\n\n" + table(["method", "mean rank", "largest loss over the best"], body)
 
 
@@ -701,7 +772,10 @@ def headline() -> str:
             _source("generate_throughput_idle.json"),
         ],
     ]
-    intro = "Measured: the embedded model's KL to the original and perplexity change on held-out text, and generation speed ([docs/benchmarks.md](docs/benchmarks.md) has every figure):"
+    intro = (
+        "Measured: the embedded model's KL to the original and perplexity change on held-out text, and generation speed "
+        "([docs/benchmarks.md](docs/benchmarks.md) has every figure):"
+    )
     return intro + "\n\n" + table(["", "measured", "from"], rows)
 
 
@@ -712,7 +786,10 @@ def scaling_plan() -> str:
 
 def deployed_speed() -> str:
     """docs/deploying.md: the default folder against the builder's, and MHA against h/4."""
-    note = "From [`side_by_side.json`](../benchmarks/results/side_by_side.json) (`benchmarks/side_by_side.py`; its setup and profiles: [benchmarks.md](benchmarks.md#side_by_sidejson)):"
+    note = (
+        "From [`side_by_side.json`](../benchmarks/results/side_by_side.json) (`benchmarks/side_by_side.py`; its setup and profiles: "
+        "[benchmarks.md](benchmarks.md#side_by_sidejson)):"
+    )
     return note + "\n\n" + side_by_side_tables(_load("side_by_side.json"))
 
 
@@ -773,7 +850,10 @@ def layout_cost() -> str:
 def zoo_methods() -> str:
     """docs/methods.md: the zoo's KL grid and the default against `mean` at h/4."""
     data = _load("zoo_quality.json")
-    note = "From [`zoo_quality.json`](benchmarks.md#zoo_qualityjson) (`benchmarks/zoo.py quality`; the models, their perplexity, top-1 and conversion times are there):"
+    note = (
+        "From [`zoo_quality.json`](benchmarks.md#zoo_qualityjson) (`benchmarks/zoo.py quality`; the models, their perplexity, top-1 and conversion "
+        "times are there):"
+    )
     return "\n\n".join([note, zoo_table(data), zoo_choice(data), zoo_leave_one_out(data), zoo_summary(data)])
 
 
@@ -793,10 +873,16 @@ def local_fit() -> str:
 
 
 SNIPPETS: dict[str, Callable[[], str]] = {
-    "headline": headline, "scaling-plan": scaling_plan, "demo-reference": demo_reference, "method-parts-h4": method_parts_h4,
-    "zoo-quality": zoo_methods, "side-by-side": deployed_speed, "distill-zoo": distill_zoo_recipes, "layout-cost": layout_cost,
+    "headline": headline,
+    "scaling-plan": scaling_plan,
+    "demo-reference": demo_reference,
+    "method-parts-h4": method_parts_h4,
+    "zoo-quality": zoo_methods,
+    "side-by-side": deployed_speed,
+    "distill-zoo": distill_zoo_recipes,
+    "layout-cost": layout_cost,
     "local-fit": local_fit,
-}  # fmt: skip
+}
 MARKER = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 
 

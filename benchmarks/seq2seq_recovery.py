@@ -76,16 +76,39 @@ def quality_rows(source: Path, kv: int, tmp: Path, text: dict[str, Path], pretra
     batch = default_batch_size(round(args.budgets[-1] * pretraining), WINDOW)  # what `--tokens` of the largest budget gets
     steps = [round(b * pretraining / (batch * WINDOW)) for b in args.budgets]
     began = time.perf_counter()
-    out = distill(source, student, tmp / f"kv{kv}-distilled", data=text["train"], eval_data=text["heldout"], steps=steps[-1], batch_size=batch,
-                  seq_len=WINDOW, eval_every=steps[-1], eval_at=tuple(steps[:-1]), eval_windows=args.eval_windows, progress=False)  # fmt: skip
+    out = distill(
+        source,
+        student,
+        tmp / f"kv{kv}-distilled",
+        data=text["train"],
+        eval_data=text["heldout"],
+        steps=steps[-1],
+        batch_size=batch,
+        seq_len=WINDOW,
+        eval_every=steps[-1],
+        eval_at=tuple(steps[:-1]),
+        eval_windows=args.eval_windows,
+        progress=False,
+    )
     seconds = round(time.perf_counter() - began, 1)
     evals = {e["step"]: e for e in json.loads((out / "distill-log.json").read_text())["eval"]}
     rows = []
     for budget, step in zip((0.0, *args.budgets), (0, *steps), strict=True):
         e = evals[step]
-        rows.append({"model": f"GQA-{kv}" if kv > 1 else "MQA", "kv_heads": kv, "distilled": f"{budget:.0%}", "distill_tokens": step * batch * WINDOW,
-                     "kl": e["kl"], "target_ppl": e["ppl"], "ppl_increase": e["ppl_increase"], "top1": e["top1"], "teacher_ppl": e["teacher_ppl"],
-                     **({"distill_s": seconds} if step == steps[-1] else {})})  # fmt: skip
+        rows.append(
+            {
+                "model": f"GQA-{kv}" if kv > 1 else "MQA",
+                "kv_heads": kv,
+                "distilled": f"{budget:.0%}",
+                "distill_tokens": step * batch * WINDOW,
+                "kl": e["kl"],
+                "target_ppl": e["ppl"],
+                "ppl_increase": e["ppl_increase"],
+                "top1": e["top1"],
+                "teacher_ppl": e["teacher_ppl"],
+                **({"distill_s": seconds} if step == steps[-1] else {}),
+            }
+        )
     return rows, out
 
 
@@ -112,17 +135,28 @@ def latency_rows(models: dict[int, Path], tmp: Path, args) -> dict[int, dict]:
         sessions[kv], feeds[kv] = session(export / "decoder.onnx", args.threads), decoder_feeds(export, kv, args)
     medians = interleaved_medians(sessions, feeds, args.warmup, args.runs)
     caches = headfold.inspect(models[HEADS], candidates=list(models), progress=False).cache_bytes_per_token
-    return {kv: {"decoder_step_ms": round(step * 1e3, 3), "speedup_vs_mha": round(medians[HEADS] / step, 2),
-                 "self_cache_bytes_per_token": caches[kv]["self"]["after"], "cross_cache_bytes_per_token": caches[kv]["cross"]["after"]} for kv, step in medians.items()}  # fmt: skip
+    return {
+        kv: {
+            "decoder_step_ms": round(step * 1e3, 3),
+            "speedup_vs_mha": round(medians[HEADS] / step, 2),
+            "self_cache_bytes_per_token": caches[kv]["self"]["after"],
+            "cross_cache_bytes_per_token": caches[kv]["cross"]["after"],
+        }
+        for kv, step in medians.items()
+    }
 
 
 def what(args, training: dict) -> str:
-    return (f"A byte-level T5 ({LAYERS}+{LAYERS} layers, d_model {WIDTH}, {HEADS} heads of {HEAD_DIM}) trained by this script on the offline corpus "
-            f"({training['pretraining_tokens']} pre-training tokens: {training['train_steps']} steps of {TRAIN_BATCH} windows of {WINDOW} bytes, the first half the source, "
-            f"the second the target), mean-pooled in the decoder's self- and cross-attention. KL, target perplexity and top-1 to the original on "
-            f"{args.eval_windows} held-out windows, training-free and after distilling that share of the pre-training tokens (one run of the largest, read on the way); "
-            f"decoder.onnx step at batch {args.batch}, {args.source}-byte source, {args.prompt}-token prompt in the self cache, ONNX Runtime CPU, "
-            f"{args.threads} thread(s), median of {args.runs}; cache bytes per token (self: per target token, cross: per source token), fp32")  # fmt: skip
+    return (
+        f"A byte-level T5 ({LAYERS}+{LAYERS} layers, d_model {WIDTH}, {HEADS} heads of {HEAD_DIM}) trained by this script on the offline corpus "
+        f"({training['pretraining_tokens']} pre-training tokens: {training['train_steps']} steps of {TRAIN_BATCH} windows of {WINDOW} "
+        "bytes, the first half the source, "
+        f"the second the target), mean-pooled in the decoder's self- and cross-attention. KL, target perplexity and top-1 to the original on "
+        f"{args.eval_windows} held-out windows, training-free and after distilling that share of the pre-training tokens (one run of the "
+        "largest, read on the way); "
+        f"decoder.onnx step at batch {args.batch}, {args.source}-byte source, {args.prompt}-token prompt in the self cache, ONNX Runtime CPU, "
+        f"{args.threads} thread(s), median of {args.runs}; cache bytes per token (self: per target token, cross: per source token), fp32"
+    )
 
 
 def main() -> None:
@@ -160,7 +194,8 @@ def main() -> None:
             rows += kv_rows
             for r in kv_rows:
                 print(
-                    f"{r['model']:6} distilled {r['distilled']:>3}: KL {r['kl']:.4f}  target ppl {r['target_ppl']:.3f} (MHA {r['teacher_ppl']:.3f})  top-1 {r['top1']:.1%}",
+                    f"{r['model']:6} distilled {r['distilled']:>3}: KL {r['kl']:.4f}  target ppl {r['target_ppl']:.3f} (MHA "
+                    f"{r['teacher_ppl']:.3f})  top-1 {r['top1']:.1%}",
                     flush=True,
                 )
         mha = {"model": "MHA", "kv_heads": HEADS, "distilled": "", "kl": 0.0, "target_ppl": rows[0]["teacher_ppl"], "ppl_increase": 0.0, "top1": 1.0}
@@ -171,9 +206,13 @@ def main() -> None:
         if r["distilled"] in ("", "0%"):  # latency and cache size: one per model, on its training-free row
             r.update(latency[r["kv_heads"]])
             print(
-                f"{r['model']:6} decoder step {r['decoder_step_ms']:.3f} ms ({r['speedup_vs_mha']:.2f}×)  cache B/token self {r['self_cache_bytes_per_token']}, cross {r['cross_cache_bytes_per_token']}"
+                f"{r['model']:6} decoder step {r['decoder_step_ms']:.3f} ms ({r['speedup_vs_mha']:.2f}×)  cache B/token self "
+                f"{r['self_cache_bytes_per_token']}, cross {r['cross_cache_bytes_per_token']}"
             )
-    machine = f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; torch {args.torch_threads} thread(s); training {training['train_s']} s, final train loss {training['final_train_loss']}"
+    machine = (
+        f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; torch {args.torch_threads} thread(s); "
+        f"training {training['train_s']} s, final train loss {training['final_train_loss']}"
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"what": what(args, training), "machine": machine, "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.json}")

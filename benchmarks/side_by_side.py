@@ -253,7 +253,8 @@ def main() -> None:
     print(f"\n{'precision':9} {'model':8} {'batch':>5} {'past':>5} {'builder tok/s':>13} {'headfold tok/s':>14} {'ratio':>6}")
     for s in summary:
         print(
-            f"{s['precision']:9} {s['model']:8} {s['batch']:>5} {s['past']:>5} {s['builder_tokens_per_s']:>13} {s['headfold_tokens_per_s']:>14} {s['headfold_vs_builder']:>6}"
+            f"{s['precision']:9} {s['model']:8} {s['batch']:>5} {s['past']:>5} {s['builder_tokens_per_s']:>13} {s['headfold_tokens_per_s']:>14} "
+            f"{s['headfold_vs_builder']:>6}"
         )
     for s in speedups:
         print(f"{s['precision']} batch {s['batch']} past {s['past']}: MHA → h/4 {s['speedup']}× of ideal {s['ideal_bytes_ratio']}× ({s['of_ideal']:.0%})")

@@ -56,10 +56,12 @@ RESULTS = Path(__file__).parent / "results" / "zoo_quality.json"
 EMBEDDED, MINILM = "embedded", "minilm"
 MODELS = (*zoo_models.MEMBERS, EMBEDDED, MINILM)
 BUILTIN, OWN = "built-in", "training split"  # calibration text: the default, and the model's own
-WHAT = ("Every training-free method on every zoo model (benchmarks/zoo.py) at kv h/2, h/4 and MQA: KL(original ‖ converted) per token, "
-        "perplexity and top-1 agreement on the model's own held-out text (T5: the decoder's target tokens after a held-out source; "
-        "all-MiniLM-L6-v2: sentence-embedding cosine to the original), and the conversion's wall time. Calibration: the built-in text "
-        "(what a user gets by default); the default method at h/4 also on the model's own training split.")  # fmt: skip
+WHAT = (
+    "Every training-free method on every zoo model (benchmarks/zoo.py) at kv h/2, h/4 and MQA: KL(original ‖ converted) per token, "
+    "perplexity and top-1 agreement on the model's own held-out text (T5: the decoder's target tokens after a held-out source; "
+    "all-MiniLM-L6-v2: sentence-embedding cosine to the original), and the conversion's wall time. Calibration: the built-in text "
+    "(what a user gets by default); the default method at h/4 also on the model's own training split."
+)
 
 
 # -- the models ----------------------------------------------------------------------------------------
@@ -103,8 +105,12 @@ def trained(name: str, cache: Path, log: Callable = print) -> Subject:
 def embedded() -> Subject:
     folder = default_model_path()
     record = json.loads((folder / "training.json").read_text())
-    facts = _shape(folder) | {"parameters": record["parameters"], "pretraining_tokens": pretraining_tokens(folder), "heldout_perplexity": record["heldout_perplexity"],
-                              "weights_sha256": zoo_models.sha256(folder / "model.safetensors")}  # fmt: skip
+    facts = _shape(folder) | {
+        "parameters": record["parameters"],
+        "pretraining_tokens": pretraining_tokens(folder),
+        "heldout_perplexity": record["heldout_perplexity"],
+        "weights_sha256": zoo_models.sha256(folder / "model.safetensors"),
+    }
     heldout = zoo_models.spread_windows(torch.tensor(corpus.encode(corpus.heldout_text())))
     return Subject(EMBEDDED, "the embedded model: RoPE Llama on pydoc topics", folder, "decoder", heldout, None, facts)
 
@@ -250,8 +256,10 @@ def merge(path: Path, entries: list[dict], rows: list[dict], machine: str) -> No
 
 
 def machine_line(threads: int) -> str:
-    return (f"{os.cpu_count()} CPU cores, torch {threads} thread(s) (each model's load average is in its entry); "
-            f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")  # fmt: skip
+    return (
+        f"{os.cpu_count()} CPU cores, torch {threads} thread(s) (each model's load average is in its entry); "
+        f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
+    )
 
 
 def quality(args: argparse.Namespace) -> None:

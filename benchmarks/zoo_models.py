@@ -215,9 +215,8 @@ def train(m: Member, folder: Path, text: Corpus, log=print) -> dict:
         recent = (recent + [loss.item()])[-m.log_every :]
         if (step + 1) % m.log_every == 0 or step + 1 == m.steps:
             elapsed = time.perf_counter() - start
-            log(
-                f"{m.name}: step {step + 1}/{m.steps}  loss {sum(recent) / len(recent):.4f}  {elapsed:.0f}s, eta {elapsed / (step + 1) * (m.steps - step - 1):.0f}s"
-            )
+            eta = elapsed / (step + 1) * (m.steps - step - 1)
+            log(f"{m.name}: step {step + 1}/{m.steps}  loss {sum(recent) / len(recent):.4f}  {elapsed:.0f}s, eta {eta:.0f}s")
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     load = (load, os.getloadavg()[0])
     heldout = heldout_loss(model, spread_windows(text.ids("heldout"), count=m.eval_windows), m.seq2seq)

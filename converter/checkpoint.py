@@ -177,7 +177,9 @@ def _token_ids(value: Any, vocab: int | None) -> bool:  # eos may list several
 # Config values the model builder and the exporter read, by the names families give them: what each
 # must be, checked here (null means "unset" for all of them), so a bad one is one line before any work.
 CONFIG_VALUES: dict[str, tuple[Callable[[Any, int | None], bool], tuple[str, ...]]] = {
-    "a positive number": (lambda v, _: _number(v) and v > 0, ("rope_theta", "rotary_emb_base", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")),
+    "a positive number": (lambda v, _: _number(v) and v > 0, (
+        "rope_theta", "rotary_emb_base", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
+    )),
     "a number from 0 to 1": (lambda v, _: _number(v) and 0 <= v <= 1, (
         "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "dropout",
         "attention_probs_dropout_prob", "activation_dropout", "classifier_dropout", "summary_first_dropout", "layerdrop",
@@ -188,7 +190,9 @@ CONFIG_VALUES: dict[str, tuple[Callable[[Any, int | None], bool], tuple[str, ...
         "enable_bias", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "is_decoder",
         "add_cross_attention", "use_sliding_window",
     )),
-    "a token id inside the vocabulary": (_token_ids, ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")),
+    "a token id inside the vocabulary": (_token_ids, (
+        "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
+    )),
     "an activation name": (lambda v, _: isinstance(v, str) and bool(v), ("hidden_act", "activation_function", "hidden_activation")),
     "a model type name": (lambda v, _: isinstance(v, str) and bool(v), ("model_type",)),
     "float32, float16, bfloat16, float64 or auto": (lambda v, _: v in ("float32", "float16", "bfloat16", "float64", "auto"), ("dtype", "torch_dtype")),
@@ -306,7 +310,8 @@ def _attention_blocks(config: dict[str, Any], spec: ArchitectureSpec) -> tuple[A
     names = [kind.name for kind in spec.attentions]
     if not isinstance(stated, dict) or set(stated) - set(names):
         raise BadInput(
-            f"config.json: {KV_HEADS_PER_ATTENTION} must map {', '.join(names)} to kv-head counts, found {inputs.shown(stated)}; re-run headfold convert or fix config.json"
+            f"config.json: {KV_HEADS_PER_ATTENTION} must map {', '.join(names)} to kv-head counts, found {inputs.shown(stated)}; re-run "
+            "headfold convert or fix config.json"
         )
     keys, blocks = spec.config, []
     for kind in spec.attentions:  # head_dim: the family's key (T5's d_kv), else the width over this kind's heads
@@ -590,7 +595,8 @@ def read_tensor_index(folder: Path, allow_pickle: bool) -> TensorIndex:
         raise BadInput(f"the weight index names {len(missing)} tensor(s) absent from the shards (e.g. {min(missing)}); the checkpoint is incomplete")
     if wrong := next((n for n, f in sorted(index.items()) if tensors[n].file != f), None):
         raise BadInput(
-            f"the weight index maps tensor {wrong} to {index[wrong].name}, which does not hold it ({tensors[wrong].file.name} does); restore the index from the original checkpoint"
+            f"the weight index maps tensor {wrong} to {index[wrong].name}, which does not hold it ({tensors[wrong].file.name} does); restore "
+            "the index from the original checkpoint"
         )
     return TensorIndex(files, tensors, pickles)
 

@@ -93,7 +93,8 @@ def convert(
         pools = targets != list(ckpt.layer_shapes)  # kv heads = heads everywhere: byte-identical, nothing to calibrate
         if recipe.data_aware and pools:  # the request is valid: say what the seconds before the first bar are
             log.info(
-                f"convert: loading torch, transformers, the tokenizer and {calibration_tokens} tokens of {calibration or 'the built-in text'}; then calibrating one layer at a time"
+                f"convert: loading torch, transformers, the tokenizer and {calibration_tokens} tokens of {calibration or 'the built-in text'}; "
+                "then calibrating one layer at a time"
             )
             from headfold.converter.calibration import check_settings  # torch and transformers: data-aware methods only
 
@@ -224,7 +225,8 @@ def refused_modifiers(ckpt: SourceCheckpoint) -> dict[str, str]:
     why: dict[str, str] = {}
     if ckpt.spec.alibi:
         why["grouped"] = why["scored"] = (
-            f"{ckpt.spec.family} uses ALiBi, whose slope belongs to each query head's position, so grouped and scored (which move query heads) would change the model"
+            f"{ckpt.spec.family} uses ALiBi, whose slope belongs to each query head's position, so grouped and scored (which move query heads) "
+            "would change the model"
         )
     if ckpt.spec.head_position_bias:
         why["grouped"] = why["scored"] = (
@@ -263,11 +265,13 @@ def without_local(recipe: Recipe, method: str) -> Recipe:
     warning; any other method with local is BadInput (local fits attention outputs on text)."""
     if method != DEFAULT_METHOD:
         raise BadInput(
-            "local fits each layer's attention output on calibration text: pass --calibration TEXT_FILE (a checkpoint with tokenizer files), not the weights alone"
+            "local fits each layer's attention output on calibration text: pass --calibration TEXT_FILE (a checkpoint with tokenizer files), "
+            "not the weights alone"
         )
     kept = replace(recipe, local=False)
     log.warning(
-        f"headfold: the default method is {kept.name} here, without local: local fits each layer's attention output on calibration text, and this conversion has the weights alone"
+        f"headfold: the default method is {kept.name} here, without local: local fits each layer's attention output on calibration text, and "
+        "this conversion has the weights alone"
     )
     return kept
 
@@ -328,7 +332,8 @@ def calibration_text(calibration: str | Path | None, builtin: str | None) -> str
     if calibration is None:
         if builtin is None:
             log.warning(
-                "headfold: no text to calibrate on (the checkpoint has no tokenizer files): the method works on the weights alone; pass --calibration TEXT_FILE with a tokenizer to calibrate on text"
+                "headfold: no text to calibrate on (the checkpoint has no tokenizer files): the method works on the weights alone; pass "
+                "--calibration TEXT_FILE with a tokenizer to calibrate on text"
             )
         return builtin
     if str(calibration) == "weights":

@@ -8,8 +8,8 @@ parts pool the layer first (the start); then the block itself runs with candidat
 (torch.func.functional_call: the family's own projections, rotary, masking and scaling, never a
 re-implementation), a GQA layer run as the MHA block it equals (each pooled kv head repeated for the
 source heads of its group). Adam minimises the squared error of the block's output over the tensors `free`
-names (LocalFit, ground/settings.py: every tunable of the fit): every attention tensor the GQA layer has ("all": the pooled K/V projections, the per-query-head Q
-and O, their biases and per-head norms), or the pooled K/V tensors and one head_dim × head_dim map per
+names (LocalFit, ground/settings.py: every tunable of the fit): every attention tensor the GQA layer has
+("all": the pooled K/V projections, the per-query-head Q and O, their biases and per-head norms), or the pooled K/V tensors and one head_dim × head_dim map per
 query head on Q and on O ("maps", identity at the start). "maps" frees 2·kv_heads·head_dim + 2·head_dim
 parameters per calibration target whatever the width, "all" about 2·hidden more: at 7B's width "all" is
 under-determined by any calibration a CPU can afford. The calibration windows are split, seeded, into a fitted part and a held-out

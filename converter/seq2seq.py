@@ -48,7 +48,8 @@ def pooled_kinds(spec: ArchitectureSpec, pool: str | None) -> tuple[str, ...] | 
     if not spec.encoder_decoder:
         if pool is not None:
             raise BadInput(
-                f"--pool chooses among an encoder-decoder's attentions; {spec.family} is {'an encoder' if spec.kind == 'encoder' else 'a decoder'} with self-attention only: drop --pool"
+                f"--pool chooses among an encoder-decoder's attentions; {spec.family} is {'an encoder' if spec.kind == 'encoder' else 'a decoder'} "
+                "with self-attention only: drop --pool"
             )
         return None
     if (pool or DEFAULT_POOL) not in POOL_CHOICES:

@@ -189,7 +189,10 @@ def _not_in_cache(repo_id: str, revision: str | None, err: Exception) -> str:
     if constants.HF_HUB_OFFLINE:
         fetch = f"hf download {repo_id}{f' --revision {revision}' if revision else ''}"
         return f"{what}, and downloads are off because HF_HUB_OFFLINE is set; check the name, or fetch it with `{fetch}` where online, or unset HF_HUB_OFFLINE"
-    return f"{what}, and the Hugging Face hub cannot be reached ({first_line(err.__cause__ or err)}); check the name, the network or HF_ENDPOINT, or use a local folder"
+    return (
+        f"{what}, and the Hugging Face hub cannot be reached ({first_line(err.__cause__ or err)}); check the name, the network or HF_ENDPOINT, or "
+        "use a local folder"
+    )
 
 
 def _cached_refs(repo_id: str) -> list[str]:

@@ -148,7 +148,8 @@ def _refuse_existing(out: Path, overwrite: bool, how: str, ours: bool, is_dir: b
     if not ours and not written_by_headfold(out):
         what = f"none of {', '.join(OWN_RECORDS)} or an engine sidecar with headfold's mark in it" if out.is_dir() else f"no '{MARK}' mark in it"
         raise BadInput(
-            f"output {out} is a {'folder' if out.is_dir() else 'file'} headfold did not write ({what}), which --overwrite never replaces; choose another path, or remove it yourself"
+            f"output {out} is a {'folder' if out.is_dir() else 'file'} headfold did not write ({what}), which --overwrite never replaces; "
+            "choose another path, or remove it yourself"
         )
 
 

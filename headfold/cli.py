@@ -161,9 +161,19 @@ def convert(
     from headfold.converter import convert as run_convert
 
     result = run_convert(
-        src, out, kv_heads, method, overwrite=output.overwrite, max_shard_size=shard_size, allow_pickle=allow_pickle,
-        progress=output.progress, builtin_text=corpus.calibration_text(), pool=pool, local_steps=local_steps, **calibration.kwargs(),
-    )  # fmt: skip
+        src,
+        out,
+        kv_heads,
+        method,
+        overwrite=output.overwrite,
+        max_shard_size=shard_size,
+        allow_pickle=allow_pickle,
+        progress=output.progress,
+        builtin_text=corpus.calibration_text(),
+        pool=pool,
+        local_steps=local_steps,
+        **calibration.kwargs(),
+    )
     from headfold.converter.conversion import load_hint
 
     record = manifest.load(result)
@@ -212,7 +222,7 @@ def export_cmd(src: str, out_dir: Path, export: ExportOptions, revision: str | N
 @options(
     spec("--dry-run", is_flag=True, help="Print the build plan (graphs, precision, profiles, plugins, lint) and build nothing; needs no TensorRT."),
     spec("--require-fused-attention", is_flag=True, help="Exit 1 (and write nothing) when an engine's attention is not one fused kernel."),
-)  # fmt: skip
+)
 @profile_options
 @output_options()
 def build_cmd(src: Path, out: Path, dry_run: bool, require_fused_attention: bool, profile: Profile, trt_version: str | None, output: Output) -> None:
@@ -308,10 +318,24 @@ def verify_cmd(
 @SOURCE
 @output_options()
 def run_cmd(
-    src: str, out_dir: Path, kv_heads: int | tuple[int, ...], method: str, pool: str | None, local_steps: int | None, shard_size: str | None, allow_pickle: bool,
-    calibration: Calibration, distill: DistillStage | None, export: ExportOptions, profile: Profile, trt_version: str | None, inputs: InputSpec, thresholds: Thresholds,
-    revision: str | None, output: Output,
-) -> None:  # fmt: skip
+    src: str,
+    out_dir: Path,
+    kv_heads: int | tuple[int, ...],
+    method: str,
+    pool: str | None,
+    local_steps: int | None,
+    shard_size: str | None,
+    allow_pickle: bool,
+    calibration: Calibration,
+    distill: DistillStage | None,
+    export: ExportOptions,
+    profile: Profile,
+    trt_version: str | None,
+    inputs: InputSpec,
+    thresholds: Thresholds,
+    revision: str | None,
+    output: Output,
+) -> None:
     """Convert → (distill) → export → build → verify the checkpoint SRC (a folder or hub id) into OUT_DIR/{convert,distill,export,build,verify}.
 
     Takes every option of the stages it runs: convert's, distill's as --distill-… (the stage runs
@@ -326,10 +350,23 @@ def run_cmd(
     (src,) = _checkpoint_folders(src, revision=revision, allow_pickle=allow_pickle)
     output.check([src], [out_dir])
     report = run(
-        src, out_dir, kv_heads, method=method, max_shard_size=shard_size, allow_pickle=allow_pickle, calibration=calibration, pool=pool,
-        local_steps=local_steps, distill=distill, export=export, build=profile, inputs=inputs, thresholds=thresholds,
-        overwrite=output.overwrite, progress=output.progress,
-    )  # fmt: skip
+        src,
+        out_dir,
+        kv_heads,
+        method=method,
+        max_shard_size=shard_size,
+        allow_pickle=allow_pickle,
+        calibration=calibration,
+        pool=pool,
+        local_steps=local_steps,
+        distill=distill,
+        export=export,
+        build=profile,
+        inputs=inputs,
+        thresholds=thresholds,
+        overwrite=output.overwrite,
+        progress=output.progress,
+    )
     _finish(report, output, [src, out_dir])
 
 
@@ -353,7 +390,7 @@ def _distill_summary(record: dict[str, Any]) -> list[str]:
     spec("--save-every", type=WHOLE, default=None, help="Write a resumable checkpoint every N steps into .OUT.distill-state beside OUT."),
     spec("--resume", is_flag=True, help="Continue from the last checkpoint in .OUT.distill-state (same inputs and options)."),
     title="Resumable state",
-)  # fmt: skip
+)
 @SOURCE
 @output_options()
 def distill_cmd(teacher: str, student: str, out: Path, revision: str | None, output: Output, **options: Any) -> None:
@@ -394,11 +431,21 @@ class KvBudget(click.ParamType):
 @cli.command("inspect")
 @click.argument("src", type=CHECKPOINT)
 @options(
-    spec("--candidates", default=None, metavar="K,K,...", help="kv-head counts to predict the loss of, e.g. 4,2,1. [default: every divisor of the kv heads below them]"),
+    spec(
+        "--candidates",
+        default=None,
+        metavar="K,K,...",
+        help="kv-head counts to predict the loss of, e.g. 4,2,1. [default: every divisor of the kv heads below them]",
+    ),
     method_spec(),
-    spec("--kv-budget", type=KvBudget(), default=None, help="Propose per-layer kv heads for this KV cache: 0.25 (or 25%) of the source's, or a total of kv heads summed over layers."),
+    spec(
+        "--kv-budget",
+        type=KvBudget(),
+        default=None,
+        help="Propose per-layer kv heads for this KV cache: 0.25 (or 25%) of the source's, or a total of kv heads summed over layers.",
+    ),
     title="Inspection options",
-)  # fmt: skip
+)
 @calibration_options
 @SOURCE
 @output_options(
@@ -421,9 +468,16 @@ def inspect_cmd(
     if heatmap is None and json_file is None:
         refuse(("overwrite",), "without --heatmap or --json FILE (inspect writes no other file)")
     report = inspect_checkpoint(
-        src, candidates=candidates, method=method, kv_budget=kv_budget, heatmap=heatmap, json_path=json_file,
-        overwrite=output.overwrite, progress=output.progress, **calibration.kwargs(),
-    )  # fmt: skip
+        src,
+        candidates=candidates,
+        method=method,
+        kv_budget=kv_budget,
+        heatmap=heatmap,
+        json_path=json_file,
+        overwrite=output.overwrite,
+        progress=output.progress,
+        **calibration.kwargs(),
+    )
     written = [f"wrote {what} {path}" for what, path in (("heatmap", heatmap), ("JSON", json_file)) if path is not None]
     output.emit("\n".join([report.table(), *written]), report.to_json(), written=json_file is not None)
 
@@ -446,7 +500,7 @@ def _demo_rows() -> int:
     DEMO_TOKENS,
     spec("--no-distill", is_flag=True, help="Skip distillation: what training-free conversion alone reaches (the reference budget then fails)."),
     title="Distill stage",
-)  # fmt: skip
+)
 @export_options
 @profile_options
 @input_options(max_rows={"default": _demo_rows, "show_default": "the rows of the reference budget"})
@@ -463,9 +517,21 @@ def _demo_rows() -> int:
 )
 @output_options(writes=True)
 def demo(
-    kv_heads: int | tuple[int, ...], method: str, local_steps: int | None, calibration: Calibration, distill: DistillStage | None, distill_tokens: str, no_distill: bool,
-    export: ExportOptions, profile: Profile, trt_version: str | None, inputs: InputSpec, thresholds: Thresholds, keep: Path | None, output: Output,
-) -> None:  # fmt: skip
+    kv_heads: int | tuple[int, ...],
+    method: str,
+    local_steps: int | None,
+    calibration: Calibration,
+    distill: DistillStage | None,
+    distill_tokens: str,
+    no_distill: bool,
+    export: ExportOptions,
+    profile: Profile,
+    trt_version: str | None,
+    inputs: InputSpec,
+    thresholds: Thresholds,
+    keep: Path | None,
+    output: Output,
+) -> None:
     """`headfold run` on the embedded trained model (Llama layout, 4 layers × 8 heads).
 
     Converts, distills on the model's own training split, exports, (builds where TensorRT is
@@ -488,9 +554,19 @@ def demo(
     distill = None if no_distill else DistillStage(asked.data, {**own, **asked.options}, asked.eval_data)
     budget = thresholds if thresholds.file else replace(thresholds, file=demo_budget())
     report = run_demo(
-        kv_heads, method, distill=distill, thresholds=budget, keep=keep, overwrite=output.overwrite, progress=output.progress,
-        calibration=calibration, local_steps=local_steps, export=export, build=profile, inputs=inputs,
-    )  # fmt: skip
+        kv_heads,
+        method,
+        distill=distill,
+        thresholds=budget,
+        keep=keep,
+        overwrite=output.overwrite,
+        progress=output.progress,
+        calibration=calibration,
+        local_steps=local_steps,
+        export=export,
+        build=profile,
+        inputs=inputs,
+    )
     _finish(report, output)
     if keep is not None:
         output.say(f"kept {keep}: convert/, {'distill/, ' if distill else ''}export/, verify/ (report.json, report.md, junit.xml)")

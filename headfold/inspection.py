@@ -217,10 +217,20 @@ class PlanReport:
         return self.plan.total / self.source_total
 
     def to_json(self) -> dict[str, Any]:
-        return {"kv_heads": list(self.plan.kv_heads), "argument": self.plan.argument, "predicted": self.plan.loss, "measured": self.measured, "kv_heads_total": self.plan.total, "cache_fraction": self.fraction}  # fmt: skip
+        return {
+            "kv_heads": list(self.plan.kv_heads),
+            "argument": self.plan.argument,
+            "predicted": self.plan.loss,
+            "measured": self.measured,
+            "kv_heads_total": self.plan.total,
+            "cache_fraction": self.fraction,
+        }
 
     def line(self, metric: str) -> str:
-        return f"{self.plan.argument}  predicted {metric} {self.plan.loss:.4g} (sum of layers), measured {self.measured:.4g} (all at once), cache {self.fraction:.1%} of the source"
+        return (
+            f"{self.plan.argument}  predicted {metric} {self.plan.loss:.4g} (sum of layers), measured {self.measured:.4g} (all at once), cache "
+            f"{self.fraction:.1%} of the source"
+        )
 
 
 @dataclass(frozen=True)
@@ -247,14 +257,27 @@ class Inspection:
         matrix = lambda t: [[float(x) for x in row] for row in t]  # noqa: E731
         return {
             CREATED_BY: created_by(),  # headfold's mark: --overwrite replaces only marked files
-            "source": str(self.source), "family": self.family, "kind": self.kind,
-            "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "layers": len(self.layers),
-            "method": self.method, "metric": METRICS[self.kind], "candidates": self.candidates, "calibration": self.calibration,
+            "source": str(self.source),
+            "family": self.family,
+            "kind": self.kind,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "layers": len(self.layers),
+            "method": self.method,
+            "metric": METRICS[self.kind],
+            "candidates": self.candidates,
+            "calibration": self.calibration,
             "per_layer": [
                 {
                     "layer": i,
-                    "similarity": {"keys": matrix(r.similarity.keys), "values": matrix(r.similarity.values), "aligned": matrix(r.similarity.aligned),
-                                   "nearest": [float(x) for x in r.similarity.nearest], "mean": r.similarity.mean},
+                    "similarity": {
+                        "keys": matrix(r.similarity.keys),
+                        "values": matrix(r.similarity.values),
+                        "aligned": matrix(r.similarity.aligned),
+                        "nearest": [float(x) for x in r.similarity.nearest],
+                        "mean": r.similarity.mean,
+                    },
                     "loss": {str(k): v for k, v in r.loss.items()},
                     "groups": {str(k): g for k, g in r.groups.items()},
                 }
@@ -263,7 +286,7 @@ class Inspection:
             "budget": None if self.budget is None else {"kv_heads_total": self.budget, "source_kv_heads_total": self.source_total},
             "plan": self.plan and self.plan.to_json(),
             "uniform": self.uniform and self.uniform.to_json(),
-        }  # fmt: skip
+        }
 
     @property
     def source_total(self) -> int:
@@ -379,9 +402,15 @@ class CacheInspection:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            CREATED_BY: created_by(), "source": str(self.source), "family": self.family, "kind": "seq2seq", "attentions": self.attentions,
-            "pool": seq2seq.DEFAULT_POOL, "candidates": self.candidates, "cache_bytes_per_token": {str(k): v for k, v in self.cache_bytes_per_token.items()},
-        }  # fmt: skip
+            CREATED_BY: created_by(),
+            "source": str(self.source),
+            "family": self.family,
+            "kind": "seq2seq",
+            "attentions": self.attentions,
+            "pool": seq2seq.DEFAULT_POOL,
+            "candidates": self.candidates,
+            "cache_bytes_per_token": {str(k): v for k, v in self.cache_bytes_per_token.items()},
+        }
 
     def table(self) -> str:
         kinds = ", ".join(f"{seq2seq.KIND_NAMES[k]} {a['layers']} layers × {a['heads']} heads ({a['kv_heads']} kv)" for k, a in self.attentions.items())
@@ -438,10 +467,20 @@ def _measure(
         chosen = best_uniform(options, budget)
         uniform = chosen and _plan_report(chosen, converter, live, reference)
     used = "weights" if fit_text is None else str(calibration or "built-in text")
-    info = {"text": used, "eval_text": "built-in text" if fit_text is None else used, "tokens": tokens, "seed": seed, "fit_windows": 0 if windows.fit is None else len(windows.fit),
-            "eval_windows": len(windows.eval), "eval_held_out": windows.held_out, "window": WINDOW}  # fmt: skip
+    info = {
+        "text": used,
+        "eval_text": "built-in text" if fit_text is None else used,
+        "tokens": tokens,
+        "seed": seed,
+        "fit_windows": 0 if windows.fit is None else len(windows.fit),
+        "eval_windows": len(windows.eval),
+        "eval_held_out": windows.held_out,
+        "window": WINDOW,
+    }
     s = ckpt.shape
-    return Inspection(ckpt.folder, ckpt.spec.family, ckpt.facts.kind, s.heads, s.kv_heads, s.head_dim, recipe.name, candidates, info, layers, budget, plan, uniform)  # fmt: skip
+    return Inspection(
+        ckpt.folder, ckpt.spec.family, ckpt.facts.kind, s.heads, s.kv_heads, s.head_dim, recipe.name, candidates, info, layers, budget, plan, uniform
+    )
 
 
 def _layer_reports(converter: LayerConverter, live: LiveAttention, reference: Reference, candidates: list[int], progress: bool) -> list[LayerReport]:

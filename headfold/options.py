@@ -189,7 +189,8 @@ def batch_size_spec(default: int | None) -> Spec:
         "--batch-size",
         type=WHOLE,
         default=default,
-        help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where --tokens would give under 640 steps).",
+        help="Rows per batch: padded evaluation rows (verify, run); training windows per step and process (distill: 8, or fewer, down to 1, where "
+        "--tokens would give under 640 steps).",
     )
 
 
@@ -202,7 +203,8 @@ SEED = spec(
 OVERWRITE = spec(
     "--overwrite",
     is_flag=True,
-    help="Replace outputs that exist, when headfold wrote them (never a file or folder of yours, never an input): atomically, once the command succeeded (run: other files in OUT_DIR stay).",
+    help="Replace outputs that exist, when headfold wrote them (never a file or folder of yours, never an input): atomically, once the command "
+    "succeeded (run: other files in OUT_DIR stay).",
 )
 QUIET = spec("--quiet", "-q", is_flag=True, help="Only results, warnings and errors: no progress bars or progress lines (the same as `headfold -q`).")
 VERBOSE = spec("--verbose", "-v", is_flag=True, help="Also debug lines and the libraries' own warnings, on stderr (the same as `headfold -v`).")
@@ -230,7 +232,9 @@ DTYPE = spec(
     "--dtype",
     type=PrecisionChoice(),
     default=None,
-    help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a bf16 checkpoint, which its CPU verify cannot run]",
+    help="Exported weight dtype (normalisations stay fp32 inside); picks verify's defaults. int4 (export, decoders): MatMul weights in 4 bits by "
+    "ONNX Runtime's MatMulNBits quantizer, everything else fp32; verify then gates its loss. [default: the checkpoint's own; run: fp32 for a "
+    "bf16 checkpoint, which its CPU verify cannot run]",
 )
 
 
@@ -366,13 +370,24 @@ def output_options(*, writes: bool = True, result: bool = True, extra: tuple[Spe
 calibration_options = OptionGroup(
     "Calibration (data-aware methods)",
     (
-        spec("--calibration", default=None, metavar="TEXT_FILE", help="Text the data-aware methods fit on (inspect measures the loss on other windows of it). Default: built-in offline text; 'weights': the weights alone."),
-        spec("--calibration-tokens", type=WHOLE, default=Calibration.tokens, help="Tokens of calibration text to run through the source model (inspect measures on as many others)."),
+        spec(
+            "--calibration",
+            default=None,
+            metavar="TEXT_FILE",
+            help="Text the data-aware methods fit on (inspect measures the loss on other windows of it). Default: built-in offline text; 'weights': "
+            "the weights alone.",
+        ),
+        spec(
+            "--calibration-tokens",
+            type=WHOLE,
+            default=Calibration.tokens,
+            help="Tokens of calibration text to run through the source model (inspect measures on as many others).",
+        ),
         SEED,
     ),
     "calibration",
     lambda calibration, calibration_tokens, seed: Calibration(calibration, calibration_tokens, seed),
-)  # fmt: skip
+)
 
 
 # Input spec of verify / run
@@ -388,14 +403,21 @@ INPUT_SPECS = (
     spec("--max-rows", type=WHOLE, default=InputSpec.max_rows, help="Use a seeded subset of this many rows when the text has more (0 = all)."),
     batch_size_spec(InputSpec.batch_size),
     SEED,
-    spec("--decode-steps", type=WHOLE, default=InputSpec.decode_steps, help="Decoder exports: the last N tokens of each row go one by one through the KV cache (model.onnx fed its own present K/V, or decode.onnx), gated like the prefill (0 = skip)."),
-)  # fmt: skip
+    spec(
+        "--decode-steps",
+        type=WHOLE,
+        default=InputSpec.decode_steps,
+        help="Decoder exports: the last N tokens of each row go one by one through the KV cache (model.onnx fed its own present K/V, or "
+        "decode.onnx), gated like the prefill (0 = skip).",
+    ),
+)
 TOKEN_IDS = spec(
     "--token-ids",
     type=PATH,
     default=None,
     metavar="FILE",
-    help="Feed these token ids instead of a text: one row per line, whitespace-separated ids. Without it, a model with no tokenizer files gets seeded random ids (fidelity only).",
+    help="Feed these token ids instead of a text: one row per line, whitespace-separated ids. Without it, a model with no tokenizer files gets "
+    "seeded random ids (fidelity only).",
 )
 
 
@@ -418,43 +440,66 @@ threshold_options = OptionGroup(
         spec("--budget", "budget_file", type=PATH, default=None, help="TOML/YAML/JSON file with [fidelity] and [loss] budgets (options below override it)."),
         spec("--max-ppl-increase", type=Fraction(), default=None, help="Loss: largest relative perplexity increase, e.g. 5% or 0.05. [default: 5%]"),
         spec("--max-kl", type=Nats(), default=None, help="Loss: largest mean per-token KL(original || converted), in nats. [default: 0.05]"),
-        spec("--min-top1", type=Fraction(), default=None, help="Smallest top-1 agreement (loss check; in verify, whichever check runs). [default: loss 90%, fidelity fp32 99.9%]"),
-        spec("--min-cosine", type=Fraction(), default=None, help="Smallest cosine (loss: encoder embeddings; in verify, whichever check runs). [default: loss 0.99, fidelity fp32 0.99999]"),
+        spec(
+            "--min-top1",
+            type=Fraction(),
+            default=None,
+            help="Smallest top-1 agreement (loss check; in verify, whichever check runs). [default: loss 90%, fidelity fp32 99.9%]",
+        ),
+        spec(
+            "--min-cosine",
+            type=Fraction(),
+            default=None,
+            help="Smallest cosine (loss: encoder embeddings; in verify, whichever check runs). [default: loss 0.99, fidelity fp32 0.99999]",
+        ),
         spec("--atol", type=Fraction(), default=None, help="Fidelity: an element fails when it exceeds both atol and rtol. [default fp32: 1e-4, fp16: 1e-2]"),
         spec("--rtol", type=Fraction(), default=None, help="Fidelity: relative tolerance. [default fp32: 1e-3, fp16: 1e-2]"),
     ),
     "thresholds",
     _thresholds,
-)  # fmt: skip
+)
 
 REPORTS = (
     spec("--markdown", "markdown_path", type=PATH, default=None, help="Write the tables as Markdown (for a PR comment)."),
     spec("--junit", "junit_path", type=PATH, default=None, help="Write JUnit XML: one testcase per check."),
-)  # fmt: skip
+)
 
 
 # Conversion (convert, run, demo)
 # --pool, not --attention: export and run already take --attention for the exported attention op
 POOL = spec(
-    "--pool", type=click.Choice(tuple(POOL_CHOICES)), default=None,
+    "--pool",
+    type=click.Choice(tuple(POOL_CHOICES)),
+    default=None,
     help="Encoder-decoders (T5, BART, Whisper): the attentions to pool. self: decoder self-attention; cross: decoder cross-attention; "
     f"decoder: both; encoder: encoder self-attention (it caches nothing); all. [default: {DEFAULT_POOL}]",
-)  # fmt: skip
+)
 
 
 LOCAL_STEPS = spec(
-    "--local-steps", type=WHOLE, default=None, metavar="N",
-    help=f"the most Adam steps per layer of a method with local (it stops earlier when its held-out windows stop improving); each runs the layer's attention over a minibatch of calibration windows. [default: {DEFAULT_LOCAL_STEPS}]",
-)  # fmt: skip
+    "--local-steps",
+    type=WHOLE,
+    default=None,
+    metavar="N",
+    help="the most Adam steps per layer of a method with local (it stops earlier when its held-out windows stop improving); each runs the layer's "
+    f"attention over a minibatch of calibration windows. [default: {DEFAULT_LOCAL_STEPS}]",
+)
 
 
 def conversion_options(*, kv_default: str | None = None, written: bool = True, with_pool: bool = True) -> OptionGroup:
     """--kv-heads, --method and --local-steps; where a checkpoint is written (convert, run) --shard-size and
     --allow-pickle; `with_pool`: --pool too (convert, run: not the demo, whose model is a decoder)."""
     checkpoint = (
-        spec("--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file)."),
-        spec("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin pickles (loaded with weights_only=True; from the hub only when the repo has no safetensors). Off by default: pickles can run code."),
-    )  # fmt: skip
+        spec(
+            "--shard-size", default=None, metavar="SIZE", help="Largest output shard, e.g. 2GB or 500MiB. Default: like the source (one file stays one file)."
+        ),
+        spec(
+            "--allow-pickle",
+            is_flag=True,
+            help="Accept pytorch_model.bin pickles (loaded with weights_only=True; from the hub only when the repo has no safetensors). Off by "
+            "default: pickles can run code.",
+        ),
+    )
     return options(kv_heads_spec(kv_default), method_spec(), *((POOL,) if with_pool else ()), LOCAL_STEPS, *(checkpoint if written else ()), title=CONVERSION)
 
 
@@ -462,18 +507,55 @@ def conversion_options(*, kv_default: str | None = None, written: bool = True, w
 export_options = OptionGroup(
     EXPORT,
     (
-        OPSET, DTYPE,
-        spec("--attention", type=click.Choice(("auto", "onnx", "ort-gqa")), default=ExportOptions.attention, help=f"Fused node: ort-gqa = ONNX Runtime's com.microsoft.GroupQueryAttention, K/V cache written in place into one shared buffer (decoders; unpadded or right-padded batches, as onnxruntime-genai feeds them); onnx = the standard Attention (any runtime, TensorRT). auto = ort-gqa in a merged decoder graph whose attention it computes, onnx for TensorRT targets, split graphs, encoders, encoder-decoders and ALiBi models; export.json says which and why. [default: {ExportOptions.attention}]"),
-        spec("--graphs", type=click.Choice(("merged", "split")), default=None, help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + decode.onnx (TensorRT profiles). [default: merged; split for a TensorRT target]"),
-        spec("--optimize", type=click.Choice(("auto", "ort", "none")), default=ExportOptions.optimize, help=f"ort = ONNX Runtime's fusions (skip layer norm, fused matmuls; with GroupQueryAttention: rotary inside it, packed Q/K/V), counted in export.json; the graph then runs in ONNX Runtime only. auto = ort on GroupQueryAttention graphs, none on the standard graph. [default: {ExportOptions.optimize}]"),
-        spec("--position-ids", is_flag=True, help="Merged decoder graph: take a position_ids [B, S] input (named in genai_config.json) instead of counting positions over the mask's real tokens."),
-        spec("--int4-block-size", type=WHOLE, default=None, help="--dtype int4: weights per quantization block along K (16, 32, 64, 128 or 256). [default: 32, as onnxruntime-genai's builder]"),
-        spec("--int4-symmetric/--int4-asymmetric", default=None, help="--dtype int4: symmetric blocks (int4, no zero points) or asymmetric (uint4 with zero points). [default: symmetric, as onnxruntime-genai's builder]"),
+        OPSET,
+        DTYPE,
+        spec(
+            "--attention",
+            type=click.Choice(("auto", "onnx", "ort-gqa")),
+            default=ExportOptions.attention,
+            help="Fused node: ort-gqa = ONNX Runtime's com.microsoft.GroupQueryAttention, K/V cache written in place into one shared buffer "
+            "(decoders; unpadded or right-padded batches, as onnxruntime-genai feeds them); onnx = the standard Attention (any runtime, "
+            "TensorRT). auto = ort-gqa in a merged decoder graph whose attention it computes, onnx for TensorRT targets, split graphs, "
+            f"encoders, encoder-decoders and ALiBi models; export.json says which and why. [default: {ExportOptions.attention}]",
+        ),
+        spec(
+            "--graphs",
+            type=click.Choice(("merged", "split")),
+            default=None,
+            help="Decoders: merged = one model.onnx for prompt and decode steps + genai_config.json (onnxruntime-genai); split = prefill.onnx + "
+            "decode.onnx (TensorRT profiles). [default: merged; split for a TensorRT target]",
+        ),
+        spec(
+            "--optimize",
+            type=click.Choice(("auto", "ort", "none")),
+            default=ExportOptions.optimize,
+            help="ort = ONNX Runtime's fusions (skip layer norm, fused matmuls; with GroupQueryAttention: rotary inside it, packed Q/K/V), counted "
+            "in export.json; the graph then runs in ONNX Runtime only. auto = ort on GroupQueryAttention graphs, none on the standard graph. "
+            f"[default: {ExportOptions.optimize}]",
+        ),
+        spec(
+            "--position-ids",
+            is_flag=True,
+            help="Merged decoder graph: take a position_ids [B, S] input (named in genai_config.json) instead of counting positions over the mask's "
+            "real tokens.",
+        ),
+        spec(
+            "--int4-block-size",
+            type=WHOLE,
+            default=None,
+            help="--dtype int4: weights per quantization block along K (16, 32, 64, 128 or 256). [default: 32, as onnxruntime-genai's builder]",
+        ),
+        spec(
+            "--int4-symmetric/--int4-asymmetric",
+            default=None,
+            help="--dtype int4: symmetric blocks (int4, no zero points) or asymmetric (uint4 with zero points). [default: symmetric, as "
+            "onnxruntime-genai's builder]",
+        ),
         TRT_VERSION,
     ),
     "export",
     ExportOptions,
-)  # fmt: skip
+)
 
 
 # Distillation (distill; run and demo as --distill-…)
@@ -481,13 +563,16 @@ DISTILL_DATA = spec(
     "--data",
     type=PATH,
     default=None,
-    help="Training data: a text file, .jsonl/.parquet with a 'text' field (encoder-decoders: or 'source' and 'target'), or a datasets save_to_disk folder; Whisper: a .jsonl of 'audio' and 'text' or a folder of WAVs at its sampling rate. Default only for the embedded model: its training split.",
+    help="Training data: a text file, .jsonl/.parquet with a 'text' field (encoder-decoders: or 'source' and 'target'), or a datasets save_to_disk "
+    "folder; Whisper: a .jsonl of 'audio' and 'text' or a folder of WAVs at its sampling rate. Default only for the embedded model: its "
+    "training split.",
 )
 DISTILL_TOKENS = spec(
     "--tokens",
     type=str,
     default=None,
-    help="Training tokens over all processes: 200000, 200k, 1.5M, or 5% of the teacher's pre-training tokens (known only for the embedded model); rounded down to whole steps.",
+    help="Training tokens over all processes: 200000, 200k, 1.5M, or 5% of the teacher's pre-training tokens (known only for the embedded model); "
+    "rounded down to whole steps.",
 )
 DISTILL_TRAINING = (
     DISTILL_DATA,
@@ -496,21 +581,56 @@ DISTILL_TRAINING = (
     spec("--steps", type=WHOLE, default=None, help="Optimizer steps, instead of --tokens. [default without --tokens: 40]"),
     spec("--seq-len", type=WHOLE, default=DistillOptions.seq_len, help="Tokens per training window."),
     batch_size_spec(None),  # None: the run's default_batch_size()
-    spec("--lr", type=FINITE, default=None, help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: by the student's kind, docs/distill.md]"),
-    spec("--train", type=click.Choice(TRAIN_MODES), default=None, help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end. [default: attention for decoders, all for encoders]"),
-    spec("--loss", type=click.Choice(LOSSES), default=DistillOptions.loss, help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - embedding cosine)."),
+    spec(
+        "--lr",
+        type=FINITE,
+        default=None,
+        help="Peak learning rate (AdamW; linear warmup over 10 % of the steps, then cosine to 0). [default: by the student's kind, docs/distill.md]",
+    ),
+    spec(
+        "--train",
+        type=click.Choice(TRAIN_MODES),
+        default=None,
+        help="What trains: kv = K/V projections, attention = Q/K/V/O, all, lora = PEFT adapters on Q/K/V/O merged at the end. [default: attention "
+        "for decoders, all for encoders]",
+    ),
+    spec(
+        "--loss",
+        type=click.Choice(LOSSES),
+        default=DistillOptions.loss,
+        help="Decoders: KL(teacher || student) of the logits, optionally + next-token cross-entropy. Encoders always: hidden-state MSE + (1 - "
+        "embedding cosine).",
+    ),
     spec("--temperature", type=FINITE, default=DistillOptions.temperature, help="Softmax temperature of the KL (loss scaled by T²)."),
-    spec("--hidden-weight", type=FINITE, default=None, help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's mean square, averaged over layers; 0 turns it off. [default: by the student's kind, docs/distill.md]"),
-    spec("--attention-weight", type=FINITE, default=None, help="Weight of the per-layer attention-output match added to the loss: the same distance between each layer's attention block outputs; 0 turns it off. [default: docs/distill.md]"),
+    spec(
+        "--hidden-weight",
+        type=FINITE,
+        default=None,
+        help="Weight of the per-layer hidden-state match added to the loss: MSE of each layer's output against the teacher's, over the teacher's "
+        "mean square, averaged over layers; 0 turns it off. [default: by the student's kind, docs/distill.md]",
+    ),
+    spec(
+        "--attention-weight",
+        type=FINITE,
+        default=None,
+        help="Weight of the per-layer attention-output match added to the loss: the same distance between each layer's attention block outputs; 0 "
+        "turns it off. [default: docs/distill.md]",
+    ),
     spec("--gradient-checkpointing", is_flag=True, help="Recompute layer activations in the backward pass: less memory, slower."),
     SEED,
-)  # fmt: skip
+)
 DISTILL_EVALUATION = (
-    spec("--eval-every", type=WHOLE, default=None, help="Evaluate on every held-out window every N steps. [default: up to 8 evaluations, at most a tenth of the run's compute: fewer, on fewer windows, on short runs]"),
+    spec(
+        "--eval-every",
+        type=WHOLE,
+        default=None,
+        help="Evaluate on every held-out window every N steps. [default: up to 8 evaluations, at most a tenth of the run's compute: fewer, on fewer "
+        "windows, on short runs]",
+    ),
     spec("--eval-windows", type=WHOLE, default=DistillOptions.eval_windows, help="Held-out windows of --seq-len tokens."),
     spec("--until-kl", type=Nats(), default=None, help="Stop once the held-out KL (nats per token) is at most this (checked at each evaluation)."),
     spec("--until-ppl-increase", type=Fraction(), default=None, help="Stop once the held-out perplexity is within this of the teacher's, e.g. 2%."),
-)  # fmt: skip
+)
 
 
 def _distill_stage(data: Path | None = None, eval_data: Path | None = None, **values: Any):
@@ -533,9 +653,22 @@ profile_options = stacked(
     OptionGroup(
         TENSORRT,
         (
-            spec("--precision", type=PrecisionChoice(Precision.floats()), default=None, help="Engine precision. Default: the graph's own. TensorRT 11 takes only that (re-export with --dtype); 10.x builds an fp32 graph in fp16/bf16 with builder flags."),
-            spec("--batch", default=None, metavar="MIN:OPT:MAX", help="Batch sizes of the optimization profile, e.g. 1:4:8 (one number: fixed). [default: 1:4:8]"),
-            spec("--seq", default=None, metavar="MIN:OPT:MAX", help="Sequence lengths (prefill / encoder graphs). [default: 1:limit/2:limit, limit = the model's max positions]"),
+            spec(
+                "--precision",
+                type=PrecisionChoice(Precision.floats()),
+                default=None,
+                help="Engine precision. Default: the graph's own. TensorRT 11 takes only that (re-export with --dtype); 10.x builds an fp32 graph "
+                "in fp16/bf16 with builder flags.",
+            ),
+            spec(
+                "--batch", default=None, metavar="MIN:OPT:MAX", help="Batch sizes of the optimization profile, e.g. 1:4:8 (one number: fixed). [default: 1:4:8]"
+            ),
+            spec(
+                "--seq",
+                default=None,
+                metavar="MIN:OPT:MAX",
+                help="Sequence lengths (prefill / encoder graphs). [default: 1:limit/2:limit, limit = the model's max positions]",
+            ),
             spec("--past", default=None, metavar="MIN:OPT:MAX", help="KV-cache lengths (decode graph). [default: 0:limit/2:limit-1]"),
             spec("--workspace", default=None, metavar="SIZE", help="Builder workspace limit, e.g. 4GiB. [default: TensorRT's]"),
             spec("--timing-cache", type=PATH, default=None, help="Tactic timing cache: loaded when present, updated after the build."),
@@ -544,7 +677,7 @@ profile_options = stacked(
         Profile,
     ),
     options(TRT_VERSION, title=TENSORRT),
-)  # fmt: skip
+)
 
 
 # -- options that do not apply ------------------------------------------------------------------

@@ -193,7 +193,8 @@ def run(
     export = replace(export, dtype=export.dtype or verifiable_dtype(src))  # ExportOptions and Profile parsed their own text
     if export.dtype == Precision.INT4:  # its verify stage gates the export by fidelity, which int4 weights do not keep
         raise BadInput(
-            "headfold run checks its export's fidelity to the checkpoint; int4 weights are gated by their loss: run without --dtype int4, then headfold export --dtype int4 and headfold verify CHECKPOINT EXPORT"
+            "headfold run checks its export's fidelity to the checkpoint; int4 weights are gated by their loss: run without --dtype int4, then "
+            "headfold export --dtype int4 and headfold verify CHECKPOINT EXPORT"
         )
     settings = Settings(kv_heads, method, max_shard_size, allow_pickle, calibration, pool, local_steps, distill, export, build, inputs, thresholds, progress)
     check_disjoint(out, settings.reads(src))  # the run folder holds none of its inputs, nor lies inside one
@@ -217,7 +218,8 @@ def verifiable_dtype(src: Path) -> Precision:
     dtype = CheckpointFacts.read(src).precision
     if dtype == Precision.BF16:
         log.info(
-            "the checkpoint is bf16: run exports fp32, which its verify stage runs in ONNX Runtime on CPU (no bf16 kernels there); pass --dtype bf16 for bf16 weights"
+            "the checkpoint is bf16: run exports fp32, which its verify stage runs in ONNX Runtime on CPU (no bf16 kernels there); pass "
+            "--dtype bf16 for bf16 weights"
         )
         return Precision.FP32
     return dtype

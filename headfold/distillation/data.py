@@ -115,7 +115,8 @@ def _read_errors(path: Path, option: str, problem: str) -> Iterator[None]:
         raise
     except Exception as err:
         raise BadInput(
-            f"{option} {path} {problem} ({type(err).__name__}: {first_line(err)}); pass UTF-8 text, JSON lines, parquet with a '{TEXT_FIELD}' field (or source/target pairs), or a datasets save_to_disk folder"
+            f"{option} {path} {problem} ({type(err).__name__}: {first_line(err)}); pass UTF-8 text, JSON lines, parquet with a '{TEXT_FIELD}' "
+            "field (or source/target pairs), or a datasets save_to_disk folder"
         ) from None
     finally:
         library.setLevel(level)

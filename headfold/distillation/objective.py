@@ -4,7 +4,8 @@ Decoders: forward KL(teacher ‖ student) of the next-token distributions per to
 the temperature T and scaled by T² (Hinton et al.) so the gradient size does not depend on T;
 `kl+ce` adds the student's next-token cross-entropy. Encoder-decoders (`decoder_start` set): each
 window is split into a prefix, the source, and its continuation, the target (Whisper: a clip's log-mel
-features and its transcript, audio.py), which the decoder reads teacher-forced after its start token; the same KL of the decoder's next-token distributions. A window
+features and its transcript, audio.py), which the decoder reads teacher-forced after its start token;
+the same KL of the decoder's next-token distributions. A window
 made from a (source, target) pair marks the positions it does not fill with data.ABSENT: they are
 masked out of the encoder's attention and of the loss and scores. Encoders: MSE of the last hidden states plus
 1 − cosine of the mean-pooled sentence embeddings (what sentence-transformers compares).

@@ -183,14 +183,28 @@ def run_record(
     seconds: float,
 ) -> dict[str, Any]:
     """The manifest's `distillation` entry: inputs and their hashes, options, the run and its scores."""
-    return {"teacher": {"path": str(teacher.resolve()), "config_sha256": identity["teacher_config_sha256"]},
-            "student": {"path": str(student.resolve()), "manifest": manifest},
-            "data": {"train": plan.train.name, "train_sha256": plan.train.sha256,
-                     "heldout": plan.heldout.name if plan.heldout else f"first {opts.eval_windows} windows of the training data",
-                     "heldout_sha256": (plan.heldout or plan.train).sha256, "tokenizer": plan.encoder.name, **plan.notes},
-            "options": asdict(opts), "evaluation": {"every": trainer.eval_every, "windows": len(trainer.eval_batch)}, "processes": accelerator.num_processes, "fsdp": accelerator.is_fsdp2, "steps": trainer.progress.step,
-            "tokens": trainer.progress.tokens, "target_reached": reached, "final_eval": final,
-            "initial_eval": trainer.progress.log["eval"][0], "seconds": round(seconds, 1)}  # fmt: skip
+    return {
+        "teacher": {"path": str(teacher.resolve()), "config_sha256": identity["teacher_config_sha256"]},
+        "student": {"path": str(student.resolve()), "manifest": manifest},
+        "data": {
+            "train": plan.train.name,
+            "train_sha256": plan.train.sha256,
+            "heldout": plan.heldout.name if plan.heldout else f"first {opts.eval_windows} windows of the training data",
+            "heldout_sha256": (plan.heldout or plan.train).sha256,
+            "tokenizer": plan.encoder.name,
+            **plan.notes,
+        },
+        "options": asdict(opts),
+        "evaluation": {"every": trainer.eval_every, "windows": len(trainer.eval_batch)},
+        "processes": accelerator.num_processes,
+        "fsdp": accelerator.is_fsdp2,
+        "steps": trainer.progress.step,
+        "tokens": trainer.progress.tokens,
+        "target_reached": reached,
+        "final_eval": final,
+        "initial_eval": trainer.progress.log["eval"][0],
+        "seconds": round(seconds, 1),
+    }
 
 
 def check_pair(teacher: Path, student: Path) -> tuple[SourceCheckpoint, SourceCheckpoint, dict[str, Any]]:
@@ -224,7 +238,8 @@ def check_copied_tensor(t: SourceCheckpoint, s: SourceCheckpoint, student: Path)
     name = max(same, key=lambda i: (i.shape[:1] == (vocab,), i.nbytes, i.name)).name
     if not torch.equal(t.get(name).reshape(-1).view(torch.uint8), s.get(name).reshape(-1).view(torch.uint8)):
         raise BadInput(
-            f"student {student} was not converted from teacher {t.folder}: its {name} differs (same config.json, other weights); pass the student's own original"
+            f"student {student} was not converted from teacher {t.folder}: its {name} differs (same config.json, other weights); pass the "
+            "student's own original"
         )
 
 
@@ -236,7 +251,8 @@ def seq2seq_start(student: SourceCheckpoint) -> int | None:
     start = student.config.get("decoder_start_token_id")
     if start is None:
         raise BadInput(
-            f"config.json of {student.folder} has no decoder_start_token_id, which teacher forcing starts the target with; restore it from the original checkpoint"
+            f"config.json of {student.folder} has no decoder_start_token_id, which teacher forcing starts the target with; restore it from the "
+            "original checkpoint"
         )
     return start
 
@@ -303,7 +319,8 @@ def total_steps(opts: DistillOptions, processes: int) -> int:
         return DEFAULT_STEPS if opts.steps is None else opts.steps
     if opts.tokens < per_step:
         raise BadInput(
-            f"--tokens {opts.tokens} is below one batch ({opts.batch_size} × {opts.seq_len} tokens × {processes} process(es) = {per_step}); give more tokens, a smaller --batch-size or a shorter --seq-len"
+            f"--tokens {opts.tokens} is below one batch ({opts.batch_size} × {opts.seq_len} tokens × {processes} process(es) = {per_step}); "
+            "give more tokens, a smaller --batch-size or a shorter --seq-len"
         )
     return opts.tokens // per_step
 

@@ -37,11 +37,13 @@ def check_request(save_every: int | None, resume: bool) -> None:
         return
     if os.environ.get("FSDP_VERSION", "1") != "2":  # Accelerate's own default is 1
         raise BadInput(
-            "headfold distill shards with FSDP2 only (FSDP1 cannot run on CPU, so it is untested); pass --fsdp_version 2 to accelerate launch (or fsdp_version: 2 in its config)"
+            "headfold distill shards with FSDP2 only (FSDP1 cannot run on CPU, so it is untested); pass --fsdp_version 2 to accelerate launch "
+            "(or fsdp_version: 2 in its config)"
         )
     if save_every or resume:
         raise BadInput(
-            "--save-every and --resume are not supported under FSDP (its tensors and optimizer state are sharded); drop them, or run data-parallel without --use_fsdp"
+            "--save-every and --resume are not supported under FSDP (its tensors and optimizer state are sharded); drop them, or run "
+            "data-parallel without --use_fsdp"
         )
 
 

@@ -326,7 +326,8 @@ def source_graphs(src: Path) -> tuple[list[Path], str]:
         summary = export_summary.load(src)
         if summary.layout == "merged":  # its total length P + S is no profile dimension
             raise BadInput(
-                f"{src} holds the merged decoder graph (ONNX Runtime, onnxruntime-genai); TensorRT builds the split pair: headfold export SRC OUT --graphs split"
+                f"{src} holds the merged decoder graph (ONNX Runtime, onnxruntime-genai); TensorRT builds the split pair: headfold export SRC "
+                "OUT --graphs split"
             )
         if summary.layout == "seq2seq":  # profiles for a source length and a self past: not sized by headfold
             raise BadInput(f"{src} holds an encoder-decoder's graphs, which headfold builds no engines of; run them in ONNX Runtime (docs/deploying.md)")

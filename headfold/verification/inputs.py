@@ -54,7 +54,8 @@ def read_token_ids(path: Path, vocab_size: int) -> list[np.ndarray]:
             row = np.array([_token_id(word) for word in line.split()], dtype=np.int64)
         except (ValueError, OverflowError):  # OverflowError: an id beyond int64
             raise BadInput(
-                f"--token-ids {path} line {number} is not whitespace-separated token ids (the digits 0-9) in the vocabulary [0, {vocab_size}); write one row of token ids per line"
+                f"--token-ids {path} line {number} is not whitespace-separated token ids (the digits 0-9) in the vocabulary [0, {vocab_size}); "
+                "write one row of token ids per line"
             ) from None
         if row.size == 1 or (row.size and (row.min() < 0 or row.max() >= vocab_size)):
             raise BadInput(f"--token-ids {path} line {number} needs at least 2 ids, each in the vocabulary [0, {vocab_size})")

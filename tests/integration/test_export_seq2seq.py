@@ -185,7 +185,10 @@ def test_a_missing_fusion_names_the_attention_blocks(exported, monkeypatch, tmp_
     """Without the repeat_kv rule the decoder's nodes keep MHA-shaped K/V: exit-1 error naming each block, no output."""
     checkpoint, _ = exported("t5", KV)
     monkeypatch.setattr(rewrite, "RULES", ())
-    expected = r"decoder.onnx \(decoder_self 0, decoder_self 1, decoder_cross 0, decoder_cross 1 in check order\): K/V heads ≠ 4 in layer\(s\) 0 \(8\), 2 \(8\), 1 \(8\), 3 \(8\)"
+    expected = (
+        r"decoder.onnx \(decoder_self 0, decoder_self 1, decoder_cross 0, decoder_cross 1 in check order\): K/V heads ≠ 4 in layer\(s\) 0 \(8\), 2 "
+        r"\(8\), 1 \(8\), 3 \(8\)"
+    )
     with pytest.raises(CheckFailed, match=expected):
         export(checkpoint, tmp_path / "onnx", progress=False)
     assert not (tmp_path / "onnx").exists()

@@ -356,7 +356,7 @@ def test_internal_error_is_one_line_exit_3_and_debug_shows_the_traceback(src: Pa
         (OSError(28, "No space left on device"), 2, "no space left on the device"),
         (RecursionError(), 2, "nests deeper than Python's recursion limit"),
         (BadInput("tensor \x1b]0;pwned\x07 is odd"), 2, "tensor \\x1b]0;pwned\\x07 is odd"),
-    ],  # fmt: skip
+    ],
 )
 def test_other_failures_are_one_line(error: Exception, code: int, words: str, src: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     """Out of memory is the environment (2); a multi-line message still prints as one line; an OS
@@ -487,10 +487,12 @@ def test_truncated_onnx_data(src: Path, tmp_path: Path, capsys) -> None:
 
     table = numpy_helper.from_array(np.ones((160, 4), np.float32), "table")
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["table", "input_ids"], ["logits"])], "g",
+        [helper.make_node("Gather", ["table", "input_ids"], ["logits"])],
+        "g",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 4])], [table],
-    )  # fmt: skip
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 4])],
+        [table],
+    )
     graph_file = tmp_path / "model.onnx"
     save(
         helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]),
@@ -719,7 +721,7 @@ SEQ2SEQ_CONFIGS: dict[str, tuple[str, dict, tuple[str, ...], tuple[str, ...]]] =
     "a string MLP width": ("bart", {"encoder_ffn_dim": "96"}, (*ON_CHECKPOINT,), ("'encoder_ffn_dim'", "positive integer")),
     "absurd decoder heads": ("bart", {"decoder_attention_heads": 10**8}, (*ON_CHECKPOINT,), ("'decoder_attention_heads'", "more than")),
     "heads not dividing the width": ("bart", {"decoder_attention_heads": 7}, (*ON_CHECKPOINT,), ("d_model 64", "decoder_attention_heads 7")),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case, command", [(case, command) for case, (_, _, commands, _) in SEQ2SEQ_CONFIGS.items() for command in commands])
@@ -925,21 +927,39 @@ def test_non_finite_options_are_refused(args: list[str], words: tuple[str, ...],
 
 
 DISTILL_DOMAINS = [
-    ("--seq-len", "1"), ("--seq-len", "4096"), ("--batch-size", "0"), ("--steps", "0"), ("--eval-every", "0"), ("--eval-windows", "0"),
-    ("--tokens", "0"), ("--tokens", "5%"), ("--lr", "0"), ("--temperature", "-1"), ("--hidden-weight", "-1"),
-]  # fmt: skip
+    ("--seq-len", "1"),
+    ("--seq-len", "4096"),
+    ("--batch-size", "0"),
+    ("--steps", "0"),
+    ("--eval-every", "0"),
+    ("--eval-windows", "0"),
+    ("--tokens", "0"),
+    ("--tokens", "5%"),
+    ("--lr", "0"),
+    ("--temperature", "-1"),
+    ("--hidden-weight", "-1"),
+]
 # command → options outside their domain, each alone: what the command, its stages and the Python API refuse
 OPTION_DOMAINS: dict[str, list[tuple[str, str]]] = {
     "distill": [*DISTILL_DOMAINS, ("--save-every", "0")],
     "run": [
-        ("--window", "0"), ("--window", "1"), ("--batch-size", "0"), ("--max-rows", "-1"), ("--decode-steps", "-1"),
+        ("--window", "0"),
+        ("--window", "1"),
+        ("--batch-size", "0"),
+        ("--max-rows", "-1"),
+        ("--decode-steps", "-1"),
         *((f"--distill-{option[2:]}", value) for option, value in DISTILL_DOMAINS),
-        ("--calibration-tokens", "0"), ("--shard-size", "0"), ("--opset", "22"), ("--trt-version", "9.0"), ("--batch", "0:1:2"), ("--workspace", "lots"),
+        ("--calibration-tokens", "0"),
+        ("--shard-size", "0"),
+        ("--opset", "22"),
+        ("--trt-version", "9.0"),
+        ("--batch", "0:1:2"),
+        ("--workspace", "lots"),
     ],
     "verify": [("--window", "0"), ("--batch-size", "0"), ("--max-rows", "-1"), ("--decode-steps", "-1")],
     "convert": [("--calibration-tokens", "0"), ("--calibration-tokens", "-5"), ("--shard-size", "0")],
     "inspect": [("--calibration-tokens", "0")],
-}  # fmt: skip
+}
 DOMAIN_ARGS: dict[str, Callable[[World, Path], list]] = {
     "distill": lambda w, out: ["distill", w.src, w.student, out, "--data", w.text, "--seq-len", "32", "--steps", "1", "-q"],
     "run": lambda w, out: ["run", w.src, out, "--kv-heads", "2", "--method", "mean"],
@@ -1052,10 +1072,23 @@ def _panicking_tokenizer(folder: Path) -> None:
 # command → arguments that tokenize TEXT with the checkpoint's tokenizer (distill: the student's), writing OUT
 TOKENIZING: dict[str, Callable[[World, Path, Path, Path, Path], list]] = {
     "verify": lambda w, src, student, text, out: ["verify", src, src, *SMALL, "--text", text, "--report", out],
-    "convert": lambda w, src, student, text, out: ["convert", src, out, "--kv-heads", "2", "--method", "aligned", "--calibration", text, "--calibration-tokens", "256", "-q"],
+    "convert": lambda w, src, student, text, out: [
+        "convert",
+        src,
+        out,
+        "--kv-heads",
+        "2",
+        "--method",
+        "aligned",
+        "--calibration",
+        text,
+        "--calibration-tokens",
+        "256",
+        "-q",
+    ],
     "inspect": lambda w, src, student, text, out: ["inspect", src, "--calibration", text, "--calibration-tokens", "256", "--json", out, "-q"],
     "distill": lambda w, src, student, text, out: ["distill", w.src, student, out, "--data", text, "--seq-len", "32", "--steps", "1", "-q"],
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("command", TOKENIZING)
@@ -1151,10 +1184,12 @@ def test_a_graph_whose_logits_have_another_shape_is_bad_input(side: str, logits:
 
     table = numpy_helper.from_array(np.ones((256, *[d for d in logits[2:]]), np.float32), "table")
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["table", "input_ids"], ["logits"])], "g",
+        [helper.make_node("Gather", ["table", "input_ids"], ["logits"])],
+        "g",
         [helper.make_tensor_value_info(name, TensorProto.INT64, ["b", "s"]) for name in ("input_ids", "attention_mask")],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, logits)], [table],
-    )  # fmt: skip
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, logits)],
+        [table],
+    )
     save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), tmp_path / "odd.onnx")
     sides = [world.src, tmp_path / "odd.onnx"] if side == "candidate" else [tmp_path / "odd.onnx", world.src]
     out = tmp_path / "r.json"

@@ -70,10 +70,19 @@ def wide_checkpoint(folder: Path, layers: int = 4, hidden: int = 1024, ffn: int 
     to be caught mid-write (zeros: the content does not matter here)."""
     folder.mkdir(parents=True)
     config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": ffn,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads, "vocab_size": 256,
-        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "float32",
-    }  # fmt: skip
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
     (folder / "config.json").write_text(json.dumps(config))
     weight_map: dict[str, str] = {}
     for i in range(layers):
@@ -548,17 +557,26 @@ JSON_CLASHES: dict[str, tuple[Callable[[World, Path], list], Callable[[Path], li
     "convert": (lambda w, d: ["convert", w.src, d / "out", "--kv-heads", "2", "--method", "mean", "-q"], lambda d: [d / "out", d / "out" / "r.json"]),
     "convert-onnx": (lambda w, d: ["convert", w.graph, d / "out.onnx", "--kv-heads", "2"], lambda d: [d / "out.onnx", d / "out.onnx.data"]),
     "export": (lambda w, d: ["export", w.src, d / "out", "-q"], lambda d: [d / "out", d / "out" / "r.json"]),
-    "build a folder": (lambda w, d: ["build", w.export, d / "out", "--dry-run", "--trt-version", "10.15"], lambda d: [d / "out", d / "out" / "prefill.engine.json"]),
-    "build one engine": (lambda w, d: ["build", w.graph, d / "out.engine", "--dry-run", "--trt-version", "10.15"], lambda d: [d / "out.engine", d / "out.engine.json"]),
+    "build a folder": (
+        lambda w, d: ["build", w.export, d / "out", "--dry-run", "--trt-version", "10.15"],
+        lambda d: [d / "out", d / "out" / "prefill.engine.json"],
+    ),
+    "build one engine": (
+        lambda w, d: ["build", w.graph, d / "out.engine", "--dry-run", "--trt-version", "10.15"],
+        lambda d: [d / "out.engine", d / "out.engine.json"],
+    ),
     "distill": (
         lambda w, d: ["distill", w.src, w.student, d / "out", "--data", w.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1", "-q"],
         lambda d: [d / "out", d / "out" / "r.json", d / ".out.distill-state" / "r.json"],
     ),
-    "run": (lambda w, d: ["run", w.src, d / "out", "--kv-heads", "2", "--method", "mean", *SMALL_RUN], lambda d: [d / "out", d / "out" / "r.json", d / "out" / "verify" / "r.json"]),
+    "run": (
+        lambda w, d: ["run", w.src, d / "out", "--kv-heads", "2", "--method", "mean", *SMALL_RUN],
+        lambda d: [d / "out", d / "out" / "r.json", d / "out" / "verify" / "r.json"],
+    ),
     "demo --keep": (lambda w, d: ["demo", "--no-distill", "--keep", d / "out"], lambda d: [d / "out", d / "out" / "r.json"]),
     "inspect --heatmap": (lambda w, d: ["inspect", w.src, "--calibration", "weights", "--heatmap", d / "out.png", "-q"], lambda d: [d / "out.png"]),
     "verify --markdown": (lambda w, d: ["verify", w.src, w.src, *SMALL_RUN, "--markdown", d / "out.md"], lambda d: [d / "out.md"]),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("command, clash", [(command, i) for command, (_, clashes) in JSON_CLASHES.items() for i in range(len(clashes(Path())))])
@@ -679,7 +697,9 @@ def test_a_closed_stdout_is_not_a_failure(world: World, tiny_checkpoint, tiny_ex
     checkpoint, export = tiny_export("llama")
     small = ["--max-rows", "2", "--window", "8", "--decode-steps", "0"]
     cases = [
-        (["--help"], 0), (["--version"], 0), (["convert", "--help"], 0),
+        (["--help"], 0),
+        (["--version"], 0),
+        (["convert", "--help"], 0),
         (["convert", world.src, tmp_path / "c", "--kv-heads", "2", "--method", "mean"], 0),
         (["export", tiny_checkpoint("bert"), tmp_path / "e"], 0),  # an encoder: one graph, the fastest export
         # (`run` is left out: its work is convert → export → verify, its printing verify's)
@@ -689,7 +709,7 @@ def test_a_closed_stdout_is_not_a_failure(world: World, tiny_checkpoint, tiny_ex
         (["inspect", world.src, "--calibration", "weights"], 0),
         (["distill", world.src, world.student, tmp_path / "d", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--steps", "1"], 0),
         (["convert", world.src, tmp_path / "c", "--kv-heads", "2", "--method", "mean"], 2),
-    ]  # fmt: skip
+    ]
     argv = [[str(a) for a in args] for args, _ in cases]
     done = subprocess.run([sys.executable, "-c", CLOSED_STDOUT, json.dumps(argv), str(tmp_path / "stderr")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -806,9 +826,13 @@ class _SwallowsASignal:
 
 @pytest.mark.parametrize(
     "signal_name, lands, save_every",
-    [("SIGINT", "in a library's __del__", ["--save-every", "1"]), ("SIGTERM", "in a library's __del__", []),
-     ("SIGINT", "where it unwinds", []), ("SIGTERM", "where it unwinds", ["--save-every", "1"])],
-)  # fmt: skip
+    [
+        ("SIGINT", "in a library's __del__", ["--save-every", "1"]),
+        ("SIGTERM", "in a library's __del__", []),
+        ("SIGINT", "where it unwinds", []),
+        ("SIGTERM", "where it unwinds", ["--save-every", "1"]),
+    ],
+)
 def test_a_signal_while_the_models_load(signal_name: str, lands: str, save_every: list, world: World, tmp_path: Path, monkeypatch, capsys) -> None:
     """Ctrl-C or SIGTERM before the first training step: exit 130 / 143 and nothing left (no OUT, no state
     without a checkpoint, no lock), also when the signal's exception lands where Python drops it (it once

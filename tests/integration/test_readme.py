@@ -23,8 +23,16 @@ def test_step_5_names_the_budgets_verify_applies_by_default() -> None:
     text = " ".join(readme_section("Your model in five commands").split())  # one line: phrases may wrap
     assert "verify my-llama out/gqa-distilled --max-ppl-increase 2%" in text
     loss, fidelity = loss_budget(), fidelity_budget("fp32")
-    named = [f"above KL {loss.max_kl:g}", f"below top-1 {loss.min_top1:.0%}", f"above perplexity +{loss.max_ppl_increase:.0%}", f"below cosine {loss.min_cosine:g}",
-             f"atol {fidelity.atol:g}", f"rtol {fidelity.rtol:g}", f"below top-1 {fidelity.min_top1:.1%}", f"below cosine {fidelity.min_cosine:g}"]  # fmt: skip
+    named = [
+        f"above KL {loss.max_kl:g}",
+        f"below top-1 {loss.min_top1:.0%}",
+        f"above perplexity +{loss.max_ppl_increase:.0%}",
+        f"below cosine {loss.min_cosine:g}",
+        f"atol {fidelity.atol:g}",
+        f"rtol {fidelity.rtol:g}",
+        f"below top-1 {fidelity.min_top1:.1%}",
+        f"below cosine {fidelity.min_cosine:g}",
+    ]
     assert [phrase for phrase in named if phrase not in text] == []
 
 

@@ -20,7 +20,10 @@ COMMANDS = ["convert", "inspect", "distill", "export", "build", "verify", "run",
 
 
 def test_import_is_cheap_and_dir_shows_every_command() -> None:
-    code = "import sys, json, headfold; print(json.dumps([sorted(m for m in ('torch', 'transformers', 'onnx', 'numpy', 'polygraphy') if m in sys.modules), dir(headfold)]))"
+    code = (
+        "import sys, json, headfold; print(json.dumps([sorted(m for m in ('torch', 'transformers', 'onnx', 'numpy', 'polygraphy') if m in "
+        "sys.modules), dir(headfold)]))"
+    )
     heavy, names = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert heavy == []
     assert set(COMMANDS) <= set(names) and set(COMMANDS) <= set(headfold.__all__)
