@@ -10,26 +10,15 @@ from __future__ import annotations
 import ast
 import graphlib
 import os
-import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PYPROJECT = ROOT / "pyproject.toml"
-
-
-def _package_dirs() -> dict[str, Path]:
-    """Installed package name (headfold, headfold.converter, ...) → its source folder."""
-    mapping = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-dir"]
-    return {name: ROOT / folder for name, folder in mapping.items()}
+from support.layout import PYPROJECT, ROOT, laid_out, package_dirs
 
 
 def test_import_contracts_hold(tmp_path: Path) -> None:
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "data")
-    for name, folder in sorted(_package_dirs().items()):  # headfold before headfold.converter, ...
-        shutil.copytree(folder, tmp_path.joinpath(*name.split(".")), ignore=ignore, dirs_exist_ok=True)
+    laid_out(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     lint = Path(sys.executable).with_name("lint-imports")
     done = subprocess.run([lint, "--no-cache", "--no-logo", PYPROJECT], cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -56,7 +45,7 @@ def _imports(path: Path) -> list[tuple[int, str, str]]:
 
 def test_no_private_name_crosses_rooms() -> None:
     crossings = []
-    for package, folder in _package_dirs().items():
+    for package, folder in package_dirs().items():
         for path in sorted(folder.rglob("*.py")):
             parts = path.relative_to(folder).with_suffix("").parts
             module = ".".join((package, *parts))
@@ -71,7 +60,7 @@ def test_no_files_import_each_other_in_a_loop() -> None:
     """No circle, not even one broken by an import inside a function (import-linter's layers see
     only the rooms): a name two files need lives in the one that the other imports."""
     modules: dict[str, Path] = {}
-    for package, folder in _package_dirs().items():
+    for package, folder in package_dirs().items():
         for path in sorted(folder.rglob("*.py")):
             parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
             modules[".".join((package, *parts))] = path
