@@ -7,7 +7,7 @@ with every method the family allows at kv = h/2, h/4 and 1, measures KL(original
 perplexity and top-1 on held-out text, then distills the best kv = h/4 start for a few steps. Prints
 a table and writes JSON (benchmarks/results/added_families.json).
 
-    python benchmarks/added_families.py [--families gptj,bloom,stablelm] [--steps 400] [--distill-steps 40]
+    python -m benchmarks.added_families [--families gptj,bloom,stablelm] [--steps 400] [--distill-steps 40]
 """
 
 from __future__ import annotations

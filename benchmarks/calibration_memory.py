@@ -11,7 +11,7 @@ TREE` also converts with an older headfold source tree (e.g. `git archive REV | 
 for before/after figures. The load average is recorded: on a shared machine compare CPU seconds.
 Prints a table and writes JSON (default benchmarks/results/calibration_memory.json).
 
-    python benchmarks/calibration_memory.py [--layers 10] [--tokens 4096] [--whole-model] [--baseline TREE] [--keep DIR]
+    python -m benchmarks.calibration_memory [--layers 10] [--tokens 4096] [--whole-model] [--baseline TREE] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import tomllib
 from pathlib import Path
 
 import torch
-from convert_throughput import MB, checkpoint
+
+from benchmarks.convert_throughput import MB, checkpoint
 
 CHILD = """
 import json, re, sys, time

@@ -5,7 +5,7 @@ held-out text. Encoder: all-MiniLM-L6-v2, sentence-embedding cosine to the origi
 held-out paragraphs. Calibration always uses the training split (`headfold.corpus`), never
 the evaluation text. Prints a table and writes JSON (benchmarks/results/conversion_quality.json).
 
-    python benchmarks/conversion_quality.py [--methods mean,aligned] [--skip-encoder] [--encoder-kv 6,3,1]
+    python -m benchmarks.conversion_quality [--methods mean,aligned] [--skip-encoder] [--encoder-kv 6,3,1]
 """
 
 from __future__ import annotations

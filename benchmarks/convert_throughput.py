@@ -9,7 +9,7 @@ the converter's peak RSS against the bound "2 × largest layer + 500 MB". Defaul
 issue 14 (hidden 2048, 16 heads, 10 layers, vocab 32000); `--layers 40` gives the 4.4 GB one.
 Prints a table and writes JSON (default benchmarks/results/convert_throughput.json).
 
-    python benchmarks/convert_throughput.py [--layers 10] [--kv-heads 4] [--dtype float16] [--keep DIR]
+    python -m benchmarks.convert_throughput [--layers 10] [--kv-heads 4] [--dtype float16] [--keep DIR]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ intra-op threads. Reports
 latency per token, speed-up over MHA, KV-cache bytes per token, and the rewrite-pass time as a
 share of torch's export time. Prints a table and writes JSON.
 
-    python benchmarks/decode_latency.py [--past 128 512 2048] [--batch 1 8] [--layers 2]
+    python -m benchmarks.decode_latency [--past 128 512 2048] [--batch 1 8] [--layers 2]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ held-out text), and the variants the budget is meant to tell apart: training-fre
 (`--no-distill`) and plain mean pooling. Records the conversion-loss check of each and whether the
 budget held. Prints a table and writes JSON (benchmarks/results/demo_reference.json).
 
-    python benchmarks/demo_reference.py [--skip-mean]
+    python -m benchmarks.demo_reference [--skip-mean]
 """
 
 from __future__ import annotations

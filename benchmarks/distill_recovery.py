@@ -11,7 +11,7 @@ scored on all of the other (52 windows of 256 tokens).
 `--quarter` also runs the best start once with ¼ of the 5 % budget, so that its
 LR schedule ends there (what a user asking for that budget gets), for the "¼ of the tokens" check.
 
-    python benchmarks/distill_recovery.py [--decoder-kv 4,2,1] [--encoder-kv 6,3,1] [--skip-encoder] [--quarter] [--lr 1e-3] [--hidden-weight 10] [--train all]
+    python -m benchmarks.distill_recovery [--decoder-kv 4,2,1] [--encoder-kv 6,3,1] [--skip-encoder] [--quarter] [--lr 1e-3] [--hidden-weight 10] [--train all]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ over 10 % of the steps, cosine to 0) ends at that budget, and the default batch 
 1 window (run.default_batch_size). The largest budget's run is also read on the way at the smaller
 ones (its LR still high there): the curve per token of one long run.
 
-    python benchmarks/distill_zoo.py [--models neox,bloom] [--recipes base,kl,…] [--budgets 0.01,0.05]
+    python -m benchmarks.distill_zoo [--models neox,bloom] [--recipes base,kl,…] [--budgets 0.01,0.05]
 
 Rows are merged into benchmarks/results/distill_zoo.json (a run measured again replaces its row;
 several processes may write it at once).
@@ -38,8 +38,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as zoo.py: on a shared machine, waiting threads sleep
 
 import torch  # noqa: E402
-import zoo  # noqa: E402
 
+from benchmarks import zoo  # noqa: E402
 from headfold import convert  # noqa: E402
 from headfold.converter.checkpoint import SourceCheckpoint  # noqa: E402
 from headfold.distillation import distill  # noqa: E402

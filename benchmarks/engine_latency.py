@@ -5,7 +5,7 @@ Each variant (the original MHA model and its conversions to --kv-heads) is expor
 TensorRT runner: median of --runs CUDA-event-timed executions per shape. Prints a table and writes
 JSON. Without TensorRT or a GPU it says why, writes {"skipped": reason} and exits 0.
 
-    python benchmarks/engine_latency.py [--kv-heads 8 2 1] [--batch 1 8] [--past 128 480] [--json FILE]
+    python -m benchmarks.engine_latency [--kv-heads 8 2 1] [--batch 1 8] [--past 128 480] [--json FILE]
 """
 
 from __future__ import annotations

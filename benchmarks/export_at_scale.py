@@ -1,7 +1,7 @@
 """A 7B-layout checkpoint converted and exported on this machine: CPU time and peak memory per stage,
 and the export's prompt logits checked against torch on a truncated copy.
 
-    python benchmarks/export_at_scale.py [--root DIR] [--layers 32] [--kv-heads 8] [--check-layers 3]
+    python -m benchmarks.export_at_scale [--root DIR] [--layers 32] [--kv-heads 8] [--check-layers 3]
 
 The checkpoint is generated (random bf16 weights in Llama-2-7B's layout: hidden 4096, 32 heads,
 intermediate 11008, vocab 32000, 32 layers; all-MiniLM's tokenizer), converted to GQA with
@@ -22,19 +22,18 @@ import os
 import platform
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from export_throughput import _copy_tokenizer, measured, python  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from support.synthetic import llama_checkpoint  # noqa: E402  (export_throughput put tests/ on the path)
+
+from benchmarks.export_throughput import _copy_tokenizer, measured, python  # noqa: E402
+from tests.support.synthetic import llama_checkpoint  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "export_at_scale.json"
 SHAPE = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, vocab_size=32000)

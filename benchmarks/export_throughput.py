@@ -1,7 +1,7 @@
 """`headfold export` against onnxruntime-genai's model builder on generated Llama-layout checkpoints: CPU
 seconds, wall seconds, peak memory, and what each extra gigabyte costs.
 
-    python benchmarks/export_throughput.py [--runs 3] [--sizes 1,4] [--root DIR] [--no-genai]
+    python -m benchmarks.export_throughput [--runs 3] [--sizes 1,4] [--root DIR] [--no-genai]
 
 Checkpoints of random fp16 weights (hidden 2048, 16 heads, intermediate 5632, vocab 32000; all-MiniLM's
 tokenizer, which the builder needs), at about 1 and 4 GB, each as MHA (16 kv heads) and GQA (4): both tools
@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the generator the memory test uses
 
 import torch  # noqa: E402
-from support.synthetic import llama_checkpoint  # noqa: E402
+
+from tests.support.synthetic import llama_checkpoint  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "export_throughput.json"
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, vocab_size=32000)

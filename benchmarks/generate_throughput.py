@@ -14,7 +14,7 @@ in --rounds interleaved rounds (who goes first alternates), and each round's rat
 is reported with the median over rounds, so a loaded machine slows both sides of a ratio alike.
 Prints a table and writes JSON to benchmarks/results/.
 
-    python benchmarks/generate_throughput.py [--context 2048] [--new-tokens 128] [--batch 1 8] [--threads 2] [--rounds 2]
+    python -m benchmarks.generate_throughput [--context 2048] [--new-tokens 128] [--batch 1 8] [--threads 2] [--rounds 2]
 """
 
 from __future__ import annotations

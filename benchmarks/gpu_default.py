@@ -1,6 +1,6 @@
 """The default conversion on one CUDA GPU: a generated 7B layout end to end, and the same quality as on the CPU.
 
-    python benchmarks/gpu_default.py [--root DIR] [--layers 32] [--kv-heads 8] [--models embedded]
+    python -m benchmarks.gpu_default [--root DIR] [--layers 32] [--kv-heads 8] [--models embedded]
 
 Two parts, each in fresh processes, written to benchmarks/results/gpu_default.json (standard rows):
 
@@ -31,12 +31,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-from export_at_scale import SHAPE  # noqa: E402
-from export_throughput import _copy_tokenizer  # noqa: E402
-from support.synthetic import llama_checkpoint  # noqa: E402  (export_throughput put tests/ on the path)
+
+from benchmarks.export_at_scale import SHAPE  # noqa: E402
+from benchmarks.export_throughput import _copy_tokenizer  # noqa: E402
+from tests.support.synthetic import llama_checkpoint  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_default.json"
 CONVERT = """
@@ -56,11 +56,10 @@ print(json.dumps({"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb
 QUALITY = """
 import json, sys, tempfile
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-import method_parts
+from benchmarks import method_parts
 from headfold.converter.recipes import DEFAULT_LOCAL_STEPS, DEFAULT_METHOD
 with tempfile.TemporaryDirectory() as tmp:
-    (row,) = method_parts.rows_for(method_parts.model(sys.argv[2]), [DEFAULT_METHOD], "h/4", DEFAULT_LOCAL_STEPS, Path(tmp))
+    (row,) = method_parts.rows_for(method_parts.model(sys.argv[1]), [DEFAULT_METHOD], "h/4", DEFAULT_LOCAL_STEPS, Path(tmp))
 print(json.dumps(row))
 """
 
@@ -68,7 +67,7 @@ print(json.dumps(row))
 def child(code: str, *args: str, device: str) -> dict:
     """The last line of a fresh Python running `code` on `device`, as JSON (its progress goes to our stderr)."""
     env = {**os.environ, "HEADFOLD_DEVICE": device, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)  # benchmarks importable
     if done.returncode:
         sys.exit(f"{code.strip().splitlines()[0]}… on {device} failed ({done.returncode}); its error is above")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -86,7 +85,7 @@ def main() -> None:
         parser.exit(2, "gpu_default.py: no CUDA GPU visible to torch: run it where a GPU is lent\n")
     rows, device = [], torch.cuda.get_device_name(0)
     for name in filter(None, args.models.split(",")):
-        cpu, gpu = (child(QUALITY, str(ROOT / "benchmarks"), name, device=d) for d in ("cpu", "cuda"))
+        cpu, gpu = (child(QUALITY, name, device=d) for d in ("cpu", "cuda"))
         agree = abs(gpu["kl"] - cpu["kl"]) <= args.tolerance * cpu["kl"]
         rows.append({"part": "quality", "model": name, "kv_heads": cpu["kv_heads"], "kl_cpu": cpu["kl"], "kl_gpu": gpu["kl"], "agree": agree,
                      "convert_s_cpu": cpu["convert_s"], "convert_s_gpu": gpu["convert_s"]})  # fmt: skip

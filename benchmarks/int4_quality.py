@@ -7,7 +7,7 @@ perplexity increase, KL(fp32 ‖ int4) and top-1 agreement on the built-in held-
 default loss budgets. Writes benchmarks/results/int4_quality.json ({"what", "rows"}: docs/benchmarks.md
 renders it as one table).
 
-    python benchmarks/int4_quality.py [--models DIR …] [--window 256] [--max-rows 128]
+    python -m benchmarks.int4_quality [--models DIR …] [--window 256] [--max-rows 128]
 """
 
 from __future__ import annotations

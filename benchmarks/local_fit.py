@@ -12,7 +12,7 @@ The fits differ only in local's module constants, set here for each row. KL(orig
 perplexity and top-1 on the model's held-out windows (method_parts.py's scoring). Writes JSON (default
 benchmarks/results/local_fit.json), rows added to those of earlier runs (--fresh starts over).
 
-    python benchmarks/local_fit.py [--models embedded] [--tokens 4096,16384] [--fits previous,default,FREE=maps+PATIENCE=10]
+    python -m benchmarks.local_fit [--models embedded] [--tokens 4096,16384] [--fits previous,default,FREE=maps+PATIENCE=10]
 """
 
 from __future__ import annotations

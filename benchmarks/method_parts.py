@@ -12,7 +12,7 @@ machine is shared: compare CPU seconds). Ablations of `local` set its module con
 Prints one line per conversion and writes JSON (default benchmarks/results/method_parts.json), rows added
 to those of earlier runs with other settings (--fresh starts over).
 
-    python benchmarks/method_parts.py [--models embedded,gptj] [--methods mean,local] [--kv h/2,h/4,1] [--steps 30]
+    python -m benchmarks.method_parts [--models embedded,gptj] [--methods mean,local] [--kv h/2,h/4,1] [--steps 30]
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import zoo_models
 
+from benchmarks import zoo_models
 from headfold import corpus
 from headfold.converter import conversion, convert
 from headfold.converter.checkpoint import SourceCheckpoint
@@ -97,7 +97,7 @@ def zoo(name: str) -> Model:
     """A quality-zoo member (benchmarks/zoo_models.py), trained by benchmarks/zoo.py."""
     folder = zoo_models.CACHE / name
     if not (folder / "training.json").is_file():
-        sys.exit(f"{folder} is not trained yet: python benchmarks/zoo.py train --models {name}")
+        sys.exit(f"{folder} is not trained yet: python -m benchmarks.zoo train --models {name}")
     text = zoo_models.stdlib_corpus()
     return Model(name, folder, zoo_models.spread_windows(text.ids("heldout")), text.train[:EXCERPT])
 

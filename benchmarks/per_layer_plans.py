@@ -6,7 +6,7 @@ then converted with the same method and measured on held-out text exactly as
 conversion_quality.py measures (decoder: KL and perplexity; encoder: embedding cosine).
 Prints a table and writes JSON (benchmarks/results/per_layer_plans.json).
 
-    python benchmarks/per_layer_plans.py [--budgets 0.5,0.25] [--method aligned+grouped+refit] [--skip-encoder]
+    python -m benchmarks.per_layer_plans [--budgets 0.5,0.25] [--method aligned+grouped+refit] [--skip-encoder]
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from conversion_quality import embeddings  # same folder: run as a script
-
+from benchmarks.conversion_quality import embeddings  # same folder: run as a script
 from headfold import convert, corpus
 from headfold.converter.modeling import load_model
 from headfold.demo import default_model_path

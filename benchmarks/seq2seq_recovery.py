@@ -14,7 +14,7 @@ with a 512-byte source and a short prompt in the self cache (median of steps, va
 with the self- and cross-cache bytes per token (headfold.inspect). Prints the rows and writes
 benchmarks/results/seq2seq_recovery.json.
 
-    python benchmarks/seq2seq_recovery.py [--train-steps 800] [--budgets 0.01,0.05] [--eval-windows 64] [--runs 200]
+    python -m benchmarks.seq2seq_recovery [--train-steps 800] [--budgets 0.01,0.05] [--eval-windows 64] [--runs 200]
 """
 
 from __future__ import annotations

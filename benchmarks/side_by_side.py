@@ -18,7 +18,7 @@ carries it: one shared buffer per layer, or present fed back as past): each op t
 kernel time (per op type the median over the steps), and the op types of the graph ORT runs after its own
 optimizer. Prints tables and writes JSON (benchmarks/results/side_by_side.json).
 
-    python benchmarks/side_by_side.py [--layers 4] [--heads 16] [--head-dim 64] [--vocab 2048] [--precision fp32 int4]
+    python -m benchmarks.side_by_side [--layers 4] [--heads 16] [--head-dim 64] [--vocab 2048] [--precision fp32 int4]
         [--batch 1 8] [--past 512 2048] [--new-tokens 32] [--rounds 2] [--threads 2] [--profile]
 """
 

@@ -1,9 +1,9 @@
 """The quality zoo: trained models of every family shape that matters to pooling, and every
 training-free method measured on each of them.
 
-    python benchmarks/zoo.py train [--models llama-hd64,llama-16h,…]      # the trained members, when missing
-    python benchmarks/zoo.py quality [--methods …] [--models …] [--kv h/2,h/4,1]
-    python benchmarks/zoo.py index                                         # rewrite INDEX.md of the cache
+    python -m benchmarks.zoo train [--models llama-hd64,llama-16h,…]      # the trained members, when missing
+    python -m benchmarks.zoo quality [--methods …] [--models …] [--kv h/2,h/4,1]
+    python -m benchmarks.zoo index                                         # rewrite INDEX.md of the cache
 
 `train` makes each zoo member (benchmarks/zoo_models.py: the offline corpus, a seeded recipe per model)
 into the zoo cache ($HEADFOLD_ZOO, default ~/.cache/headfold-zoo), one at a time, skipping those that
@@ -38,10 +38,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-import zoo_models  # noqa: E402
-from conversion_quality import embeddings  # noqa: E402
 
 import headfold  # noqa: E402
+from benchmarks import zoo_models  # noqa: E402
+from benchmarks.conversion_quality import embeddings  # noqa: E402
 from headfold import corpus  # noqa: E402
 from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint  # noqa: E402
 from headfold.converter.conversion import without_refused  # noqa: E402

@@ -46,7 +46,7 @@ class TextSource:
 
     name: str
     sha256: str
-    docs: Callable[[], Iterator[str]]
+    docs: Callable[[], Iterator[str | tuple[str, str]]]
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def file_source(path: Path, option: str = "--data", pairs: bool = False) -> Text
         sha256 = _digest([path])
     options = {"keep_linebreaks": True} if builder == "text" else {}
 
-    def docs() -> Iterator[str]:
+    def docs() -> Iterator[str | tuple[str, str]]:
         with _read_errors(path, option, f"cannot be read as {builder}"):
             stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
             yield from _texts(stream, path, option, pairs)
@@ -147,7 +147,7 @@ def _disk_source(folder: Path, option: str, pairs: bool) -> TextSource:
         raise BadInput(f"{option} {folder} holds no rows; pass a dataset with text in it")
     files = sorted(p for p in folder.rglob("*") if p.is_file())
 
-    def docs() -> Iterator[str]:
+    def docs() -> Iterator[str | tuple[str, str]]:
         with _read_errors(folder, option, "cannot be read"):
             yield from _texts(loaded.to_iterable_dataset(), folder, option, pairs)
 

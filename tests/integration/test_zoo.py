@@ -4,20 +4,18 @@ and the quality harness scores a conversion of each on its held-out text, rows r
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks import render, zoo_models
+from benchmarks import zoo as zoo_harness
 
 
 @pytest.fixture(scope="module")
 def zoo():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT / "benchmarks"))
-        yield importlib.import_module("zoo"), importlib.import_module("zoo_models"), importlib.import_module("render")
+    return zoo_harness, zoo_models, render
 
 
 @pytest.fixture(scope="module")
