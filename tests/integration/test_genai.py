@@ -72,7 +72,7 @@ def _assert_same_tokens(checkpoint: Path, folder: Path, prompts: list[list[int]]
     expected = [torch_greedy(model, p, NEW_TOKENS) for p in prompts]
     for batch in ([prompts[0]], prompts):
         got = og_greedy(folder, batch, NEW_TOKENS)
-        for want, row in zip(expected, got, strict=True):
+        for want, row in zip(expected[: len(batch)], got, strict=True):
             assert len(want) > 0 and row[: len(want)] == want  # torch stops at EOS; og pads after it
 
 
