@@ -33,7 +33,7 @@ def read_array(source: FileRange, code: str, shape: tuple[int, ...]) -> np.ndarr
     array = np.empty(shape, dtype=STORAGE[code])
     with open(source.path, "rb", buffering=0) as f:
         f.seek(source.offset)
-        if f.readinto(memoryview(array.reshape(-1)).cast("B")) != source.nbytes:
+        if f.readinto(array.reshape(-1).data.cast("B")) != source.nbytes:
             raise EOFError(f"{source.path} ended inside a tensor at byte {source.offset}")
     return array
 
@@ -73,8 +73,9 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, how: st
 
     def read(suffix: str) -> tuple[np.ndarray, str]:
         info = ckpt.tensors[layer[suffix]]
-        code = info.code
-        return read_array(ckpt.byte_range(info.name), code, info.shape), code
+        code, source = info.code, ckpt.byte_range(info.name)
+        assert source is not None  # the caller checked readable(ckpt): every attention tensor is a byte range
+        return read_array(source, code, info.shape), code
 
     out: dict[str, np.ndarray] = {}
     if (norms := spec.head_norm_suffixes("k", shape.kv_heads)) and norms[0] in layer:  # one per kv head: pooled alike
@@ -86,11 +87,9 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, how: st
             if suffix in layer:
                 array, code = read(suffix)
                 q, k, v = split_fused(array, f, axis, shape)
-                pooled = (pool_heads(t, target.kv_heads, how, code) for t in (k, v))
-                out[layer[suffix]] = merge_fused(q, *pooled, f, axis)
+                out[layer[suffix]] = merge_fused(q, pool_heads(k, target.kv_heads, how, code), pool_heads(v, target.kv_heads, how, code), f, axis)
         return out
-    for role in "kv":
-        p = spec.projections[role]
+    for p in (spec.projections["k"], spec.projections["v"]):
         for suffix, axis in ((p.weight, p.head_axis), (p.bias, 0)):
             if suffix in layer:
                 array, code = read(suffix)
