@@ -49,7 +49,9 @@ def _unit(z: torch.Tensor) -> torch.Tensor:
 
 
 def _assemble(phases: torch.Tensor | None, rotation: torch.Tensor | None, rotary: int, d: int) -> torch.Tensor:
-    device = (phases if phases is not None else rotation).device
+    given = phases if phases is not None else rotation
+    assert given is not None  # phases when rotary > 0, a rotation when rotary < d: at least one for any d ≥ 1
+    device = given.device
     r = torch.zeros(d, d, dtype=torch.float64, device=device)
     if phases is not None:
         r += _pair_blocks(phases, rotary, d, torch.float64)

@@ -316,7 +316,8 @@ def _attention_blocks(config: dict[str, Any], spec: ArchitectureSpec) -> tuple[A
     keys, blocks = spec.config, []
     for kind in spec.attentions:  # head_dim: the family's key (T5's d_kv), else the width over this kind's heads
         layers, heads = _kind_layers(config, kind), _positive_int(config, kind.heads)
-        shape = _head_shape({kind.heads: heads, keys.hidden: config[keys.hidden], keys.head_dim: config.get(keys.head_dim)}, replace(keys, heads=kind.heads))
+        head_dim = {keys.head_dim: config.get(keys.head_dim)} if keys.head_dim else {}
+        shape = _head_shape({kind.heads: heads, keys.hidden: config[keys.hidden], **head_dim}, replace(keys, heads=kind.heads))
         counts = kind_kv_heads(stated.get(kind.name), heads, layers, kind.name)
         blocks += [AttentionBlock(kind.name, layer, replace(shape, kv_heads=kv)) for layer, kv in enumerate(counts)]
     return tuple(blocks)
@@ -525,7 +526,7 @@ def read_tensor(info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tens
     buffer = torch.empty(info.nbytes, dtype=torch.uint8) if out is None else out
     with open(info.file, "rb") as f:
         f.seek(info.offset)
-        if f.readinto(buffer.numpy()) != info.nbytes:  # else the rest would be whatever the buffer held
+        if f.readinto(buffer.numpy().data) != info.nbytes:  # else the rest would be whatever the buffer held
             raise BadInput(f"{info.file} ends inside tensor {info.name}: it changed after headfold checked it; restore the file and rerun")
     return buffer.view(info.dtype).reshape(info.shape)
 
@@ -662,8 +663,9 @@ class SourceCheckpoint:
 
     def __init__(self, folder: Path, *, allow_pickle: bool = False) -> None:
         self.facts = CheckpointFacts.read(folder, convertible=True)
-        self.folder, self.config, self.spec = self.facts.folder, self.facts.config, self.facts.spec
-        assert self.spec is not None  # convertible=True: read refused the family otherwise
+        spec = self.facts.spec
+        assert spec is not None  # convertible=True: read refused the family otherwise
+        self.folder, self.config, self.spec = self.facts.folder, self.facts.config, spec
         self.shape = self.facts.shape  # kv_heads: the largest layer's
         self.layers = self.facts.layers
         self.layer_shapes = self.facts.layer_shapes

@@ -157,7 +157,8 @@ class LayerwiseModel:
         self.layers[0] = catcher
         loaded: list[nn.Module] = []
         hooks = [m.register_forward_pre_hook(self._loader(loaded)) for m in self._outside_layers()]
-        hidden, calls = None, []
+        hidden: torch.Tensor | None = None
+        calls: list[tuple[tuple, dict[str, Any]]] = []
         try:
             for c, rows in enumerate(batch.split(chunk)):
                 try:
@@ -175,6 +176,7 @@ class LayerwiseModel:
                 h.remove()
             for m in loaded:
                 m.to("meta")
+        assert hidden is not None  # batch holds at least one window (sample_windows cuts one or more)
         return hidden, calls
 
     def _outside_layers(self) -> Iterator[nn.Module]:
@@ -222,13 +224,16 @@ def _run_layer(runner: LayerwiseModel, i: int, hidden: torch.Tensor, calls: list
     layer, rows = runner.layers[i], chunk * hidden.shape[1]
     offset = [0]
 
-    def keep(module: nn.Module, args: tuple) -> None:
-        x = args[0].reshape(-1, args[0].shape[-1])
-        inputs[offset[0] : offset[0] + len(x)].copy_(x)
-        if last:
-            raise _Stop
+    handle = None
+    if inputs is not None:
 
-    handle = None if inputs is None else runner.projection(i).register_forward_pre_hook(keep)
+        def keep(module: nn.Module, args: tuple) -> None:
+            x = args[0].reshape(-1, args[0].shape[-1])
+            inputs[offset[0] : offset[0] + len(x)].copy_(x)
+            if last:
+                raise _Stop
+
+        handle = runner.projection(i).register_forward_pre_hook(keep)
     try:
         for c, (args, kwargs) in enumerate(calls):
             offset[0] = c * rows
@@ -276,7 +281,8 @@ def layer_runs(
         stop = sequential or i == ckpt.layers - 1  # the layer's output is not the next layer's input yet, or never
         inputs = torch.empty(hidden.shape[0] * hidden.shape[1], hidden.shape[2])  # one layer's: freed with the run
         layer, block = runner.layers[i], runner.block(i)
-        calls_in, outputs = [], []
+        calls_in: list[tuple[tuple, dict[str, Any]]] = []
+        outputs: list[torch.Tensor] = []
         runner.load(layer)
         hooks = record_block(block, calls_in, outputs, stop)
         try:
@@ -286,7 +292,7 @@ def layer_runs(
                 for hook in hooks:
                     hook.remove()
             yield LayerRun(i, inputs, block, runner.block_names(i), calls_in, outputs)
-            calls_in, outputs, inputs = [], [], None  # the consumer's copies may go
+            del calls_in, outputs, inputs  # the consumer's copies may go
             if sequential and i < ckpt.layers - 1:
                 _run_layer(runner, i, hidden, calls, None, last=False, chunk=chunk)  # with the weights the consumer left in the block
         finally:

@@ -11,18 +11,21 @@ slices, swaps the two axes of a 2-D tensor and concatenates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from headfold.converter.spec import ArchitectureSpec, FusedQKV
+from headfold.converter.spec import ArchitectureSpec, FusedQKV, Role
 from headfold.ground.lazy import lazy_import
 
 if TYPE_CHECKING:
     import torch
 else:  # torch loads where tensors are made: a mean/first conversion runs without it
     torch = lazy_import("torch")
+
+Array = TypeVar("Array", "torch.Tensor", np.ndarray)  # what the codec reshapes: torch tensors or numpy arrays alike
 
 
 @dataclass(frozen=True)
@@ -52,13 +55,16 @@ class AttentionWeights:
     def kv_heads(self) -> int:
         return self.k.shape[0]
 
-    def with_kv(self, k, v, k_bias, v_bias) -> AttentionWeights:
+    def with_kv(self, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor | None, v_bias: torch.Tensor | None) -> AttentionWeights:
         return replace(self, k=k, v=v, k_bias=k_bias, v_bias=v_bias)
 
-    def map_kv(self, fn) -> AttentionWeights:
+    def map_kv(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> AttentionWeights:
         """`fn` applied to every per-kv-head tensor (K, V, their biases and norms) that exists."""
-        kv = ("k", "v", "k_bias", "v_bias", "k_norm")
-        return replace(self, **{name: None if (t := getattr(self, name)) is None else fn(t) for name in kv})
+
+        def present(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return replace(self, k=fn(self.k), v=fn(self.v), k_bias=present(self.k_bias), v_bias=present(self.v_bias), k_norm=present(self.k_norm))
 
 
 def _stack(parts: list):
@@ -77,19 +83,19 @@ def _concatenate(parts: list, axis: int = 0):
     return torch.cat(parts, dim=axis)
 
 
-def split_heads(t: torch.Tensor, axis: int, heads: int) -> torch.Tensor:
+def split_heads(t: Array, axis: int, heads: int) -> Array:
     """[.., heads·d (at axis), ..] → [heads, d, rest]; weights are 2-D, so moving the head
     axis first is one axis swap."""
     t = t.swapaxes(axis, 0)
     return t.reshape(heads, -1, *t.shape[1:])
 
 
-def merge_heads(t: torch.Tensor, axis: int) -> torch.Tensor:
+def merge_heads(t: Array, axis: int) -> Array:
     """Inverse of split_heads."""
     return t.reshape(-1, *t.shape[2:]).swapaxes(0, axis)
 
 
-def split_fused(t: torch.Tensor, fused: FusedQKV, axis: int, shape: HeadShape) -> list[torch.Tensor]:
+def split_fused(t: Array, fused: FusedQKV, axis: int, shape: HeadShape) -> list[Array]:
     """A fused Q/K/V tensor (weight or bias) → canonical [q, k, v]."""
     h, n, d = shape.heads, shape.kv_heads, shape.head_dim
     t = t.swapaxes(axis, 0)
@@ -100,7 +106,7 @@ def split_fused(t: torch.Tensor, fused: FusedQKV, axis: int, shape: HeadShape) -
     return [grouped[:, :-2].reshape(h, d, *t.shape[1:]), grouped[:, -2], grouped[:, -1]]
 
 
-def merge_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fused: FusedQKV, axis: int) -> torch.Tensor:
+def merge_fused(q: Array, k: Array, v: Array, fused: FusedQKV, axis: int) -> Array:
     if fused.layout == "blocks":
         flat = _concatenate([q, k, v]).reshape(-1, *q.shape[2:])
     else:
@@ -122,6 +128,7 @@ class AttentionCodec:
         spec, shape = self.spec, self.shape
         o = spec.projections["o"]
         parts = {"o": split_heads(tensors[o.weight], o.head_axis, shape.heads)}
+        role: Role
         if spec.fused_qkv:
             f = spec.fused_qkv
             parts.update(zip("qkv", split_fused(tensors[f.weight], f, f.head_axis, shape), strict=True))
@@ -143,20 +150,23 @@ class AttentionCodec:
         spec = self.spec
         o = spec.projections["o"]
         out = {o.weight: merge_heads(attn.o, o.head_axis)}
-        for role in "qk":
+        role: Role
+        for role in ("q", "k"):
             if (norm := getattr(attn, f"{role}_norm")) is not None:
                 out |= dict(zip(spec.head_norm_suffixes(role, len(norm)), norm, strict=True))
         if spec.fused_qkv:
             f = spec.fused_qkv
             out[f.weight] = merge_fused(attn.q, attn.k, attn.v, f, f.head_axis)
             if attn.q_bias is not None:
+                assert f.bias is not None and attn.k_bias is not None and attn.v_bias is not None  # decode took all three from the fused bias
                 out[f.bias] = merge_fused(attn.q_bias, attn.k_bias, attn.v_bias, f, 0)
             return out
-        for role in "qkv":
+        for role in ("q", "k", "v"):
             p = spec.projections[role]
             out[p.weight] = merge_heads(getattr(attn, role), p.head_axis)
             bias = getattr(attn, f"{role}_bias")
             if bias is not None:
+                assert p.bias is not None  # decode found it under the projection's bias suffix
                 out[p.bias] = merge_heads(bias, 0)
         return out
 

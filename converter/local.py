@@ -88,7 +88,8 @@ def split(count: int, seed: int, share: float = LocalFit.validation) -> tuple[li
 
 def batches(calls: list[int], seed: int, size: int) -> Iterator[list[int]]:
     """`size` calls a step, every call once per pass, in a seeded order shuffled each pass."""
-    rng, order = random.Random(seed), []
+    rng = random.Random(seed)
+    order: list[int] = []
     while True:
         if len(order) < min(size, len(calls)):
             rng.shuffle(shuffled := list(calls))

@@ -109,10 +109,22 @@ def pairs_as_halves(attn: AttentionWeights, rotary: int, inverse: bool = False) 
     order = torch.cat([torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, d)])
     if inverse:
         order = torch.argsort(order)
-    take = lambda t: None if t is None else t[:, order.to(t.device)]  # noqa: E731
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t[:, order.to(t.device)]
+
+    def present(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else take(t)
+
     return replace(
-        attn, q=take(attn.q), k=take(attn.k), q_bias=take(attn.q_bias), k_bias=take(attn.k_bias), q_norm=take(attn.q_norm), k_norm=take(attn.k_norm),
-    )  # fmt: skip
+        attn,
+        q=take(attn.q),
+        k=take(attn.k),
+        q_bias=present(attn.q_bias),
+        k_bias=present(attn.k_bias),
+        q_norm=present(attn.q_norm),
+        k_norm=present(attn.k_norm),
+    )
 
 
 def moved(attn: AttentionWeights, device: torch.device) -> AttentionWeights:
@@ -301,9 +313,7 @@ def _pool(attn: AttentionWeights, groups: list[list[int]], how: str) -> Attentio
     order = [j for g in groups for j in g]
     index = None if order == list(range(len(order))) else torch.tensor(order)
 
-    def pool(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
+    def pool(t: torch.Tensor) -> torch.Tensor:  # map_kv passes the tensors that exist
         grouped = (t if index is None else t[index.to(t.device)]).unflatten(0, (len(groups), -1))
         return grouped.mean(1, dtype=torch.float32) if how == "mean" else grouped[:, 0]
 
@@ -317,8 +327,14 @@ def _restore_norms(pooled: AttentionWeights, groups, keys, values, ctx: LayerCon
     scale = lambda acts, pooled_acts, g: torch.stack([acts[j].norm() for j in groups[g]]).mean() / pooled_acts[g].norm().clamp_min(1e-30)  # noqa: E731
     ks = torch.stack([scale(keys, pooled_keys, g) for g in range(len(groups))])
     vs = torch.stack([scale(values, pooled_values, g) for g in range(len(groups))])
-    mul = lambda t, s: None if t is None else t * s.view(-1, *[1] * (t.ndim - 1))  # noqa: E731
-    return pooled.with_kv(mul(pooled.k, ks), mul(pooled.v, vs), mul(pooled.k_bias, ks), mul(pooled.v_bias, vs))
+
+    def mul(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return t * s.view(-1, *[1] * (t.ndim - 1))
+
+    def present(t: torch.Tensor | None, s: torch.Tensor) -> torch.Tensor | None:
+        return None if t is None else mul(t, s)
+
+    return pooled.with_kv(mul(pooled.k, ks), mul(pooled.v, vs), present(pooled.k_bias, ks), present(pooled.v_bias, vs))
 
 
 def refit(pooled: AttentionWeights, groups, keys, values, ctx: LayerContext, key_rotary: int | None) -> AttentionWeights:

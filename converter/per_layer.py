@@ -29,8 +29,9 @@ KvHeads = int | tuple[int, ...]
 
 def parse_kv_heads(text: str) -> KvHeads:
     """'4' → 4; '8,4,4,2' → (8, 4, 4, 2); BadInput for anything else."""
-    counts = tuple(whole_number(p) for p in str(text).split(","))
-    if not all(c is not None and c >= 0 for c in counts):  # 0 passes: the converter names the valid counts
+    parts = str(text).split(",")
+    counts = tuple(c for p in parts if (c := whole_number(p)) is not None and c >= 0)
+    if len(counts) != len(parts):  # 0 passes: the converter names the valid counts
         raise BadInput(f"--kv-heads {text!r} is not a count; give one value (4) or one per layer (8,4,4,2)")
     return counts[0] if len(counts) == 1 else counts
 

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from headfold.ground.errors import BadInput
 
@@ -158,7 +158,10 @@ def layer_tensor_pattern(suffix: str) -> re.Pattern[str]:
     return re.compile(r"^(.*?)" + literal + "$")
 
 
-def _projection(raw: dict[str, Any], cls: type[Projection] = Projection) -> Projection:
+P = TypeVar("P", bound=Projection)
+
+
+def _projection(raw: dict[str, Any], cls: type[P]) -> P:
     return cls(**raw)
 
 
@@ -175,7 +178,7 @@ def _parse(raw: dict[str, Any]) -> ArchitectureSpec:
         rope=raw["rope"],
         config=ConfigKeys(**raw["config"]),
         layer_prefix=raw["layer_prefix"],
-        projections={role: _projection(p) for role, p in raw["projections"].items()},
+        projections={role: _projection(p, Projection) for role, p in raw["projections"].items()},
         fused_qkv=_projection(fused, FusedQKV) if fused else None,
         qk_norm=raw.get("qk_norm"),
         head_norms=raw.get("head_norms"),
@@ -193,7 +196,7 @@ def _parse(raw: dict[str, Any]) -> ArchitectureSpec:
 @cache
 def all_specs() -> tuple[ArchitectureSpec, ...]:
     folder = resources.files("headfold.converter") / "specs"
-    files = sorted(p for p in folder.iterdir() if p.name.endswith(".json"))
+    files = sorted((p for p in folder.iterdir() if p.name.endswith(".json")), key=lambda p: p.name)  # one folder: as its paths sort
     return tuple(_parse(json.loads(p.read_text())) for p in files)
 
 

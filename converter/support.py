@@ -8,12 +8,15 @@ Only transformers' class-level tables are consulted: no checkpoint code runs.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from headfold.converter.spec import ConfigKeys, supported_model_types
 from headfold.ground import inputs
 from headfold.ground.errors import BadInput
 from headfold.ground.lazy import lazy_import
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # transformers' tables, read where a family has no spec or a model is built: a mean conversion never loads them
 transformers = lazy_import("transformers")
@@ -65,12 +68,12 @@ def unsupported(config: dict[str, Any]) -> BadInput:
     )
 
 
-def builtin_class(name: Any) -> type | None:
+def builtin_class(name: Any) -> type[PreTrainedModel] | None:
     """The transformers model class called `name` (config.json's architectures[0]); None for any other name."""
     found = getattr(transformers, name, None) if isinstance(name, str) else None
     return found if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel) and found.config_class else None
 
 
-def _config_class(model_type: Any) -> type | None:
+def _config_class(model_type: Any) -> type[PretrainedConfig] | None:
     mapping = configuration_auto.CONFIG_MAPPING
     return mapping[model_type] if isinstance(model_type, str) and model_type in mapping else None

@@ -166,7 +166,7 @@ class ShardedWriter:
         if array.dtype.itemsize != DTYPE_SIZES[dtype]:
             raise RuntimeError(f"writer got {array.dtype} data for {name}, which is {dtype}")
         self._check(name, dtype, tuple(array.shape))
-        self._submit(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+        self._submit(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
 
     def copy(self, name: str, dtype: Any, shape: tuple[int, ...], source: FileRange) -> None:
         """Queue the next planned tensor, taken unchanged from a byte range of a source file."""

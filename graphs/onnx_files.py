@@ -46,17 +46,19 @@ def external_data_files(model: ir.Model, path: Path) -> list[Path]:
             if not file.is_file():
                 raise BadInput(f"{path} keeps its weights in {file}, which does not exist; {fix}")
             found[file] = file.stat().st_size
-        end = tensor.offset + tensor.nbytes
+        offset = tensor.offset or 0  # ONNX: an absent offset is 0
+        end = offset + tensor.nbytes
         if (tensor.length is not None and tensor.length != tensor.nbytes) or end > found[file]:
             raise BadInput(
-                f"{path} does not match its external data {file}: tensor {tensor.name!r} is bytes {tensor.offset}-{end} "
+                f"{path} does not match its external data {file}: tensor {tensor.name!r} is bytes {offset}-{end} "
                 f"of {found[file]}; {fix} (the graph and its .onnx.data come from one export)"
             )
     return sorted(found)
 
 
 def _external_tensors(model: ir.Model) -> Iterator[ir.ExternalTensor]:
-    for graph in (model.graph, *(f for f in model.functions.values())):
+    graphs: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
+    for graph in graphs:
         for node in ir.traversal.RecursiveGraphIterator(graph):
             for attribute in node.attributes.values():
                 if isinstance(getattr(attribute, "value", None), ir.ExternalTensor):

@@ -79,7 +79,9 @@ class RuleSet:
 
 
 def _rule_sets() -> list[RuleSet]:
-    sets, ops, custom = [], {}, frozenset()
+    sets: list[RuleSet] = []
+    ops: dict[str, tuple[str, ...] | None] = {}
+    custom: frozenset[str] = frozenset()
     for release in RELEASES:
         ops = {**ops, **release.added_ops}
         custom = custom | release.custom_ops

@@ -7,7 +7,7 @@ a table of its own. The values are the names users type and files hold (export.j
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING, Any
 
 from headfold.ground.errors import BadOption
@@ -109,14 +109,16 @@ class Precision(StrEnum):
         return getattr(torch, self._float_fact(2))
 
     @property
-    def ir_dtype(self) -> ir.DataType:
-        """The ONNX (onnx_ir) element type of a float precision (ValueError for int4: see computed_in)."""
+    def ir_dtype(self) -> IntEnum:
+        """The ONNX (onnx_ir) element type of a float precision (ValueError for int4: see computed_in): an
+        ir.DataType, typed as its IntEnum base since ground names no ONNX type (see `ir` above)."""
         return getattr(ir.DataType, self._float_fact(3))
 
     def _float_fact(self, index: int) -> str:
-        if not self.is_float:
+        fact = _FACTS[self][index]
+        if not isinstance(fact, str):  # int4 (not is_float): no dtype names
             raise ValueError(f"{self} is weight-only quantization, not an element type; ask for its computed_in precision")
-        return _FACTS[self][index]
+        return fact
 
     @staticmethod
     def coarsest(*precisions: Precision) -> Precision:

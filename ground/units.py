@@ -60,6 +60,7 @@ def parse_fraction(value: Any, name: str) -> float:
 def parse_count(value: Any, name: str, unit: str, examples: str = "e.g. 200000, 200k or 1.5M") -> int:
     """200000, '200k', '1.5M', '2B' (of `unit`s) → a whole count of at least 1, rounded down."""
     text = str(value).strip()
+    count: float | None
     try:
         if text[-1:].lower() in COUNT_SUFFIXES:
             count = _decimal(text[:-1]) * COUNT_SUFFIXES[text[-1].lower()]
