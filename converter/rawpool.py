@@ -81,7 +81,8 @@ def convert_layer(ckpt: SourceCheckpoint, index: int, target: HeadShape, how: st
     if (norms := spec.head_norm_suffixes("k", shape.kv_heads)) and norms[0] in layer:  # one per kv head: pooled alike
         stacked = np.stack([read(n)[0] for n in norms])
         pooled = pool_heads(stacked, target.kv_heads, how, ckpt.tensors[layer[norms[0]]].code)
-        out |= {layer[n]: norm for n, norm in zip(norms, pooled, strict=True)}
+        kept = norms[: target.kv_heads]  # the pooled heads take the names of the first ones
+        out |= {layer[n]: norm for n, norm in zip(kept, pooled, strict=True)}
     if f := spec.fused_qkv:
         for suffix, axis in ((f.weight, f.head_axis), (f.bias, 0)):
             if suffix in layer:
