@@ -42,9 +42,10 @@ def _cli_output(function: Callable) -> Callable:
 
     @functools.wraps(function)
     def call(*args, **kwargs):
+        from headfold.ground.atomic import cleanup_on_sigterm
         from headfold.options import api_output
 
-        with api_output(signature.bind(*args, **kwargs).arguments.get("progress", default)):
+        with cleanup_on_sigterm(), api_output(signature.bind(*args, **kwargs).arguments.get("progress", default)):
             return function(*args, **kwargs)
 
     return call
@@ -134,7 +135,7 @@ def inspect(
     if candidates is not None and not isinstance(candidates, str):
         candidates = ",".join(map(str, candidates))
     return inspect_checkpoint(
-        source, candidates=candidates, method=method, kv_budget=kv_budget, heatmap=_path(heatmap), json_path=_path(json_path),
+        _source(source), candidates=candidates, method=method, kv_budget=kv_budget, heatmap=_path(heatmap), json_path=_path(json_path),
         overwrite=overwrite, progress=progress, revision=revision, **_calibration(calibration).kwargs(),
     )  # fmt: skip
 
@@ -365,6 +366,11 @@ def sentence_transformer(path: PathLike, *, device: str | None = None) -> Senten
 
 def _path(value: PathLike | None) -> Path | None:
     return None if value is None else Path(value)
+
+
+def _source(value: PathLike) -> str | Path:
+    """A checkpoint argument: a hub id as it is, a path as a Path."""
+    return value if isinstance(value, str) else Path(value)
 
 
 def _calibration(value: Calibration | PathLike | None) -> Calibration:

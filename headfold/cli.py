@@ -26,7 +26,7 @@ from headfold.converter.recipes import MODIFIERS, get_method
 from headfold.converter.seq2seq import KIND_NAMES
 from headfold.converter.sources import checkpoint_folders
 from headfold.ground import manifest
-from headfold.ground.atomic import check_outputs, library_scratch
+from headfold.ground.atomic import check_outputs, cleanup_on_sigterm, library_scratch
 from headfold.ground.errors import HeadfoldError, first_line, is_panic
 from headfold.ground.inputs import printable
 from headfold.ground.units import whole_number
@@ -110,7 +110,7 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 @SOURCE
 @output_options()
 def convert(
-    src: str,
+    src: str | Path,  # each checkpoint argument is its local folder once resolved
     out: str | Path,
     kv_heads: int | tuple[int, ...],
     method: str,
@@ -190,7 +190,7 @@ def convert(
 @export_options
 @SOURCE
 @output_options()
-def export_cmd(src: str, out_dir: Path, export: ExportOptions, revision: str | None, output: Output) -> None:
+def export_cmd(src: str | Path, out_dir: Path, export: ExportOptions, revision: str | None, output: Output) -> None:
     """Export the checkpoint SRC (a folder or hub id ORG/NAME) to ONNX with one GQA Attention node per layer.
 
     Decoders get one merged model.onnx (any number of new tokens after a past of any length, KV
@@ -275,8 +275,8 @@ def _finish(report: Report, output: Output, sources: list[Path] | None = None) -
 @SOURCE
 @output_options(extra=REPORTS, json_alias="--report")
 def verify_cmd(
-    reference: str,
-    candidate: str,
+    reference: str | Path,
+    candidate: str | Path,
     check: str,
     inputs: InputSpec,
     thresholds: Thresholds,
@@ -318,7 +318,7 @@ def verify_cmd(
 @SOURCE
 @output_options()
 def run_cmd(
-    src: str,
+    src: str | Path,
     out_dir: Path,
     kv_heads: int | tuple[int, ...],
     method: str,
@@ -393,7 +393,7 @@ def _distill_summary(record: dict[str, Any]) -> list[str]:
 )
 @SOURCE
 @output_options()
-def distill_cmd(teacher: str, student: str, out: Path, revision: str | None, output: Output, **options: Any) -> None:
+def distill_cmd(teacher: str | Path, student: str | Path, out: Path, revision: str | None, output: Output, **options: Any) -> None:
     """Distill STUDENT (a headfold conversion of TEACHER) from TEACHER into OUT.
 
     The teacher (the MHA original; a folder or hub id) is frozen; the student learns to match its
@@ -413,6 +413,7 @@ def distill_cmd(teacher: str, student: str, out: Path, revision: str | None, out
     if not main_process():
         return  # under torchrun / accelerate launch only the main process reports (and writes)
     record = manifest.load(result).distillation
+    assert record is not None  # distill's output manifest always carries its distillation
     lines = [f"wrote {result} ({record['steps']} steps, {record['tokens']} tokens)", *_distill_summary(record)]
     if record["target_reached"] is False:
         lines.append("note: the --until target was not reached within the token budget")
@@ -452,7 +453,7 @@ class KvBudget(click.ParamType):
     extra=(spec("--heatmap", type=PATH, default=None, metavar="OUT.png", help="Write a PNG: layers × heads similarity, layers × candidates predicted loss."),)
 )
 def inspect_cmd(
-    src: str, candidates: str | None, method: str, kv_budget, calibration: Calibration, revision: str | None, heatmap: Path | None, output: Output
+    src: str | Path, candidates: str | None, method: str, kv_budget, calibration: Calibration, revision: str | None, heatmap: Path | None, output: Output
 ) -> None:
     """Per layer of SRC (a folder or hub id): K/V head similarity and the predicted loss of each kv-head count.
 
@@ -489,7 +490,7 @@ def _demo_rows() -> int:
     """--max-rows of the demo: the rows its reference budget was measured on (imported when the demo runs)."""
     from headfold.demo import DEMO_INPUTS
 
-    return DEMO_INPUTS.max_rows
+    return DEMO_INPUTS.max_rows or 0  # None (every row) is --max-rows 0
 
 
 @cli.command()
@@ -575,7 +576,7 @@ def demo(
 def os_error_line(err: OSError) -> str:
     """One line naming the path and the fix for an OS error (errno decides the fix)."""
     path = " → ".join(str(p) for p in (err.filename, err.filename2) if p is not None) or "a file"
-    fixes = {
+    fixes: dict[int | None, str] = {
         errno.ENOSPC: f"no space left on the device holding {path}; free space there or choose another output",
         errno.EDQUOT: f"disk quota exceeded writing {path}; free space or choose another output",
         errno.EROFS: f"{path} is on a read-only file system; choose an output on a writable one",
@@ -629,7 +630,7 @@ def _pipe_safe_stdout() -> Iterator[None]:
     """sys.stdout on _PipeSafe while a command runs (only the process's real stdout: a test's capture stays)."""
     real = sys.stdout
     try:
-        fd = real.fileno() if real is sys.__stdout__ else None
+        fd = real.fileno() if real is sys.__stdout__ and real is not None else None
         real.flush()
     except (AttributeError, OSError, ValueError):
         fd = None
@@ -654,7 +655,9 @@ def _main(argv: list[str] | None) -> int:
     global _debug
     _debug = False
     try:
-        with library_scratch():  # what libraries write to the temp folder is removed at exit
+        # Signals are recorded for the whole command, not only inside a stage's outputs: a Ctrl-C between
+        # them that a library swallows still stops the command before anything is placed.
+        with cleanup_on_sigterm(), library_scratch():  # what libraries write to the temp folder is removed at exit
             code = cli.main(args=argv, prog_name="headfold", standalone_mode=False)
     except HeadfoldError as e:
         return _fail(str(e), e.exit_code)
