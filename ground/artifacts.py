@@ -17,7 +17,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from headfold.ground import VERSION
 from headfold.ground.errors import BadInput
@@ -140,6 +140,8 @@ class Record:
     """Base of a dataclass that is one JSON object: its fields are the keys, in order. Nested
     records, and lists and dicts of them, are built from the annotations; a value of the wrong
     type is Malformed. (A plain class, so frozen and mutable dataclasses can both derive from it.)"""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # set by @dataclass on every subclass
 
     def to_dict(self) -> dict[str, Any]:
         data = {}

@@ -264,6 +264,7 @@ class OptionGroup:
         @functools.wraps(f)
         def command(*args: Any, **values: Any) -> Any:
             if self.build is not None:  # an option an inner group declared too stays for that group
+                assert self.into is not None  # a group that builds names where its value goes
                 given = {field: values[name] if name in declared else values.pop(name) for name, field in names.items()}
                 try:
                     values[self.into] = self.build(**given)
@@ -273,7 +274,7 @@ class OptionGroup:
             return f(*args, **values)
 
         fresh = [p for p in params if p.name not in declared]
-        command.__click_params__ = [*getattr(f, "__click_params__", []), *reversed(fresh)]  # click lists them reversed
+        setattr(command, "__click_params__", [*getattr(f, "__click_params__", []), *reversed(fresh)])  # noqa: B010 (click's attribute; lists them reversed)
         return command
 
     def _specs(self) -> tuple[Spec, ...]:
@@ -356,7 +357,7 @@ def _output(quiet: bool = False, verbose: bool = False, overwrite: bool = False,
     return Output(overwrite, level < 0, level > 0, json_path)
 
 
-def output_options(*, writes: bool = True, result: bool = True, extra: tuple[Spec, ...] = (), json_alias: str | None = None) -> OptionGroup:
+def output_options(*, writes: bool = True, result: bool = True, extra: tuple[Spec, ...] = (), json_alias: str | None = None) -> Callable[[Callable], Callable]:
     """-q, -v, and --json where the command has a result, --overwrite where it writes, as an Output;
     `extra` (verify's --markdown, inspect's --heatmap) pass through beside it; `json_alias` is a
     second name of --json (verify's --report, from the command-line contract)."""

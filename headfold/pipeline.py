@@ -46,8 +46,8 @@ from headfold.ground.ledger import load as load_ledger
 from headfold.ground.precision import Precision
 from headfold.ground.settings import Calibration, ExportOptions, Profile
 from headfold.verification.api import run_artifact_checks
-from headfold.verification.artifacts import resolve
-from headfold.verification.budget import Thresholds
+from headfold.verification.artifacts import Artifact, resolve
+from headfold.verification.budget import FidelityBudget, LossBudget, Thresholds
 from headfold.verification.inputs import InputSpec, make_inputs, read_text
 from headfold.verification.report import Report
 
@@ -140,7 +140,7 @@ def _verify(
 ) -> Report:
     original, conversion, graph = resolve(src), resolve(converted), resolve(onnx_dir)
     inputs = make_inputs(src, spec)
-    checks = [
+    checks: list[tuple[str, str, Artifact, Artifact, FidelityBudget | LossBudget]] = [
         ("conversion-loss", "loss", original, conversion, thresholds.loss(dtype)),
         ("fidelity-onnx", "fidelity", conversion, graph, thresholds.fidelity(dtype)),
     ]
@@ -254,7 +254,8 @@ class Settings:
 
     @property
     def dtype(self) -> Precision:
-        return self.export.dtype  # run resolves it (verifiable_dtype)
+        assert self.export.dtype is not None  # run resolves it (verifiable_dtype)
+        return self.export.dtype
 
     def reads(self, src: Path) -> list[Path]:
         """Every input the stages read: the source, texts, budget, distill data, timing cache."""
