@@ -135,23 +135,11 @@ def convert(
 
     An encoder-decoder (T5, BART, Whisper) pools its decoder's self- and cross-attention (--pool).
     """
-    into_folder, out = str(out).endswith(os.sep), Path(out)
     if Path(src).suffix == ".onnx":
-        src = Path(src)
-        out = out / src.name if into_folder else out
-        refuse(
-            ("pool", "local_steps", "shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"),
-            f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)",
-        )
-        from headfold.graphs.onnx_convert import convert_onnx
-
-        method = method if given(click.get_current_context(), ("method",)) else "mean"
-        output.check([src], [out, out.with_name(f"{out.name}.data")])  # the graph and its weights
-        summary = convert_onnx(src, out, kv_heads, method, overwrite=output.overwrite)
-        line = f"wrote {out} ({summary['attention_nodes']} {summary['attention_op']} nodes, {_kv_text(kv_heads)} kv heads, method {method})"
-        output.emit(line, {"output": str(out), "method": method, **summary}, [src])
+        onnx = Path(src)  # into OUT/SRC's name where OUT ends in a slash
+        _convert_onnx(onnx, Path(out, onnx.name) if str(out).endswith(os.sep) else Path(out), kv_heads, method, output)
         return
-
+    out = Path(out)
     (src,) = _checkpoint_folders(src, revision=revision, allow_pickle=allow_pickle)
     reads = [src, *([] if calibration.text in (None, "weights") else [Path(calibration.text)])]
     output.check(reads, [out])
@@ -182,6 +170,21 @@ def convert(
     applied = record.conversion.method  # the default drops local where there is no text: say what ran
     lines = [f"wrote {result} ({_kv_text(kv_heads)} kv heads{where}, method {applied})", *filter(None, [load_hint(result)])]
     output.emit("\n".join(lines), {"output": str(result), **record.to_dict()}, reads)
+
+
+def _convert_onnx(src: Path, out: Path, kv_heads: int | tuple[int, ...], method: str, output: Output) -> None:
+    """convert on a model.onnx: its K/V initializers pooled (mean unless --method says first) and the graph rewritten to GQA."""
+    refuse(
+        ("pool", "local_steps", "shard_size", "allow_pickle", "calibration", "calibration_tokens", "seed", "revision"),
+        f"to an ONNX source ({src.name}: its weights are initializers, pooled without calibration)",
+    )
+    from headfold.graphs.onnx_convert import convert_onnx
+
+    method = method if given(click.get_current_context(), ("method",)) else "mean"
+    output.check([src], [out, out.with_name(f"{out.name}.data")])  # the graph and its weights
+    summary = convert_onnx(src, out, kv_heads, method, overwrite=output.overwrite)
+    line = f"wrote {out} ({summary['attention_nodes']} {summary['attention_op']} nodes, {_kv_text(kv_heads)} kv heads, method {method})"
+    output.emit(line, {"output": str(out), "method": method, **summary}, [src])
 
 
 @cli.command("export")
