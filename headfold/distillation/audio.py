@@ -93,7 +93,7 @@ def read_wav(path: Path, rate: int, limit: int) -> np.ndarray:
 class Features:
     """Log-mel features of clips, each cut or padded to the encoder's frames."""
 
-    extractor: object  # transformers' WhisperFeatureExtractor
+    extractor: WhisperFeatureExtractor
     samples: int  # audio samples the encoder's frames cover
     described: str
 
@@ -114,7 +114,9 @@ def features_for(facts: CheckpointFacts) -> Features:
     fix = f"restore {PREPROCESSOR} from the original checkpoint"
     if (path := folder / PREPROCESSOR).is_file():
         try:
-            extractor = WhisperFeatureExtractor.from_dict(read_json_object(path, fix))
+            loaded = WhisperFeatureExtractor.from_dict(read_json_object(path, fix))
+            assert isinstance(loaded, WhisperFeatureExtractor)  # from_dict returns the extractor alone unless asked for the unused keys
+            extractor = loaded
         except (TypeError, ValueError, ZeroDivisionError) as err:  # values of the wrong type or size
             raise BadInput(f"{path} is not a Whisper feature extractor's settings ({type(err).__name__}: {first_line(err)}); {fix}") from None
         described = f"{path.name} of {folder}"
@@ -237,6 +239,9 @@ def filled(ids: list[int], seq_len: int) -> list[int]:
 def teacher_transcripts(teacher: torch.nn.Module, features: torch.Tensor, seq_len: int, rows: int) -> torch.Tensor:
     """The teacher's greedy transcripts of `features` as targets [clips, seq_len]: what follows its start
     token up to and with its end-of-text token, filled with ABSENT."""
+    from transformers import WhisperForConditionalGeneration  # the one audio family: imported where it runs
+
+    assert isinstance(teacher, WhisperForConditionalGeneration)
     eos, targets = teacher.generation_config.eos_token_id, []
     eos = set(eos if isinstance(eos, list) else [eos])
     # Whisper's generate refuses new tokens past max_target_positions less its prompt (start, language, task, no-timestamps)

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +39,7 @@ PAIR_FIELDS = ("source", "target")  # an encoder-decoder's (source, target) rows
 ABSENT = -1  # a window position a pair does not fill: masked out of the model's inputs and the loss
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else is read as text
 SHUFFLE_WINDOWS = 1024  # training windows shuffled together: neighbours in the text rarely share a batch
+Item = TypeVar("Item")  # a window's ids, or a clip and its target ids (audio.py)
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,7 @@ def pair_window(pair: tuple[str, str], encoder: Encoder, seq_len: int) -> list[i
     return [*parts[0], *[ABSENT] * (half - len(parts[0])), *parts[1], *[ABSENT] * (seq_len - half - len(parts[1]))]
 
 
-def shuffled(items: Iterator[list[int]], rng: random.Random, size: int = SHUFFLE_WINDOWS) -> Iterator[list[int]]:
+def shuffled(items: Iterator[Item], rng: random.Random, size: int = SHUFFLE_WINDOWS) -> Iterator[Item]:
     """Fill a buffer of `size`, then emit a random element for each new one (like datasets' shuffle)."""
     buffer = list(islice(items, size))
     for item in items:

@@ -64,12 +64,14 @@ class Objective:
         """An encoder-decoder's window → (source, target): its first half and the continuation; a clip's
         log-mel features and its transcript's ids."""
         if isinstance(ids, AudioBatch):
+            assert ids.ids is not None  # the plan completed the batch: the teacher transcribed what the data did not
             return ids.features, ids.ids
         half = ids.shape[1] // 2
         return ids[:, :half], ids[:, half:]
 
     def _seq2seq_outputs(self, model: torch.nn.Module, ids: torch.Tensor | AudioBatch, layers: bool) -> Outputs:
         source, target = self.split(ids)
+        assert self.decoder_start is not None  # only encoder-decoders come here
         start = torch.full_like(target[:, :1], self.decoder_start)
         decoder_ids = torch.cat([start, target[:, :-1]], 1).clamp_min(0)  # an ABSENT target position predicts nothing that counts
         # audio: features of whole clips (padded with silence, as Whisper was trained), no mask

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +15,22 @@ from headfold.distillation.run import DistillOptions, check_options, distill, re
 from headfold.ground.errors import BadOption
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class DistillStage:
     """What to distill on: `data` (None: the embedded model's own training split), the options (DistillOptions,
-    or the fields given as a dict), and `eval_data` (None: the first windows of `data`, or the embedded model's
-    held-out split)."""
+    or the fields given as a dict; kept as the fields given, which the demo lays over its own), and `eval_data`
+    (None: the first windows of `data`, or the embedded model's held-out split)."""
 
-    data: Path | None = None
-    options: dict[str, Any] | DistillOptions = field(default_factory=dict)
-    eval_data: Path | None = None
+    data: Path | None
+    options: dict[str, Any]
+    eval_data: Path | None
 
-    def __post_init__(self) -> None:
-        if isinstance(self.options, DistillOptions):  # kept as the fields it sets: the demo lays them over its own
-            object.__setattr__(self, "options", self.options.given())
-        DistillOptions(**self.options)  # unknown option names fail before any stage runs
+    def __init__(self, data: Path | None = None, options: Mapping[str, Any] | DistillOptions | None = None, eval_data: Path | None = None) -> None:
+        given = options.given() if isinstance(options, DistillOptions) else dict(options or {})
+        DistillOptions(**given)  # unknown option names fail before any stage runs
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "options", given)
+        object.__setattr__(self, "eval_data", eval_data)
 
     def check(self, teacher: Path) -> None:
         """What the stage would refuse in its options and data, before run's first stage: the plan distill

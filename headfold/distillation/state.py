@@ -21,7 +21,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +48,7 @@ class Progress:
     step: int = 0
     tokens: int = 0
     windows: int = 0  # global training windows consumed: where the data stream resumes
-    log: dict[str, list] | None = None
-
-    def __post_init__(self) -> None:
-        self.log = self.log if self.log is not None else {"train": [], "eval": []}
+    log: dict[str, list] = field(default_factory=lambda: {"train": [], "eval": []})
 
 
 def latest(folder: Path) -> Path | None:

@@ -12,6 +12,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from headfold.converter.checkpoint import SourceCheckpoint
+from headfold.converter.spec import Role
 from headfold.ground.errors import BadInput
 from headfold.ground.lazy import lazy_import
 from headfold.ground.settings import TRAIN_MODES
@@ -21,7 +22,7 @@ peft = lazy_import("peft")  # --train lora only
 LORA_RANK = 16
 
 
-def attention_parameters(ckpt: SourceCheckpoint, names: dict[str, str], roles: tuple[str, ...] | None) -> set[str]:
+def attention_parameters(ckpt: SourceCheckpoint, names: dict[str, str], roles: tuple[Role, ...] | None) -> set[str]:
     """Model parameter names of the attention tensors of `roles` (None: all of Q/K/V/O and fused QKV)."""
     spec = ckpt.spec
     if roles is None:
@@ -67,7 +68,8 @@ def _lora(model: nn.Module, attention: set[str]) -> tuple[nn.Module, set[str]]:
 
 def merged(model: nn.Module) -> nn.Module:
     """The plain model: LoRA adapters folded into their weights (a no-op for the other modes)."""
-    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    merge = getattr(model, "merge_and_unload", None)  # a PEFT model's
+    return merge() if merge is not None else model
 
 
 def trainable_state(model: nn.Module) -> dict:
