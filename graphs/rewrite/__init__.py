@@ -88,10 +88,10 @@ def optimize(
         raise BadInput(f"unknown attention kind {attention!r}; use one of {', '.join(ATTENTION_OPS)}")
     upgrade_opset(model)
     cleanup(model)  # the rules' checks read shapes and constants
-    fusions = {rule.name: rule.apply_to_model(model) for rule in RULES}
+    fusions = {str(rule): rule.apply_to_model(model) for rule in RULES}  # str: its name (every rule here has one)
     cleanup(model)
     if attention == "ort-gqa":
-        fusions |= {rule.name: rule.apply_to_model(model) for rule in ort_gqa.rules(model, partial(_window, windows))}
+        fusions |= {str(rule): rule.apply_to_model(model) for rule in ort_gqa.rules(model, partial(_window, windows))}
         deduplicate(model)  # one seqlens_k / total_sequence_length for all layers
         cleanup(model)
     found = attention_nodes(model, attention)

@@ -14,6 +14,9 @@ the ops that version's parser lacks (graphs/trt_lint.rule_set).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol, cast
+
 import onnx
 import onnx.defs
 import onnx_ir as ir
@@ -32,10 +35,20 @@ _MAX_CLEANUPS = 5
 FUNCTION_OPSET = 23
 
 
+class _FunctionSchema(Protocol):
+    """The context-dependent-function members of onnx's OpSchema, which its stubs leave out (onnx reads them with type: ignore)."""
+
+    @property
+    def has_context_dependent_function(self) -> bool: ...
+
+    def get_context_dependent_function_with_opset_version(self, opset: int, node: bytes, input_types: Sequence[bytes], /) -> bytes: ...
+
+
 def function_body(node: ir.Node) -> ir.Function | None:
     """The ONNX function body of `node` built for its attributes and input types, else None
     (no such function, or an input's type or rank is unknown)."""
-    schema = onnx.defs.get_schema(node.op_type, FUNCTION_OPSET, node.domain)
+    # cast: the C++ OpSchema has both members (onnx's stubs omit them), see _FunctionSchema
+    schema = cast(_FunctionSchema, onnx.defs.get_schema(node.op_type, FUNCTION_OPSET, node.domain))
     present = [value for value in node.inputs if value is not None]
     if not schema.has_context_dependent_function or any(_unknown_type(v) for v in present):
         return None

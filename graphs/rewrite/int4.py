@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import numpy as np
 import onnx_ir as ir
@@ -61,7 +62,7 @@ class _Quantized:
         self.parts: tuple[np.ndarray, ...] | None = None
         self.unread: set[int] = set()
 
-    def part(self, index: int) -> ir.Tensor:
+    def part(self, index: int) -> ir.TensorProtocol:
         if self.parts is None or index not in self.unread:
             self.parts = self.config.quantizer().qbits_block_quant(np.ascontiguousarray(self.weight(), dtype=np.float32))
             self.unread = {0, 1} if self.config.symmetric else {0, 1, 2}
@@ -118,12 +119,13 @@ class QuantizeWeight(pattern.RewriteRuleClassBase):
 
     def _initializers(self, op, w: ir.Value, k: int, n: int) -> list[ir.Value]:
         tensor = w.const_value
+        assert tensor is not None  # check matched only constant weights
         weight = (lambda: tensor.numpy().T) if self.transposed else tensor.numpy
         quantized = _Quantized(weight, self.config)
         dtypes = (ir.DataType.UINT8, ir.DataType.FLOAT, ir.DataType.UINT8)
         names = (f"{w.name}_Q4", f"{w.name}_scales", f"{w.name}_zero_points")
         parts = [
-            op.initializer(ir.LazyTensor(lambda i=i: quantized.part(i), dtype=dtype, shape=ir.Shape(shape)), name=name)
+            op.initializer(ir.LazyTensor(partial(quantized.part, i), dtype=dtype, shape=ir.Shape(shape)), name=name)
             for i, (dtype, shape, name) in enumerate(zip(dtypes, _shapes(k, n, self.config.block_size), names, strict=True))
         ]
         return parts if not self.config.symmetric else parts[:2]  # symmetric: no zero points (the quantizer's 8 is implied)

@@ -24,7 +24,7 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 import onnxruntime as ort
-from onnxscript.rewriter import MatchResult, RewriteRuleSet, pattern
+from onnxscript.rewriter import MatchResult, pattern
 from onnxscript.rewriter.ort_fusions import fused_matmul_rule_sets
 from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
@@ -111,7 +111,7 @@ class RotaryTables:
             return None
         tables = []
         for value, name in zip(values, ("cos_cache", "sin_cache"), strict=True):
-            tensor = ir.tensor(np.ascontiguousarray(value[0]))
+            tensor = ir.Tensor(np.ascontiguousarray(value[0]))
             initializer = ir.Value(name=f"{name}_{len(self.cache)}", shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
             self.model.graph.register_initializer(initializer)
             tables.append(initializer)
@@ -121,10 +121,15 @@ class RotaryTables:
         """The example value of one graph input for the all-positions prompt."""
         shape = []
         for dim in value.shape or ():
-            size = dim if isinstance(dim, int) else ROTARY_POSITIONS_INPUT_DIMS.get(dim.value, -1)
+            if isinstance(dim, int):
+                size: int | None = dim
+            else:
+                size = -1 if dim.value is None else ROTARY_POSITIONS_INPUT_DIMS.get(dim.value, -1)
             if size == -1:
                 raise ValueError(f"{value.name} has an unknown dim {dim}")
             shape.append(self.positions if size is None else size)
+        if value.dtype is None:
+            raise ValueError(f"{value.name} has no dtype")
         dtype = value.dtype.numpy()
         if value.name == "position_ids":
             return np.arange(self.positions, dtype=dtype).reshape(shape)
@@ -133,36 +138,49 @@ class RotaryTables:
 
 def _evaluate(model: ir.Model, outputs: list[ir.Value], feed: Callable[[ir.Value], np.ndarray]) -> list[np.ndarray]:
     """Run the nodes `outputs` depend on (only those) in ONNX Runtime; `feed` gives the graph inputs."""
-    nodes, inputs, initializers, seen = [], [], [], set()
+    nodes: list[ir.Node] = []
+    inputs: list[ir.Value] = []
+    initializers: list[ir.TensorProtocol] = []
+    seen: set[ir.Value] = set()
     stack = list(outputs)
     while stack:
         value = stack.pop()
         if value in seen:
             continue
         seen.add(value)
+        producer = value.producer()
         if value.is_graph_input():
             inputs.append(value)
-        elif value.const_value is not None and value.producer() is None:
-            initializers.append(value)
-        elif value.producer() is not None and value.producer() not in nodes:
-            nodes.append(value.producer())
-            stack.extend(v for v in value.producer().inputs if v is not None)
+        elif value.const_value is not None and producer is None:
+            initializers.append(value.const_value)
+        elif producer is not None and producer not in nodes:
+            nodes.append(producer)
+            stack.extend(v for v in producer.inputs if v is not None)
     order = {node: i for i, node in enumerate(model.graph)}
     graph = onnx.helper.make_graph(
         [ir.serde.serialize_node(n) for n in sorted(nodes, key=order.__getitem__)],
         "rotary_tables",
-        [onnx.helper.make_tensor_value_info(v.name, int(v.dtype), None) for v in inputs],
-        [onnx.helper.make_tensor_value_info(v.name, int(v.dtype), None) for v in outputs],
-        [ir.serde.serialize_tensor(v.const_value) for v in initializers],
+        [_value_info(v) for v in inputs],
+        [_value_info(v) for v in outputs],
+        [ir.serde.serialize_tensor(tensor) for tensor in initializers],
     )
     opsets = [onnx.helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()]
     session = ort.InferenceSession(onnx.helper.make_model(graph, opset_imports=opsets).SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run([v.name for v in outputs], {v.name: feed(v) for v in inputs})
 
 
+def _value_info(value: ir.Value) -> onnx.ValueInfoProto:
+    """A graph input or output of the evaluated subgraph: its name and dtype, any shape."""
+    if value.name is None or value.dtype is None:
+        raise ValueError(f"{value} has no name or no dtype")
+    return onnx.helper.make_tensor_value_info(value.name, int(value.dtype), None)
+
+
 def _like(output: ir.Value, outputs: tuple[ir.Value, ...]) -> tuple[ir.Value, ...]:
     """The new node's attention output keeps the (B, S, N·d) shape recorded for the old one."""
-    outputs[0].shape, outputs[0].dtype = output.shape, output.dtype
+    outputs[0].shape = output.shape
+    if output.dtype is not None:
+        outputs[0].dtype = output.dtype
     return outputs
 
 
@@ -217,10 +235,15 @@ class RotaryIntoGroupQueryAttention(pattern.RewriteRuleClassBase):
         return _like(output, op.GroupQueryAttention(*inputs, _domain=DOMAIN, _outputs=3, **attributes))
 
 
+def _constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
+    """A constant's tensor, its contents unread (a streamed weight stays on disk)."""
+    return ir.convenience.get_const_tensor(value) if not is_lazy(value) else value.const_value
+
+
 def _constant_shape(value: ir.Value) -> tuple[int, ...] | None:
-    """A constant's shape, read without its contents (a streamed weight stays on disk)."""
-    tensor = ir.convenience.get_const_tensor(value) if not is_lazy(value) else value.const_value
-    return None if tensor is None else tuple(tensor.shape)
+    """A constant's shape, read without its contents."""
+    tensor = _constant_tensor(value)
+    return None if tensor is None else tuple(tensor.shape.numpy())  # a tensor's shape is static
 
 
 def _concatenated(values: list[ir.Value], axis: int) -> ir.TensorProtocol:
@@ -228,12 +251,14 @@ def _concatenated(values: list[ir.Value], axis: int) -> ir.TensorProtocol:
     join = lambda: ir.tensor(np.concatenate([constant(v) for v in values], axis=axis))  # noqa: E731
     if not any(is_lazy(v) for v in values):
         return join()
-    if (streamed := joined([v.const_value for v in values], axis)) is not None:
+    tensors = [tensor for v in values if (tensor := _constant_tensor(v)) is not None]
+    assert len(tensors) == len(values)  # PackedQKV.check found each one's shape
+    if (streamed := joined(tensors, axis)) is not None:
         return streamed  # read part after part when saved, like each of them alone
-    shapes = [v.const_value.shape for v in values]
+    shapes = [t.shape.numpy() for t in tensors]
     shape = [*shapes[0]]
     shape[axis] = sum(s[axis] for s in shapes)
-    return ir.LazyTensor(join, dtype=values[0].dtype, shape=ir.Shape(shape))
+    return ir.LazyTensor(join, dtype=tensors[0].dtype, shape=ir.Shape(shape))
 
 
 class PackedQKV(pattern.RewriteRuleClassBase):
@@ -252,8 +277,8 @@ class PackedQKV(pattern.RewriteRuleClassBase):
 
     def check(self, context, x, wq, wk, wv, output, **bound) -> MatchResult:
         result = MatchResult()
-        weights = [_constant_shape(w) for w in (wq, wk, wv)]
-        if any(w is None or len(w) != 2 for w in weights) or len({w[0] for w in weights}) != 1:
+        weights = [shape for w in (wq, wk, wv) if (shape := _constant_shape(w)) is not None and len(shape) == 2]
+        if len(weights) != 3 or len({w[0] for w in weights}) != 1:
             return result.fail("the projections are not constant 2D weights over one input")
         if self.bias:
             biases = [_constant_shape(bound[b]) for b in ("bq", "bk", "bv")]
@@ -308,7 +333,7 @@ def fuse_for_ort(model: ir.Model, *, positions: int | None = None) -> dict[str, 
     RenameRMSNormalization.rule("RMSNormalization", "SimplifiedLayerNormalization").apply_to_model(model)
     counts = {"SkipSimplifiedLayerNormalization": fuse_skip_rms_normalization(model)}
     RenameRMSNormalization.rule("SimplifiedLayerNormalization", "RMSNormalization").apply_to_model(model)
-    counts["FusedMatMul"] = RewriteRuleSet(fused_matmul_rule_sets.fused_matmul_rule_sets()).apply_to_model(model)
+    counts["FusedMatMul"] = fused_matmul_rule_sets.fused_matmul_rule_sets().apply_to_model(model)  # a RewriteRuleSet already
     if any(node.op_type == "GroupQueryAttention" and node.domain == DOMAIN for node in model.graph):
         counts |= {rule.name: rule.apply_to_model(model) for rule in _gqa_rules(model, positions)}
     before = len(model.graph)

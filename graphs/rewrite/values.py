@@ -59,7 +59,7 @@ def int_list(value: ir.Value | None) -> list[int] | None:
 def gqa_problem(query: ir.Value, key: ir.Value, value: ir.Value) -> str | None:
     """Why 4D (B, heads, S, head_size) Q/K/V are not one GQA attention with static heads, or None."""
     q, k, v = dims(query, 4), dims(key, 4), dims(value, 4)
-    if q is None or k is None or v is None or not all(isinstance(x, int) for x in (q[1], k[1], q[3])):
+    if q is None or k is None or v is None or not (isinstance(q[1], int) and isinstance(k[1], int) and isinstance(q[3], int)):
         return "Q/K/V are not 4D with static heads and head size"
     if q[1] % k[1] or k[1] != v[1] or q[3] != k[3]:
         return f"Q {q}, K {k}, V {v} are not one GQA attention"
