@@ -194,7 +194,7 @@ def build(plan: BuildPlan, *, overwrite: bool = False, require_fused_attention: 
         for graph, sidecar in zip(plan.graphs, sidecars, strict=True):
             sidecar.timing_cache = str(plan.timing_cache) if plan.timing_cache else None
             sidecar.save(staged[graph.sidecar] if plan.layout == "file" else sidecar_path(_staged_engine(plan, graph, staged)))
-        if plan.timing_cache and local.timing_cache.is_file():
+        if plan.timing_cache and local.timing_cache is not None and local.timing_cache.is_file():
             with atomic_output(plan.timing_cache, is_dir=False, overwrite=True, ours=True, sources=reads) as cache:
                 shutil.copyfile(local.timing_cache, cache)
     return sidecars

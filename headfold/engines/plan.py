@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,8 @@ def parse_range(text: str, option: str) -> Range:
         parts *= 3
     if len(parts) != 3 or not lowest <= parts[0] <= parts[1] <= parts[2] or parts[2] < 1:
         raise BadInput(f"--{option} {text!r}: write MIN:OPT:MAX with {lowest} <= MIN <= OPT <= MAX and MAX >= 1, e.g. --{option} {lowest}:4:8")
-    return Range(*parts)
+    low, opt, high = parts
+    return Range(low, opt, high)
 
 
 def derived_ranges(limit: int | None, **given: Range | None) -> dict[str, Range]:
@@ -138,21 +140,22 @@ def graph_precision(model: ir.Model) -> Precision:
 # ---- profiles ---------------------------------------------------------------------------------
 
 
-def _dimension(dim: int | ir.SymbolicDim, graph: str, name: str, ranges: dict[str, Range]) -> tuple[int, int, int]:
+def _dimension(dim: int | ir.SymbolicDim, graph: str, name: str, ranges: Mapping[str, Range]) -> tuple[int, int, int]:
     if isinstance(dim, int):
         return dim, dim, dim
     match = _DIM_EXPR.fullmatch(dim.value or "")
     option = next((o for o, names in DIMENSIONS.items() if match and match[1] in names), None)
-    if option is None:
+    if match is None or option is None:  # no match: no option either
         raise BadInput(f"{graph}: input {name} has a dynamic dimension {dim.value!r} headfold cannot size; re-export with headfold export")
     offset = int(match[3] or 0) * (-1 if match[2] == "-" else 1)
     return ranges[option].shifted(offset)
 
 
-def input_profile(model: ir.Model, graph: str, ranges: dict[str, Range]) -> dict[str, list[list[int]]]:
+def input_profile(model: ir.Model, graph: str, ranges: Mapping[str, Range]) -> dict[str, list[list[int]]]:
     """{input: [min shape, opt shape, max shape]} for every graph input."""
-    profile = {}
+    profile: dict[str, list[list[int]]] = {}
     for value in model.graph.inputs:
+        assert value.name is not None  # a graph input read from ONNX is named (ValueInfoProto.name)
         if value.shape is None:
             raise BadInput(f"{graph}: input {value.name} has no shape; re-export with headfold export")
         dims = [_dimension(d, graph, value.name, ranges) for d in value.shape.dims]

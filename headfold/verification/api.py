@@ -29,7 +29,7 @@ def _vocab(artifact: Artifact) -> int | None:
 
 
 def check_vocab(reference: Artifact, candidate: Artifact) -> None:
-    vocab = {_vocab(reference), _vocab(candidate)} - {None}
+    vocab = {v for v in (_vocab(reference), _vocab(candidate)) if v is not None}
     if len(vocab) > 1:
         raise BadInput(f"{reference.path} and {candidate.path} have different vocabularies ({' vs '.join(map(str, sorted(vocab)))})")
 
@@ -131,6 +131,8 @@ def verify(
             "int4 weights differ from their model by quantization, element by element: compare them by their loss (KL, perplexity, top-1), --check loss or auto"
         )
     budget = thresholds.fidelity(precision, floors=True) if kind == "fidelity" else thresholds.loss(precision)
-    feeds = make_inputs(ref.model or cand.model, inputs, allow_random=kind == "fidelity")
+    model = ref.model or cand.model
+    assert model is not None  # check_kind refuses a pair without a checkpoint on either side
+    feeds = make_inputs(model, inputs, allow_random=kind == "fidelity")
     name = QUANTIZATION_LOSS if kind == "loss" and precision == Precision.INT4 and ref.model == cand.model else CHECK_NAMES[kind]
     return Report(run_artifact_checks([(name, kind, ref, cand, budget)], feeds, progress=progress), feeds.info)

@@ -88,7 +88,7 @@ class Artifact:
             info |= attention_info(self.model, self.precision)
         if self.kind == "engine":
             info["engine"] = load_sidecar(self.path).summary()
-        if self.is_conversion:
+        if self.model is not None and self.is_conversion:
             info["conversion"] = conversion_manifest(self.model).conversion.to_dict()
         return info
 
@@ -180,7 +180,7 @@ def check_kind(reference: Artifact, candidate: Artifact, requested: str = "auto"
         raise BadInput("neither side names a checkpoint (tokenizer, vocabulary); pass a checkpoint folder or an export folder")
     if requested != "auto":
         return requested
-    if reference.model == candidate.model or None in (reference.model, candidate.model):
+    if reference.model == candidate.model or reference.model is None or candidate.model is None:
         # an ONNX file of unknown origin is taken to be the other side's export
         return "loss" if Precision.INT4 in (reference.precision, candidate.precision) else "fidelity"
     if candidate.is_conversion and _converted_from(reference.model, candidate.model):

@@ -130,7 +130,7 @@ class CheckSpec:
     positions: Callable[[Mapping[str, np.ndarray]], np.ndarray] | None = None
     notes: list[str] = field(default_factory=list)
 
-    def compared(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def compared(self, feed: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """The feed as the meters see it (an encoder-decoder's target): its attention_mask marks the positions compared."""
         view = target_view(feed)
         return view if self.positions is None else {**view, "attention_mask": self.positions(view)}
@@ -150,7 +150,11 @@ def _meter(kind: str, output: str, budget) -> FidelityMeter | LossMeter | Embedd
 
 
 def _gate(spec: CheckSpec, metrics: dict[str, Any]) -> list[Gate]:
-    return fidelity_gates(metrics, spec.budget) if spec.kind == "fidelity" else loss_gates(metrics, spec.budget)
+    if spec.kind == "fidelity":
+        assert isinstance(spec.budget, FidelityBudget)  # a check's budget is of its kind (verification.api, pipeline, decoding)
+        return fidelity_gates(metrics, spec.budget)
+    assert isinstance(spec.budget, LossBudget)
+    return loss_gates(metrics, spec.budget)
 
 
 def _timed(runner: Runner, feed: dict[str, Any], clock: dict[int, float]) -> dict[str, Any]:

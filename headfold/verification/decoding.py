@@ -80,7 +80,7 @@ class DecodePlan:
 def past_from_present(outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """present.{i}.{key,value} → past_key_values.{i}.{key,value}, matched by name, never by order:
     a decode graph that wires a layer to another layer's cache shows up in the numbers."""
-    return {str(CacheName.parse(name).as_past()): value for name, value in outputs.items() if is_cache(name, PRESENT)}
+    return {str(cache.as_past()): value for name, value in outputs.items() if is_cache(name, PRESENT) and (cache := CacheName.parse(name))}
 
 
 class KvCacheRunner(BaseRunner):
@@ -107,6 +107,7 @@ class KvCacheRunner(BaseRunner):
                 self._stack.enter_context(runner)
 
     def deactivate_impl(self) -> None:
+        assert self._stack is not None  # set by activate_impl: Polygraphy deactivates only an active runner
         self._stack.close()
         self._stack = None
 
@@ -129,6 +130,7 @@ class KvCacheRunner(BaseRunner):
             for row in np.flatnonzero(active):
                 logits[row, plan.columns[row][k]] = out["logits"][row, -1]
         self.inference_time = time.perf_counter() - start
+        assert logits is not None  # one step at least: every row has 2 real tokens (verification.inputs) and steps >= 1 (decode_check)
         return {"logits": logits}
 
     def _prompted(self, prompt: dict[str, np.ndarray], length: int) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:

@@ -86,7 +86,7 @@ def choose_rows(facts: CheckpointFacts, spec: InputSpec, window: int, need_text:
     if spec.token_ids is not None:
         if spec.text is not None:
             raise BadInput("pass either --text or --token-ids, not both")
-        rows = [r[:window] for r in read_token_ids(spec.token_ids, vocab_size)]  # longer rows are cut to the window
+        rows = [r[:window] for r in read_token_ids(spec.token_ids, _known_vocab(facts, "--token-ids"))]  # longer rows are cut to the window
         return _subset(rows, spec.max_rows, spec.seed), {"text": f"--token-ids {spec.token_ids}", "tokenizer": "none"}
     text, label = read_text(spec.text)  # first: a bad --text is named as such
     tokenizer = find_tokenizer(checkpoint, vocab_size)
@@ -97,10 +97,17 @@ def choose_rows(facts: CheckpointFacts, spec: InputSpec, window: int, need_text:
             "folder, or pass --token-ids FILE (one row of token ids per line)"
         )
     if tokenizer is None:
-        rows = random_rows(vocab_size, window, spec.max_rows or 128, spec.seed)
+        rows = random_rows(_known_vocab(facts, "the random token ids"), window, spec.max_rows or 128, spec.seed)
         return rows, {"text": f"{RANDOM_IDS} (seed {spec.seed}; {checkpoint} has no tokenizer)", "tokenizer": "none"}
     rows = cut_rows(tokenizer.encode(text), window, spec.max_rows, spec.seed)
     return rows, {"text": label, "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "tokenizer": tokenizer.name}
+
+
+def _known_vocab(facts: CheckpointFacts, use: str) -> int:
+    """config.json's vocab_size, which bounds --token-ids and random ids; BadInput without one."""
+    if facts.vocab_size is None:
+        raise BadInput(f"{facts.folder}/config.json has no vocab_size to bound {use}; add it to config.json")
+    return facts.vocab_size
 
 
 def cut_rows(ids: list[int], window: int, max_rows: int | None, seed: int) -> list[np.ndarray]:

@@ -16,10 +16,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
+import transformers
 from polygraphy.backend.base import BaseRunner
 from polygraphy.backend.onnxrt import OnnxrtRunner
 from polygraphy.common import TensorMetadata
@@ -35,7 +36,7 @@ from headfold.verification.inputs import wants_token_type_ids
 from headfold.verification.seq2seq import token_metadata as pair_metadata
 from headfold.verification.sessions import ORT_FLOATS, SessionFromGraph, ort
 
-Runner = BaseRunner  # what verify runs: headfold's runners below, or any of Polygraphy's own
+Runner: TypeAlias = BaseRunner  # what verify runs: headfold's runners below, or any of Polygraphy's own
 
 
 @contextmanager
@@ -63,7 +64,8 @@ class TorchRunner(BaseRunner):
     def __init__(self, checkpoint: Path) -> None:
         self.checkpoint = Path(checkpoint)
         super().__init__(name=f"torch:{self.checkpoint.name}")
-        self.facts, self.model = None, None
+        self.facts: CheckpointFacts | None = None
+        self.model: transformers.PreTrainedModel | None = None
 
     def activate_impl(self) -> None:
         self.facts = CheckpointFacts.read(self.checkpoint)
@@ -73,12 +75,15 @@ class TorchRunner(BaseRunner):
         self.model = None
 
     def get_input_metadata_impl(self) -> TensorMetadata:
+        assert self.facts is not None  # read by activate_impl: Polygraphy asks only after activate
         if self.facts.kind == "seq2seq":  # source and teacher-forced target (verification.seq2seq)
             return pair_metadata(self.facts)
+        assert self.model is not None  # loaded by activate_impl, released by deactivate_impl
         segments = wants_token_type_ids(self.model.config.to_dict())
         return token_metadata(["input_ids", "attention_mask", *(["token_type_ids"] if segments else [])])
 
     def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        assert self.facts is not None and self.model is not None  # activate_impl loaded them: Polygraphy infers only while active
         inputs = {name: torch.from_numpy(np.asarray(value)) for name, value in feed_dict.items()}
         start = time.perf_counter()
         with torch.no_grad():
@@ -155,8 +160,10 @@ class SharedKvCache:
         for name, value in feed.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
         for name, buffer in self.buffers.items():
+            past = CacheName.parse(name)
+            assert past is not None  # every buffer is a past K/V input (is_cache above)
             binding.bind_ortvalue_input(name, buffer)
-            binding.bind_ortvalue_output(str(CacheName.parse(name).as_present()), buffer)
+            binding.bind_ortvalue_output(str(past.as_present()), buffer)
         binding.bind_output("logits")
         self.session.run_with_iobinding(binding)
         return {"logits": binding.copy_outputs_to_cpu()[-1]}

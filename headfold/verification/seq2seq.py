@@ -106,12 +106,14 @@ class Seq2SeqOnnxRunner(BaseRunner):
         self.sessions = None
 
     def get_input_metadata_impl(self) -> TensorMetadata:
+        assert self.sessions is not None  # opened by activate_impl: Polygraphy asks only while active
         meta = TensorMetadata()
         for i in self.sessions[0].get_inputs():
             meta.add(i.name, DataType.FLOAT32 if i.type in ORT_FLOATS else DataType.INT64, tuple(i.shape))  # features are fed in fp32
         return _with_target(meta)
 
     def infer_impl(self, feed_dict: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        assert self.sessions is not None  # opened by activate_impl: Polygraphy infers only while active
         encoder, decoder = self.sessions
         start = time.perf_counter()
         source = {i.name: feed_dict[i.name].astype(ORT_FLOATS.get(i.type, feed_dict[i.name].dtype)) for i in encoder.get_inputs()}
@@ -134,7 +136,10 @@ class Seq2SeqOnnxRunner(BaseRunner):
 
 
 def _as_past(name: str) -> str:
-    return str(CacheName.parse(name).as_past())
+    cache = CacheName.parse(name)
+    if cache is None:  # a decoder output neither logits nor a present K/V
+        raise BadInput(f"{name} is not a K/V cache output; verify an export written by headfold export")
+    return str(cache.as_past())
 
 
 def _is_self_past(name: str) -> bool:
