@@ -30,7 +30,7 @@ from headfold.ground.errors import BadInput
 WINDOW = 256  # tokens per calibration window
 
 
-def token_ids(folder: Path, text: str, vocab_size: int) -> list[int]:
+def token_ids(folder: Path, text: str, vocab_size: int | None) -> list[int]:
     """The checkpoint's own tokenizer (never its code) when it has one; bytes for byte-level models like ours."""
     return load_tokenizer(folder, vocab_size, "add its tokenizer files to calibrate, or pass --calibration weights").encode(text)
 
@@ -48,10 +48,11 @@ def window_starts(length: int, tokens: int, seed: int, window: int = WINDOW) -> 
     return sorted(rng.randrange(length - window + 1) for _ in range(max(1, tokens // window)))
 
 
-def attention_inputs(ckpt: SourceCheckpoint, text: str, tokens: int, seed: int, progress: bool = True) -> list[torch.Tensor]:
+def attention_inputs(ckpt: SourceCheckpoint, text: str | SynthesizedAudio, tokens: int, seed: int, progress: bool = True) -> list[torch.Tensor]:
     """Per layer [tokens, hidden]: what the attention projections of the source model read."""
     if ckpt.spec.encoder_decoder:
         return seq2seq_inputs(ckpt, text, tokens, seed, progress)
+    assert isinstance(text, str)  # audio calibrates an encoder-decoder (Whisper) only
     return calibrate(ckpt, text_windows(ckpt, text, tokens, seed), progress)
 
 

@@ -99,6 +99,7 @@ def convert(
             from headfold.converter.calibration import check_settings  # torch and transformers: data-aware methods only
 
             check_settings()  # a bad $HEADFOLD_DEVICE or $HEADFOLD_CALIBRATION_RAM fails before the slow calibration
+        text: str | seq2seq.SynthesizedAudio | None
         if ckpt.facts.audio_input and recipe.data_aware and pools:
             text = audio_calibration(calibration)
         else:
@@ -107,7 +108,7 @@ def convert(
             recipe = without_local(recipe, method)
         fit = recipe.local and pools
         contexts = layer_contexts(ckpt, None if fit else text, calibration_tokens, seed, progress)
-        fitted = fitted_layers(ckpt, targets, recipe, text, calibration_tokens, seed, contexts, steps, progress, local_fit) if fit else {}
+        fitted = fitted_layers(ckpt, targets, recipe, text, calibration_tokens, seed, contexts, steps, progress, local_fit) if fit and text is not None else {}
         fit_record = local_record(fitted, steps, local_fit)  # before write_weights takes the fitted layers
         with atomic_output(out, overwrite=overwrite) as tmp:
             files, groups = write_weights(ckpt, targets, recipe, contexts, tmp, shard_bytes, progress, retarget, fitted)
@@ -253,7 +254,8 @@ def method_for(ckpt: SourceCheckpoint, method: str) -> Recipe:
         return recipe
     reasons = "; ".join(dict.fromkeys(refused.values()))
     if method == DEFAULT_METHOD:
-        kept = replace(recipe, **dict.fromkeys(refused, False))
+        off: dict[str, Any] = dict.fromkeys(refused, False)  # modifier fields, named by the family's refusals
+        kept = replace(recipe, **off)
         log.warning(f"headfold: the default method is {kept.name} for this model, without {' and '.join(refused)}: {reasons}")
         return kept
     allowed = [m for m in ("mean", "first", "aligned", "grouped", "refit", "aligned+refit") if not set(m.split("+")) & set(refused)]
@@ -343,6 +345,7 @@ def calibration_text(calibration: str | Path | None, builtin: str | None) -> str
 
 def layer_contexts(ckpt: SourceCheckpoint, text: str | seq2seq.SynthesizedAudio | None, tokens: int, seed: int, progress: bool) -> list[LayerContext]:
     """What a method may know about each layer: calibration inputs, RoPE dims, whether K may rotate."""
+    inputs: Sequence[torch.Tensor | None]
     if text is None:
         inputs = [None] * ckpt.layers
     else:
@@ -528,6 +531,7 @@ def build_manifest(
     query_map = [[h // t.group for h in range(t.heads)] for t in targets]
     kv_heads = collapse([t.kv_heads for t in targets])
     parent = load_raw(ckpt.folder, "restore it or remove it from the source") if (ckpt.folder / MANIFEST).is_file() else None
+    hub = hub_origin(ckpt.folder)  # a source given as a hub id
     return Manifest(
         source=ManifestSource(
             path=str(ckpt.folder.resolve()),
@@ -538,7 +542,8 @@ def build_manifest(
             head_dim=src.head_dim,
             config_sha256=sha256_file(ckpt.folder / "config.json"),
             manifest=parent,
-            **({"repo_id": hub.repo_id, "revision": hub.commit} if (hub := hub_origin(ckpt.folder)) else {}),
+            repo_id=hub.repo_id if hub else None,
+            revision=hub.commit if hub else None,
         ),
         conversion=Conversion(
             method=recipe.name,

@@ -70,8 +70,10 @@ def unsupported(config: dict[str, Any]) -> BadInput:
 
 def builtin_class(name: Any) -> type[PreTrainedModel] | None:
     """The transformers model class called `name` (config.json's architectures[0]); None for any other name."""
+    from transformers import PreTrainedModel  # as the lazy module's attribute, but a class mypy can narrow by
+
     found = getattr(transformers, name, None) if isinstance(name, str) else None
-    return found if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel) and found.config_class else None
+    return found if isinstance(found, type) and issubclass(found, PreTrainedModel) and found.config_class else None
 
 
 def _config_class(model_type: Any) -> type[PretrainedConfig] | None:

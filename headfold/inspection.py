@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -50,6 +50,9 @@ from headfold.ground.errors import BadInput
 from headfold.ground.lazy import lazy_import
 from headfold.ground.settings import Calibration
 from headfold.verification.metrics import log_probs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 figure = lazy_import("matplotlib.figure")  # the heatmap only; no pyplot: no global state, Agg canvas
 colors = lazy_import("matplotlib.colors")
@@ -119,7 +122,7 @@ class Reference:
 class LiveAttention:
     """Writes converted attention tensors into the loaded model's parameters, then puts the originals back."""
 
-    def __init__(self, model: torch.nn.Module, ckpt: SourceCheckpoint) -> None:
+    def __init__(self, model: PreTrainedModel, ckpt: SourceCheckpoint) -> None:
         names, state = parameter_names(model, ckpt.facts), model.state_dict()  # state shares the parameters' storage
         unmapped = [n for layer in ckpt.attention.layers for n in layer.values() if n not in names]
         if unmapped:
@@ -337,6 +340,7 @@ def inspect_checkpoint(
     get_method(method)  # an unknown method is bad input before any work
     check_settings()  # $HEADFOLD_DEVICE, $HEADFOLD_CALIBRATION_RAM
     outputs = [(p, False) for p in (heatmap, json_path) if p is not None]
+    report: Inspection | CacheInspection
     with SourceCheckpoint(source) as ckpt:
         if ckpt.spec.encoder_decoder:
             report = cache_inspection(ckpt, candidates, kv_budget, heatmap)
@@ -346,6 +350,7 @@ def inspect_checkpoint(
     reads = (source, *(() if calibration is None or str(calibration) == "weights" else (Path(calibration),)))
     with atomic_outputs(outputs, overwrite=overwrite, sources=reads) as staged:  # both appear, or neither
         if heatmap is not None:
+            assert isinstance(report, Inspection)  # cache_inspection refuses --heatmap
             staged[heatmap].write_bytes(heatmap_png(report))
         if json_path is not None:
             staged[json_path].write_text(json.dumps(report.to_json(), indent=1) + "\n")
@@ -433,7 +438,7 @@ def cache_inspection(ckpt: SourceCheckpoint, candidates: str | None, kv_budget: 
     if kv_budget is not None or heatmap is not None:
         raise BadInput(f"--kv-budget and --heatmap need the loss prediction, which encoder-decoders ({ckpt.spec.family}) do not have yet; drop them")
     blocks = ckpt.facts.blocks
-    attentions = {}
+    attentions: dict[str, dict[str, Any]] = {}
     for block in blocks:
         entry = attentions.setdefault(block.kind, {"heads": block.shape.heads, "kv_heads": [], "head_dim": block.shape.head_dim, "layers": 0})
         entry["kv_heads"].append(block.shape.kv_heads)
@@ -460,12 +465,13 @@ def _measure(
     reference, live = Reference(model, windows.eval, ckpt.facts.kind), LiveAttention(model, ckpt)
     converter = LayerConverter(ckpt, recipe, contexts)
     layers = _layer_reports(converter, live, reference, candidates, progress)
-    plan = uniform = None
+    plan: PlanReport | None = None
+    uniform: PlanReport | None = None
     if budget is not None:
         options = [{**r.loss, ckpt.shape.kv_heads: 0.0} for r in layers]  # keeping a layer as it is costs nothing
         plan = _plan_report(best_plan(options, budget), converter, live, reference)
         chosen = best_uniform(options, budget)
-        uniform = chosen and _plan_report(chosen, converter, live, reference)
+        uniform = None if chosen is None else _plan_report(chosen, converter, live, reference)
     used = "weights" if fit_text is None else str(calibration or "built-in text")
     info = {
         "text": used,
