@@ -135,7 +135,7 @@ def inspect(
     if candidates is not None and not isinstance(candidates, str):
         candidates = ",".join(map(str, candidates))
     return inspect_checkpoint(
-        _source(source), candidates=candidates, method=method, kv_budget=kv_budget, heatmap=_path(heatmap), json_path=_path(json_path),
+        source, candidates=candidates, method=method, kv_budget=kv_budget, heatmap=_path(heatmap), json_path=_path(json_path),
         overwrite=overwrite, progress=progress, revision=revision, **_calibration(calibration).kwargs(),
     )  # fmt: skip
 
@@ -366,11 +366,6 @@ def sentence_transformer(path: PathLike, *, device: str | None = None) -> Senten
 
 def _path(value: PathLike | None) -> Path | None:
     return None if value is None else Path(value)
-
-
-def _source(value: PathLike) -> str | Path:
-    """A checkpoint argument: a hub id as it is, a path as a Path."""
-    return value if isinstance(value, str) else Path(value)
 
 
 def _calibration(value: Calibration | PathLike | None) -> Calibration:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -320,7 +321,7 @@ class Inspection:
 
 
 def inspect_checkpoint(
-    source: str | Path,
+    source: str | os.PathLike,  # a folder or hub id, as checkpoint_folder takes it
     *,
     candidates: str | None = None,
     method: str = DEFAULT_METHOD,
