@@ -198,16 +198,22 @@ def errors(run: layerwise.LayerRun, tensors: Callable[[], dict[str, torch.Tensor
 
 def squared_error(run: layerwise.LayerRun, tensors: Callable[[], dict[str, torch.Tensor]], calls: list[int], backward: bool = False) -> float:
     """Squared error of the block's output with `tensors()` (by parameter name) against the original output,
-    summed over `calls`; with `backward`, its gradient accumulates call by call (one call's graph at a time)."""
+    summed over `calls`; with `backward`, its gradient accumulates call by call (one call's graph at a time).
+    `tensors()` is built once for all the calls (the maps multiplied in, K/V expanded): each call backpropagates
+    to the built tensors only, and one backward at the end carries their summed gradient to the free tensors."""
     total = 0.0
     with torch.set_grad_enabled(backward):
+        built = tensors()
+        inputs = {name: t.detach().requires_grad_(t.requires_grad) for name, t in built.items()} if backward else built
         for i in calls:
             (args, kwargs), target = run.calls[i], run.outputs[i]
-            out = functional_call(run.block, tensors(), args, kwargs)
+            out = functional_call(run.block, inputs, args, kwargs)
             loss = ((out[0] if isinstance(out, tuple) else out) - target).square().sum()
             if backward:
                 loss.backward()
             total += float(loss.detach())
+    if backward and (reached := [name for name, t in inputs.items() if t.grad is not None]):
+        torch.autograd.backward([built[name] for name in reached], [inputs[name].grad for name in reached])
     return total
 
 
