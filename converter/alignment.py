@@ -117,3 +117,21 @@ def alignment_similarity(a: torch.Tensor, b: torch.Tensor, rotary: int = 0) -> f
     """Cosine similarity of two heads' activations after the best allowed rotation of `a`."""
     aligned = a @ orthogonal_fit(a, b, rotary)
     return float((aligned * b).sum() / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
+def alignment_similarities(acts: list[torch.Tensor], rotary: int = 0) -> torch.Tensor:
+    """[n, n] alignment_similarity of every pair of heads, from one product of all their activations: after
+    Procrustes' rotation, tr(Rᵀ A_iᵀ A_j) is the nuclear norm of A_iᵀ A_j (on each rotary pair, the modulus
+    of its complex cross-product), so no pair's rotation is ever built."""
+    a = torch.stack(acts).double()  # [n, tokens, d]
+    n, tokens, d = a.shape
+    agreement = torch.zeros(n, n, dtype=torch.float64, device=a.device)
+    if rotary:
+        z = torch.stack([_complex(x, rotary) for x in acts]).permute(2, 0, 1)  # [pairs, n, tokens]
+        agreement += (z.conj() @ z.transpose(1, 2)).abs().sum(0)
+    if rotary < d:
+        rest = a[:, :, rotary:].permute(1, 0, 2).reshape(tokens, n * (d - rotary))
+        cross = (rest.T @ rest).view(n, d - rotary, n, d - rotary).transpose(1, 2)  # [i, j] = A_iᵀ A_j
+        agreement += torch.linalg.svdvals(cross).sum(-1)
+    norms = a.flatten(1).norm(dim=1)
+    return agreement / (norms[:, None] * norms[None]).clamp_min(1e-30)

@@ -155,13 +155,9 @@ def head_activations(w: torch.Tensor, bias: torch.Tensor | None, ctx: LayerConte
 def aligned_similarity(keys: list[torch.Tensor], values: list[torch.Tensor], key_rotary: int | None) -> torch.Tensor:
     """[n, n] mean of the K and V cosine similarities of two heads after the best allowed rotation
     (K unrotated when key_rotary is None); 1 on the diagonal."""
-    n = len(keys)
-    sim = torch.eye(n, dtype=torch.float64)  # filled from Python floats: stays on the CPU
-    for i in range(n):
-        for j in range(i + 1, n):
-            k = alignment.alignment_similarity(keys[i], keys[j], key_rotary or 0) if key_rotary is not None else _cosine(keys[i], keys[j])
-            sim[i, j] = sim[j, i] = (k + alignment.alignment_similarity(values[i], values[j])) / 2
-    return sim
+    k = alignment.alignment_similarities(keys, key_rotary) if key_rotary is not None else _cosines(keys)
+    sim = ((k + alignment.alignment_similarities(values)) / 2).cpu()
+    return sim.fill_diagonal_(1.0)
 
 
 def similar_groups(keys: list[torch.Tensor], values: list[torch.Tensor], kv_heads: int, key_rotary: int | None) -> list[list[int]]:
@@ -183,8 +179,11 @@ def predicted_loss(
     return scoring.PredictedLoss(keys, values, grouped, readers, key_rotary)
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-30))
+def _cosines(acts: list[torch.Tensor]) -> torch.Tensor:
+    """[n, n] cosine similarity of every pair of heads' activations, unrotated."""
+    flat = torch.stack(acts).double().flatten(1)
+    unit = flat / flat.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return unit @ unit.T
 
 
 def _greedy_groups(sim: torch.Tensor, size: int) -> list[list[int]]:
