@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import onnx
 import onnx_ir as ir
@@ -92,10 +93,6 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (counted - 1).masked_fill(attention_mask == 0, 1)
 
 
-def _present(cache: DynamicCache) -> tuple[torch.Tensor, ...]:
-    return tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
-
-
 class Prefill(nn.Module):
     """input_ids, attention_mask → logits, present.{i}.key, present.{i}.value (kv-heads)."""
 
@@ -112,7 +109,7 @@ class Prefill(nn.Module):
             cache=cache,
             use_cache=True,
         )
-        return (out.logits, *_present(cache))
+        return (out.logits, *seq2seq_graphs.cache_tensors(cache))
 
 
 class Decode(nn.Module):
@@ -131,7 +128,7 @@ class Decode(nn.Module):
             cache=cache,
             use_cache=True,
         )
-        return (out.logits, *_present(cache))
+        return (out.logits, *seq2seq_graphs.cache_tensors(cache))
 
 
 def visible_keys(attention_mask: torch.Tensor, new_tokens: int, window: int | None = None) -> torch.Tensor:
@@ -211,7 +208,7 @@ class Decoder(nn.Module):
             cache=cache,
             use_cache=True,
         )
-        return (out.logits, *_present(cache))
+        return (out.logits, *seq2seq_graphs.cache_tensors(cache))
 
 
 class Encoder(nn.Module):
@@ -364,6 +361,7 @@ def torch_export(spec: GraphSpec, opset: int, weights: dict[str, TensorInfo] | N
             verbose=False,
             optimize=False,  # below, once the weights are attached
         )
+    assert program is not None  # dynamo=True returns the program
     attach(program.model, weights or {}, lazy_prefixes=template.lazy_prefixes() if template else ())
     optimize_like_torch(program.model)
     if template is not None:
@@ -508,7 +506,7 @@ def choose_attention(facts: CheckpointFacts, requested: str, *, layout: str, trt
         if why_not:
             raise BadInput(f"--attention ort-gqa cannot export {facts.folder}: {why_not}; drop --attention to get the standard Attention graph")
     if requested != "auto":
-        return AttentionChoice(requested, f"requested (--attention {requested})")
+        return AttentionChoice(cast(AttentionKind, requested), f"requested (--attention {requested})")  # one of them, checked above
     if why_not:
         return AttentionChoice("onnx", why_not)
     if trt_version:
@@ -540,7 +538,7 @@ def _answered_for_unconverted(facts: CheckpointFacts) -> Iterator[None]:
     except Exception as err:
         if facts.spec is not None:
             raise
-        root = err
+        root: BaseException = err
         while root.__cause__ is not None:
             root = root.__cause__
         raise BadInput(

@@ -29,7 +29,7 @@ import transformers
 from torch import nn
 from torch.export import Dim
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from headfold.converter.checkpoint import CheckpointFacts
@@ -68,8 +68,13 @@ def _pairs(flat: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Ten
     return list(zip(flat[0::2], flat[1::2], strict=True))
 
 
-def _flat(cache: DynamicCache) -> tuple[torch.Tensor, ...]:
-    return tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
+def cache_tensors(cache: DynamicCache) -> tuple[torch.Tensor, ...]:
+    """A filled cache's tensors: each layer's keys, then its values (the graphs' past/present order)."""
+    tensors: list[torch.Tensor] = []
+    for layer in cache.layers:
+        assert isinstance(layer, CacheLayerMixin) and layer.keys is not None and layer.values is not None  # filled by the forward
+        tensors += (layer.keys, layer.values)
+    return tuple(tensors)
 
 
 def _zeros_like(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -113,7 +118,7 @@ class Encoder(nn.Module):
             encoder_outputs=BaseModelOutput(last_hidden_state=hidden), attention_mask=inputs.get("attention_mask"),
             decoder_input_ids=start, cache=cache, use_cache=True,
         )  # fmt: skip
-        return (hidden, *_flat(cache.cross_attention_cache))
+        return (hidden, *cache_tensors(cache.cross_attention_cache))
 
 
 class Decoder(nn.Module):
@@ -133,7 +138,7 @@ class Decoder(nn.Module):
             encoder_outputs=BaseModelOutput(last_hidden_state=source), attention_mask=mask,
             decoder_input_ids=input_ids, cache=cache, use_cache=True,
         )  # fmt: skip
-        return (out.logits, *_flat(out.cache.self_attention_cache))
+        return (out.logits, *cache_tensors(out.cache.self_attention_cache))
 
 
 class GraphBlocks:
@@ -144,7 +149,9 @@ class GraphBlocks:
         self.kv_heads = [b.shape.kv_heads for b in self.blocks]
         self.label = f"{file} ({', '.join(f'{b.kind} {b.layer}' for b in self.blocks)} in check order)"
         index = {(b.kind, b.layer): i for i, b in enumerate(self.blocks)}
-        patterns = [(kind.name, facts.spec.for_kind(kind).tensor_pattern("")) for kind in facts.spec.attentions]
+        spec = facts.spec
+        assert spec is not None  # an encoder-decoder headfold exports has its spec
+        patterns = [(kind.name, spec.for_kind(kind).tensor_pattern("")) for kind in spec.attentions]
 
         def layer_of(node: AttentionNode) -> int:
             """The node's block index; -1 (reported as extra) for a node outside every attention module."""
@@ -166,6 +173,8 @@ def seq2seq_graphs(model: transformers.PreTrainedModel, facts: CheckpointFacts) 
     gen = torch.Generator().manual_seed(0)
     config = model.config
     audio, names = facts.audio_input, source_names(facts.audio_input)
+    source: tuple[torch.Tensor, ...]
+    source_axes: tuple[dict[int, Dim], ...]
     if audio:  # Whisper's encoder takes its full frame count only
         source = (torch.randn(_BATCH, facts.mel_bins, facts.audio_frames, generator=gen).to(model.dtype),)
         source_axes, cross_axes = ({0: batch},), {0: batch}
@@ -177,7 +186,7 @@ def seq2seq_graphs(model: transformers.PreTrainedModel, facts: CheckpointFacts) 
     prompt = torch.randint(0, config.vocab_size, (_BATCH, _PAST), generator=gen)
     with torch.no_grad(), _traceable(model):  # only their shapes matter (the model may be hollow: its outputs fake tensors)
         cross = _zeros_like(encoder(*source)[1:])
-        past = _zeros_like(_flat(model(**dict(zip(names, source, strict=True)), decoder_input_ids=prompt, use_cache=True).cache.self_attention_cache))
+        past = _zeros_like(cache_tensors(model(**dict(zip(names, source, strict=True)), decoder_input_ids=prompt, use_cache=True).cache.self_attention_cache))
     layers, mask = len(cross) // 2, source[1:]  # mask: the encoder attention mask, when there is one
     ids = torch.randint(0, config.vocab_size, (_BATCH, _TARGET), generator=gen)
     mask_axes = source_axes[1:]
