@@ -113,16 +113,10 @@ def _gpa_phases(zs: list[torch.Tensor], iterations: int) -> list[torch.Tensor]:
     return phases
 
 
-def alignment_similarity(a: torch.Tensor, b: torch.Tensor, rotary: int = 0) -> float:
-    """Cosine similarity of two heads' activations after the best allowed rotation of `a`."""
-    aligned = a @ orthogonal_fit(a, b, rotary)
-    return float((aligned * b).sum() / (a.norm() * b.norm()).clamp_min(1e-30))
-
-
 def alignment_similarities(acts: list[torch.Tensor], rotary: int = 0) -> torch.Tensor:
-    """[n, n] alignment_similarity of every pair of heads, from one product of all their activations: after
-    Procrustes' rotation, tr(Rᵀ A_iᵀ A_j) is the nuclear norm of A_iᵀ A_j (on each rotary pair, the modulus
-    of its complex cross-product), so no pair's rotation is ever built."""
+    """[n, n]: the cosine similarity of A_i R and A_j for every pair of heads, R the best allowed rotation
+    (orthogonal_fit), from one product of all their activations: tr(Rᵀ A_iᵀ A_j) is the nuclear norm of
+    A_iᵀ A_j (on each rotary pair, the modulus of its complex cross-product), so no pair's R is built."""
     a = torch.stack(acts).double()  # [n, tokens, d]
     n, tokens, d = a.shape
     agreement = torch.zeros(n, n, dtype=torch.float64, device=a.device)

@@ -106,6 +106,17 @@ def test_procrustes_recovers_a_known_rotation() -> None:
     assert torch.allclose(alignment.linear_fit(a, a @ q), q, atol=1e-5)
 
 
+@pytest.mark.parametrize("rotary", [0, 4, 8])
+def test_alignment_similarities_equal_each_pairs_procrustes_fit(rotary: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    acts = [torch.randn(300, 8, dtype=torch.float64, generator=gen) @ torch.randn(8, 8, dtype=torch.float64, generator=gen) for _ in range(4)]
+    acts[3] = acts[1] @ alignment.orthogonal_fit(acts[1], acts[2], rotary)  # an allowed rotation of head 1: similarity 1
+    fitted = torch.tensor([[float((a @ alignment.orthogonal_fit(a, b, rotary) * b).sum() / (a.norm() * b.norm())) for b in acts] for a in acts])
+    batched = alignment.alignment_similarities(acts, rotary)
+    assert torch.allclose(batched, fitted.double(), atol=1e-10)
+    assert batched[1, 3] == pytest.approx(1.0, abs=1e-10)
+
+
 def test_grouped_records_its_groups(tiny_checkpoint, tmp_path: Path) -> None:
     byte_level = tiny_checkpoint("llama", vocab_size=256)  # calibrates on the built-in text as bytes
     out = convert(byte_level, tmp_path / "out", kv_heads=2, method="aligned+grouped", progress=False)
