@@ -6,8 +6,9 @@ on its attention block keep what the block was called with (its input hidden sta
 layer hands it: rotary cos/sin, masks, ALiBi) and what it returned, the target. The method's other
 parts pool the layer first (the start); then the block itself runs with candidate weights
 (torch.func.functional_call: the family's own projections, rotary, masking and scaling, never a
-re-implementation), a GQA layer run as the MHA block it equals (each pooled kv head repeated for the
-source heads of its group). Adam minimises the squared error of the block's output over the tensors `free`
+re-implementation). A GQA layer runs at its GQA shape, as the converted model's block (modeling.at_kv_heads),
+where that block returns the MHA form's output; elsewhere as the MHA block it equals (each pooled kv head
+repeated for the source heads of its group). Adam minimises the squared error of the block's output over the tensors `free`
 names (LocalFit, ground/settings.py: every tunable of the fit): every attention tensor the GQA layer has
 ("all": the pooled K/V projections, the per-query-head Q and O, their biases and per-head norms), or the pooled K/V tensors and one head_dim × head_dim map per
 query head on Q and on O ("maps", identity at the start). "maps" frees 2·kv_heads·head_dim + 2·head_dim
@@ -37,6 +38,7 @@ from headfold.converter import calibration, layerwise
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.layout import AttentionCodec, AttentionWeights, HeadShape
 from headfold.converter.methods import convert_attention, expand_kv, moved
+from headfold.converter.modeling import at_kv_heads
 from headfold.converter.recipes import LayerContext, Recipe
 from headfold.converter.seq2seq import SynthesizedAudio
 from headfold.ground.settings import LocalFit
@@ -206,15 +208,20 @@ def squared_error(run: layerwise.LayerRun, tensors: Callable[[], dict[str, torch
         built = tensors()
         inputs = {name: t.detach().requires_grad_(t.requires_grad) for name, t in built.items()} if backward else built
         for i in calls:
-            (args, kwargs), target = run.calls[i], run.outputs[i]
-            out = functional_call(run.block, inputs, args, kwargs)
-            loss = ((out[0] if isinstance(out, tuple) else out) - target).square().sum()
+            loss = (block_output(run, inputs, i) - run.outputs[i]).square().sum()
             if backward:
                 loss.backward()
             total += float(loss.detach())
     if backward and (reached := [name for name, t in inputs.items() if t.grad is not None]):
         torch.autograd.backward([built[name] for name in reached], [inputs[name].grad for name in reached])
     return total
+
+
+def block_output(run: layerwise.LayerRun, tensors: dict[str, torch.Tensor], call: int) -> torch.Tensor:
+    """The block's output on `run`'s call `call` with `tensors` (by parameter name) in place of its own."""
+    args, kwargs = run.calls[call]
+    out = functional_call(run.block, tensors, args, kwargs)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _scales(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -251,11 +258,13 @@ class LayerFitter:
         start = convert_attention(self.start, source, self.targets[i].kv_heads, replace(self.contexts[i], inputs=run.inputs))
         device = run.outputs[0].device
 
-        def block_tensors(attn: AttentionWeights) -> dict[str, torch.Tensor]:
+        def block_tensors(attn: AttentionWeights) -> dict[str, torch.Tensor]:  # the MHA block the GQA layer equals
             encoded = codec.encode(expand_kv(attn, ckpt.layer_shapes[i].kv_heads))
             return {run.names[names[suffix]]: t for suffix, t in encoded.items()}
 
-        result = fit(run, moved(start.attn, device), block_tensors, self.steps, bar, self.seed, self.settings)
+        attn = moved(start.attn, device)
+        fitted_run, tensors = self.gqa_form(run, attn, block_tensors)
+        result = fit(fitted_run, attn, tensors, self.steps, bar, self.seed, self.settings)
         written = {s: t.to(ckpt.tensors[names[s]].dtype) for s, t in codec.encode(result.attn).items()}  # each in its own source dtype
         if self.settings.sequential:  # the next layer reads this one as it will be written
             with torch.no_grad():
@@ -263,6 +272,31 @@ class LayerFitter:
                 for name, t in block_tensors(rounded).items():
                     run.block.get_parameter(name).copy_(t)
         return FittedLayer({names[s]: t.cpu() for s, t in written.items()}, start.groups, result.start, result.end, result.steps, result.free)
+
+    def gqa_form(
+        self, run: layerwise.LayerRun, start: AttentionWeights, mha_tensors: Callable[[AttentionWeights], dict[str, torch.Tensor]]
+    ) -> tuple[layerwise.LayerRun, Callable[[AttentionWeights], dict[str, torch.Tensor]]]:
+        """The run and its tensors at the GQA shape (K/V projected once per kv head, not repeated per query head:
+        at h/4 three eighths of the block's projections go) where the family's block takes that shape and returns
+        the MHA form's output on the first call; else the MHA form."""
+        target, names = self.targets[run.index], self.ckpt.attention.layers[run.index]
+        block = at_kv_heads(run.block, self.ckpt.facts.config.get("model_type", ""), self.ckpt.layer_shapes[run.index], target.kv_heads)
+        codec = AttentionCodec(self.ckpt.spec, target)
+        if block is None or not run.calls:
+            return run, mha_tensors
+
+        def tensors(attn: AttentionWeights) -> dict[str, torch.Tensor]:
+            return {run.names[names[suffix]]: t for suffix, t in codec.encode(attn).items()}
+
+        grouped = replace(run, block=block)
+        with torch.no_grad():
+            expected = block_output(run, mha_tensors(start), 0)
+            try:
+                got = block_output(grouped, tensors(start), 0)
+            except (RuntimeError, ValueError):  # the block reads its head count from elsewhere too
+                return run, mha_tensors
+        scale = float(expected.abs().max())
+        return (grouped, tensors) if got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * scale) else (run, mha_tensors)
 
 
 def fitted_layers(

@@ -71,7 +71,7 @@ from headfold.ground.lazy import lazy_import
 
 accelerate = lazy_import("accelerate")
 
-__all__ = ["load_model", "empty_model", "hollow_model", "parameter_names", "check_loadable", "GQA_ATTENTION"]
+__all__ = ["load_model", "empty_model", "hollow_model", "parameter_names", "check_loadable", "at_kv_heads", "GQA_ATTENTION"]
 
 # The only attention implementation the GQA subclasses are wired for: transformers' SDPA
 # path repeats/groups K/V from `num_key_value_groups`; the families' own eager functions don't.
@@ -532,12 +532,53 @@ def _resize_native(model: nn.Module, facts: CheckpointFacts) -> None:
         norms = (spec.head_norms or {}).get("k", "").split("." + HEAD)[0]  # StableLM: a ModuleList, one norm per kv head
         if norms and norms.split(".")[0] in module._modules:  # present with qk_layernorm only
             del module.get_submodule(norms)[kv_heads[layer] :]
-        module.num_key_value_groups = heads // kv_heads[layer]
-        if hasattr(module, "num_key_value_heads"):
-            module.num_key_value_heads = kv_heads[layer]
+        _set_kv_counts(module, heads, kv_heads[layer])
         resized.add(layer)
     if resized != set(range(len(kv_heads))):  # pragma: no cover - guards against renamed modules
         raise RuntimeError(f"attention modules of layers {sorted(resized)} found in {type(model).__name__}, expected {len(kv_heads)}")
+
+
+def _set_kv_counts(module: nn.Module, heads: int, kv_heads: int) -> None:
+    """A native-GQA block's head counts: SDPA groups by num_key_value_groups, phi3 and stablelm split by num_key_value_heads."""
+    module.num_key_value_groups = heads // kv_heads
+    if hasattr(module, "num_key_value_heads"):
+        module.num_key_value_heads = kv_heads
+
+
+def at_kv_heads(block: nn.Module, model_type: str, shape: HeadShape, kv_heads: int) -> nn.Module | None:
+    """A copy of the attention block `block` of a checkpoint at `shape` that reads K/V at `kv_heads` heads as the
+    converted model's does: a family without GQA in transformers adopts its GQA subclass (on the one module of
+    the block that is its base: BERT's is the block's `self`), a native one's head counts are set. The copy shares
+    `block`'s weights; what it changes (its class, counts, resized K/V projections) leaves `block` as it was.
+    None where the block has no module to adopt nor a head count to set."""
+    grouped = _own_copy(block)
+    if gqa := GQA_ATTENTION.get(model_type):
+        paths = [name for name, module in block.named_modules() if isinstance(module, gqa.base)]
+        if len(paths) != 1:
+            return None
+        gqa.adopt(_copied_path(grouped, paths[0]), shape.heads, kv_heads, shape.head_dim)
+    elif isinstance(getattr(block, "num_key_value_groups", None), int):
+        _set_kv_counts(grouped, shape.heads, kv_heads)
+    else:
+        return None
+    return grouped
+
+
+def _own_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` whose parameters, buffers and submodules can be replaced without touching `module`."""
+    copied = copy.copy(module)
+    copied._parameters, copied._buffers, copied._modules = dict(module._parameters), dict(module._buffers), dict(module._modules)
+    return copied
+
+
+def _copied_path(root: nn.Module, path: str) -> nn.Module:
+    """The submodule of `root` at `path` (dotted; "" for `root`), each module on the way replaced by its own copy."""
+    module = root
+    for name in filter(None, path.split(".")):
+        child = module._modules[name]
+        assert child is not None
+        module._modules[name] = module = _own_copy(child)
+    return module
 
 
 def _build(

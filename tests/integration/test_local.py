@@ -4,6 +4,7 @@ what it cannot do in one line, and keeps calibration's memory bound (one layer l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -22,9 +23,9 @@ from headfold.converter import local
 from headfold.converter.calibration import sample_windows, text_feeds, text_windows
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.layerwise import layer_runs
-from headfold.converter.layout import AttentionCodec
-from headfold.converter.methods import expand_kv
-from headfold.converter.modeling import load_model, parameter_names
+from headfold.converter.layout import AttentionCodec, HeadShape
+from headfold.converter.methods import convert_attention, expand_kv
+from headfold.converter.modeling import at_kv_heads, load_model, parameter_names
 from headfold.converter.recipes import DEFAULT_METHOD, get_method
 from headfold.ground.errors import BadInput
 
@@ -348,3 +349,59 @@ def test_local_fit_settings_are_checked(field: str, value: object) -> None:
     """LocalFit refuses a value outside its field's domain as it is built, naming the field."""
     with pytest.raises(BadInput, match=field):
         LocalFit(**{field: value})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_gqa_form_is_the_mha_form(family: str, tiny_checkpoint) -> None:
+    """Every family's block at the GQA shape (K/V projected once per kv head, as the converted model's block) gives
+    the output and the gradient to the pooled K/V of the MHA block with each kv head repeated for its group."""
+    src = calibrated(family, tiny_checkpoint)
+    with SourceCheckpoint(src) as ckpt:
+        shape = ckpt.layer_shapes[0]
+        target = HeadShape(shape.heads, 2, shape.head_dim)
+        runs = layer_runs(ckpt, text_windows(ckpt, corpus.calibration_text(), 512, seed=0), torch.device("cpu"), False, False, chunk=1)
+        run = next(runs)  # its layer stays loaded while `runs` is open
+        names = ckpt.attention.layers[0]
+        source = AttentionCodec(ckpt.spec, shape).decode({s: ckpt.get(n).float() for s, n in names.items()})
+        pooled = convert_attention(get_method("mean"), source, 2).attn
+        before = (type(run.block), {n: (p.shape, p.data_ptr()) for n, p in run.block.named_parameters()}, vars(run.block).copy())
+        block = at_kv_heads(run.block, family, shape, target.kv_heads)
+        assert block is not None
+        assert_gqa_form_is_mha_form(run, block, ckpt.spec, names, shape, target, pooled)
+        assert (type(run.block), {n: (p.shape, p.data_ptr()) for n, p in run.block.named_parameters()}, vars(run.block)) == before  # untouched
+        runs.close()
+
+
+def assert_gqa_form_is_mha_form(run, block: torch.nn.Module, spec, names: dict[str, str], shape: HeadShape, target: HeadShape, pooled) -> None:
+
+    def output_and_grad(module: torch.nn.Module, shape_of: HeadShape, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        k = attn.k.clone().requires_grad_(True)
+        weights = dataclasses.replace(attn, k=k)
+        weights = weights if shape_of.kv_heads == 2 else expand_kv(weights, shape_of.kv_heads)
+        tensors = {run.names[names[s]]: t for s, t in AttentionCodec(spec, shape_of).encode(weights).items()}
+        out = local.block_output(dataclasses.replace(run, block=module), tensors, 1)
+        out.square().sum().backward()
+        return out.detach(), k.grad
+
+    (mha, mha_grad), (gqa, gqa_grad) = output_and_grad(run.block, shape, pooled), output_and_grad(block, target, pooled)
+    assert torch.allclose(gqa, mha, rtol=1e-5, atol=1e-6 * float(mha.abs().max()))
+    assert torch.allclose(gqa_grad, mha_grad, rtol=1e-4, atol=1e-5 * float(mha_grad.abs().max()))
+
+
+@pytest.mark.parametrize(("family", "form"), [("llama", "gqa"), ("gpt2", "gqa"), ("bloom", "gqa"), ("llama", "wrong")])
+def test_the_fit_at_the_gqa_shape_is_the_fit_at_the_mha_shape(family: str, form: str, tiny_checkpoint, tmp_path: Path, monkeypatch) -> None:
+    """A conversion whose fit runs the GQA block gives the fit of the MHA block it equals; a GQA form whose output
+    differs on the first call (here counts that say one kv head) is not used."""
+    src = calibrated(family, tiny_checkpoint)
+    if form == "wrong":
+        monkeypatch.setattr(local, "at_kv_heads", lambda block, model_type, shape, kv: at_kv_heads(block, model_type, shape, 1))
+    grouped = local_convert(src, tmp_path / "gqa")
+    monkeypatch.setattr(local, "at_kv_heads", lambda *args: None)
+    expanded = local_convert(src, tmp_path / "mha")
+    flat = lambda out: [e for layer in sorted(fit_errors(out)) for e in fit_errors(out)[layer]]  # noqa: E731
+    assert flat(grouped) == pytest.approx(flat(expanded), rel=1e-4)
+    with SourceCheckpoint(src) as ckpt:
+        batch = text_windows(ckpt, corpus.calibration_text(), TOKENS, seed=0)
+    for layer in (0, 1):  # the function, not the tensors: K's bias moves the scores of every key alike, so its steps are noise
+        a, b = block_outputs(grouped, batch, layer), block_outputs(expanded, batch, layer)
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-4 * float(b.abs().max()))
