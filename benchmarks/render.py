@@ -284,6 +284,54 @@ def distill_zoo_summary(data: dict) -> str:
     )
 
 
+def distill_rate_cases(data: dict) -> list[dict]:
+    """Per model, start and budget: each fixed rate's and the chosen run's scores, the best fixed rate, and whether the
+    chosen one is within the goal (perplexity increase within 10 % of the best fixed rate's, or 0.1 point)."""
+    cases: dict[tuple, dict] = {}
+    for r in data["rows"]:
+        case = cases.setdefault((r["model"], r["start"], r["budget"]), {"model": r["model"], "start": r["start"], "budget": r["budget"], "runs": {}})
+        case["runs"][str(r["lr"])] = r
+    for case in cases.values():
+        fixed = {lr: r for lr, r in case["runs"].items() if lr != "chosen"}
+        case["best"] = min(fixed, key=lambda lr: fixed[lr]["ppl_increase"]) if fixed else None
+        chosen, best = case["runs"].get("chosen"), fixed.get(case["best"] or "")
+        case["within"] = None if chosen is None or best is None else chosen["ppl_increase"] <= max(1.1 * best["ppl_increase"], best["ppl_increase"] + 0.001)
+    return list(cases.values())
+
+
+def _rate(lr: float) -> str:
+    return f"{lr:.0e}".replace("e-0", "e-")
+
+
+def distill_rate(data: dict) -> str:
+    """The rate distill chooses against each fixed rate (`benchmarks/distill_rate.py`)."""
+    return "\n\n".join([about(data, "what", "machine"), distill_rate_table(data)])
+
+
+def distill_rate_table(data: dict) -> str:
+    cases = distill_rate_cases(data)
+    rates = sorted({lr for c in cases for lr in c["runs"] if lr != "chosen"}, key=float)
+
+    def cell(run: dict | None, bold: bool = False) -> str:
+        text = "" if run is None else f"{pct(run['ppl_increase'])} / {run['kl']:.3g}"
+        return f"**{text}**" if bold and text else text
+
+    body = [
+        [c["model"], c["start"], f"{c['budget']:.0%}", pct(c["runs"][next(iter(c["runs"]))]["start_ppl_increase"]),
+         *(cell(c["runs"].get(lr), lr == c["best"]) for lr in rates),
+         cell(c["runs"].get("chosen")) + (f" (`{_rate(c['runs']['chosen']['chosen_lr'])}`)" if "chosen" in c["runs"] else ""),
+         {True: "yes", False: "no", None: ""}[c["within"]]]
+        for c in cases
+    ]  # fmt: skip
+    header = ["model", "start", "budget", "before", *(f"`--lr {_rate(float(lr))}`" for lr in rates), "chosen (its rate)", "within the goal"]
+    judged = [c for c in cases if c["within"] is not None]
+    summary = (
+        f"Perplexity increase / KL over the original on held-out text, the best fixed rate in bold. The chosen rate is within the goal "
+        f"(10 % of the best fixed rate's increase, or 0.1 point) in {sum(c['within'] for c in judged)} of {len(judged)} cases."
+    )
+    return "\n\n".join([table(header, body), summary])
+
+
 def generate_throughput(data: dict) -> str:
     """benchmarks/generate_throughput.py: onnxruntime-genai tokens/s, headfold's export against og's model builder."""
     args = data["args"]
@@ -677,6 +725,7 @@ RENDERERS: dict[str, Callable] = {
     "distill_recovery": distill_recovery,
     "distill_recipe_sweep": distill_recipe_sweep,
     "distill_zoo": distill_zoo,
+    "distill_rate": distill_rate,
     "generate_throughput": generate_throughput,
     "side_by_side": side_by_side,
     "calibration": calibration_memory,  # calibration_memory.py --json …
@@ -834,6 +883,12 @@ def distill_zoo_recipes() -> str:
     return note + "\n\n" + distill_zoo_summary(_load("distill_zoo.json"))
 
 
+def distill_rate_choice() -> str:
+    """docs/distill.md: the chosen rate against each fixed one."""
+    note = "From [`distill_rate.json`](benchmarks.md#distill_ratejson) (`benchmarks/distill_rate.py`):"
+    return note + "\n\n" + distill_rate_table(_load("distill_rate.json"))
+
+
 def layout_cost() -> str:
     """docs/scaling.md: what the default method (and mean) cost on the generated 1.29 GB Llama layout."""
     data = _load("method_parts_cost.json")
@@ -880,6 +935,7 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "zoo-quality": zoo_methods,
     "side-by-side": deployed_speed,
     "distill-zoo": distill_zoo_recipes,
+    "distill-rate": distill_rate_choice,
     "layout-cost": layout_cost,
     "local-fit": local_fit,
 }

@@ -152,7 +152,7 @@ class DistillOptions:
     steps: int | None = None
     seq_len: int = 256
     batch_size: int | None = None  # None: default_batch_size()
-    lr: float | None = None  # None: DECODER_LR or ENCODER_LR, by the student's kind
+    lr: float | None = None  # peak rate; None: chosen on --data (headfold/distillation/rate.py)
     hidden_weight: float | None = None  # None: DECODER_HIDDEN_WEIGHT or ENCODER_HIDDEN_WEIGHT; 0: logits (or last state) only
     attention_weight: float | None = None  # None: ATTENTION_WEIGHT; 0: no attention-output match
     warmup: float = 0.1  # fraction of the steps with a linear LR ramp, then cosine to 0

@@ -26,7 +26,7 @@ import torch
 from headfold import corpus
 from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
 from headfold.converter.sources import checkpoint_folders
-from headfold.distillation import output, sharding, state
+from headfold.distillation import output, rate, sharding, state
 from headfold.distillation.audio import AudioPlan, audio_plan
 from headfold.distillation.budget import is_embedded, parse_tokens, pretraining_tokens
 from headfold.distillation.data import WindowPlan, builtin_source, encoder_for, file_source
@@ -49,14 +49,6 @@ DEFAULT_STEPS = 40
 
 # The defaults for each kind of student are the best measured on the recovery benchmarks
 # (benchmarks/distill_recovery.py, distill_zoo.py; the figures are in benchmarks/results/, rendered in docs/benchmarks.md).
-# Peak learning rate. Decoders: the lowest mean rank over four zoo decoders (GPT-NeoX, BLOOM, a head_dim-64
-# Llama, GPT-2) at 1 % and 5 % of their pre-training tokens, from the h/4 `+local` start
-# (benchmarks/results/distill_zoo.json): 1e-3 first undid that start (a higher KL than untrained after
-# 1 % on every one), 3e-4 on two of them; 1e-4 lowered the KL at 1 % and 5 % on all four. (From a
-# far start, mean pooling or no `local`, 1e-3 recovered more: `decoder` rows of distill_recovery.json.)
-# Encoders: 1e-3 drove MiniLM's cosine down for the first steps from a good start, 1e-4 ended highest
-# (`encoder_lr_sweep`).
-DECODER_LR, ENCODER_LR = 1e-4, 1e-4
 # Weight of the per-layer hidden-state match (objective.hidden_distance): it cut a decoder's held-out KL
 # for the same tokens, most at this weight once steps were small (distill_recipe_sweep_batch1.json).
 # An encoder's loss already matches its last hidden state, and the match left MiniLM's cosine where it
@@ -141,13 +133,18 @@ def distill(
             steps,
             Objective(encoder_model, opts.loss, opts.temperature, opts.hidden_weight, opts.attention_weight, decoder_start),
         )
+        start = time.perf_counter()
         if checkpoint is not None:
             trainer.restore(checkpoint)
+            if "rate" in trainer.progress.log:  # the rate the interrupted run chose (its optimizer state holds it too)
+                trainer.opts = replace(trainer.opts, lr=trainer.progress.log["rate"][0]["lr"])
             if accelerator.is_main_process:
                 log.info(f"distill: resumed from {checkpoint} (step {trainer.progress.step} of {steps})")
-        elif accelerator.is_main_process and save_every is not None:
-            state.begin(folder, identity)
-        start = time.perf_counter()
+        else:
+            if opts.lr is None:
+                chosen(trainer, progress)
+            if accelerator.is_main_process and save_every is not None:
+                state.begin(folder, identity)
         final, reached = trainer.train(folder, save_every, progress)
         seconds = time.perf_counter() - start
         weights = trainer.checkpoint_state()  # every process: FSDP gathers the shards to the main one
@@ -167,6 +164,15 @@ def distill(
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return out
+
+
+def chosen(trainer: Trainer, progress: bool) -> None:
+    """The run's rate chosen on --data (rate.choose), said and kept in the run's log (a resumed run reads it there)."""
+    choice = rate.choose(trainer, progress)
+    trainer.progress.log["rate"] = [choice.record()]
+    if trainer.accelerator.is_main_process:
+        tried = ", ".join(f"{lr} → {score:.4g}" for lr, score in choice.scores.items())
+        log.info(f"distill: --lr {choice.lr:g}, the lowest held-out loss after {choice.steps} steps from {choice.start:.4g} ({tried}); --lr overrides")
 
 
 def run_record(
@@ -194,7 +200,8 @@ def run_record(
             "tokenizer": plan.encoder.name,
             **plan.notes,
         },
-        "options": asdict(opts),
+        "options": asdict(trainer.opts),
+        "learning_rate": trainer.progress.log["rate"][0] if "rate" in trainer.progress.log else {"given": opts.lr},
         "evaluation": {"every": trainer.eval_every, "windows": len(trainer.eval_batch)},
         "processes": accelerator.num_processes,
         "fsdp": accelerator.is_fsdp2,
@@ -269,8 +276,6 @@ def resolve_defaults(opts: DistillOptions, encoder_model: bool, processes: int |
     the batch, which depends on the process count, once that is known (default_batch_size)."""
     if opts.batch_size is None and processes is not None:
         opts = replace(opts, batch_size=default_batch_size(opts.tokens, opts.seq_len, processes))
-    if opts.lr is None:
-        opts = replace(opts, lr=ENCODER_LR if encoder_model else DECODER_LR)
     if opts.hidden_weight is None:
         opts = replace(opts, hidden_weight=ENCODER_HIDDEN_WEIGHT if encoder_model else DECODER_HIDDEN_WEIGHT)
     if opts.attention_weight is None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from headfold import corpus
 from headfold.converter.checkpoint import CheckpointFacts, SourceCheckpoint
+from headfold.distillation import rate
 from headfold.distillation.audio import audio_sha256
 from headfold.distillation.data import builtin_source, file_source
 from headfold.distillation.run import DistillOptions, check_options, distill, requested, resolve_defaults, total_steps, window_plan
@@ -53,7 +54,8 @@ class DistillStage:
         options = resolve_defaults(requested(teacher, self.options), facts.kind == "encoder", processes=1)
         data = self._sha256(facts, self.data, "--distill-data")
         heldout = None if self.eval_data is None else self._sha256(facts, self.eval_data, "--distill-eval-data")
-        return {"data_sha256": data, "eval_data_sha256": heldout, "options": asdict(options)}
+        chosen = {"lr_candidates": list(rate.CANDIDATES), "lr_probe_share": rate.PROBE_SHARE} if options.lr is None else {}  # the rule, where it chooses
+        return {"data_sha256": data, "eval_data_sha256": heldout, "options": asdict(options), **chosen}
 
     @staticmethod
     def _sha256(facts: CheckpointFacts, data: Path | None, option: str) -> str:

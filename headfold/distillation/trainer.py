@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 
@@ -57,7 +58,7 @@ class Trainer:
         if accelerator.is_fsdp2:
             sharding.one_module_per_tied_embedding(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(params, lr=opts.lr or 0.0, weight_decay=0.0)  # no --lr: rate.choose sets it
         # together: under FSDP2 Accelerate shards the model, then points the optimizer at the shards
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         # not accelerator.prepare'd: its wrapper would step once per process
@@ -148,20 +149,57 @@ class Trainer:
         return self.plan.complete(self.plan.collate(rows).to(self.accelerator.device), self.teacher, self.opts.batch_size)
 
     def step(self, ids) -> float:
+        """One step of the run: an update, then the schedule's next rate."""
+        value = self.update(ids)
+        self.schedule.step()
+        if not math.isfinite(value):
+            self._diverged(f"the training loss became {value}")
+        return value
+
+    def update(self, ids) -> float:
+        """One optimizer update on `ids` at the rate the optimizer holds; the loss, averaged over the processes."""
         acc, objective = self.accelerator, self.objective
         with acc.autocast():
             with torch.no_grad():
                 target = objective.outputs(self.teacher, ids, blocks=self.teacher_blocks)
             loss = objective(objective.outputs(self.model, ids, blocks=self.student_blocks), target, ids)
         acc.backward(loss)
-        acc.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], MAX_GRAD_NORM)
+        acc.clip_grad_norm_(self.trained(), MAX_GRAD_NORM)
         self.optimizer.step()
-        self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        value = float(acc.reduce(loss.detach(), "mean"))
-        if not math.isfinite(value):
-            self._diverged(f"the training loss became {value}")
-        return value
+        return float(acc.reduce(loss.detach(), "mean"))
+
+    def trained(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def snapshot(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """What the student trains and torch's RNG, as they are now (rate.choose probes from here)."""
+        return [p.detach().clone() for p in self.trained()], torch.get_rng_state()
+
+    def restore_snapshot(self, snapshot: tuple[list[torch.Tensor], torch.Tensor]) -> None:
+        """Back to `snapshot`, with the optimizer's moments cleared: as if no step had been taken."""
+        tensors, rng = snapshot
+        with torch.no_grad():
+            for p, t in zip(self.trained(), tensors, strict=True):
+                p.copy_(t)
+        self.optimizer.state.clear()
+        torch.set_rng_state(rng)
+
+    def rate_factor(self, step: int) -> float:
+        """The schedule's factor on the peak rate at `step` (optimizer steps already taken)."""
+        return _warmup_cosine(self.steps, self.opts.warmup)(step)
+
+    def set_rate(self, lr: float) -> None:
+        """Every parameter group at `lr`, constant (the schedule untouched)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def use_rate(self, lr: float) -> None:
+        """The run's peak rate becomes `lr`: the schedule starts over from it."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = lr
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(self.steps, self.opts.warmup))
+        self.opts = replace(self.opts, lr=lr)
 
     def save(self, folder: Path) -> None:
         self.check_finite()  # a resumable checkpoint of NaN weights would resume into nothing

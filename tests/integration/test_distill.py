@@ -55,11 +55,42 @@ def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: 
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
     assert record(out)["final_eval"]["kl"] < 1e-6 and record(out)["final_eval"]["top1"] == 1.0
-    assert record(out)["options"]["lr"] == 1e-4 and record(out)["options"]["hidden_weight"] == 30.0  # a decoder's defaults
+    assert record(out)["options"]["hidden_weight"] == 30.0  # a decoder's default
     before, after = weights(student), weights(out)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     matched = distill(teacher, student, tmp_path / "matched", data=text_file, steps=3, attention_weight=30.0, **FAST)  # each attention block's output too
     assert all(torch.equal(before[k], t) for k, t in weights(matched).items())
+
+
+def test_the_rate_is_chosen_on_the_data_and_the_run_is_that_rates_run(teacher: Path, text_file: Path, tmp_path: Path, caplog) -> None:
+    """Without --lr each candidate is probed from the start and scored on windows of --data; the lowest is said,
+    recorded with every candidate's score, and the run is then exactly the run that --lr gives it."""
+    from headfold.distillation import rate
+
+    student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
+    with caplog.at_level("INFO", logger="headfold"):
+        chosen = distill(teacher, student, tmp_path / "chosen", data=text_file, steps=40, **FAST)
+    choice = record(chosen)["learning_rate"]
+    assert set(choice["scores"]) == {f"{lr:g}" for lr in rate.CANDIDATES}
+    assert (choice["steps"], choice["windows"]) == rate.probe_size(40, 2) and choice["lr"] == record(chosen)["options"]["lr"]
+    assert choice["scores"][f"{choice['lr']:g}"] == min(choice["scores"].values()) < choice["start"]  # the probe moved it down
+    assert f"--lr {choice['lr']:g}, the lowest held-out loss" in caplog.text
+    given = distill(teacher, student, tmp_path / "given", data=text_file, steps=40, lr=choice["lr"], **FAST)
+    assert record(given)["learning_rate"] == {"given": choice["lr"]}
+    a, b = weights(chosen), weights(given)
+    assert all(torch.equal(a[k], b[k]) for k in a) and record(chosen)["final_eval"] == record(given)["final_eval"]
+
+
+def test_the_probe_costs_at_most_its_share() -> None:
+    """The candidates' steps and scoring together stay within PROBE_SHARE of the run wherever one step and one
+    window fit in it; shorter runs probe with one step and one window."""
+    from headfold.distillation import rate
+
+    for steps, width in ((64, 1), (320, 1), (640, 8), (5000, 8), (200, 16)):
+        probe, windows = rate.probe_size(steps, width)
+        cost = len(rate.CANDIDATES) * (probe * width * rate.TRAIN_PASSES + windows * rate.EVAL_PASSES)
+        assert probe >= 1 and 1 <= windows <= rate.PROBE_WINDOWS and cost <= rate.PROBE_SHARE * steps * width * rate.TRAIN_PASSES, (steps, width)
+    assert rate.probe_size(640, 8) == (15, 8) and rate.probe_size(4, 1) == (1, 1)
 
 
 def test_attention_blocks_are_the_modules_the_layer_prefix_names(tiny_checkpoint) -> None:
@@ -260,7 +291,7 @@ fsdp_config:
 def test_two_processes_give_the_single_process_result(teacher: Path, text_file: Path, tmp_path: Path) -> None:
     """torchrun, accelerate launch and accelerate launch with an FSDP2 config (what `accelerate config` writes; the
     student sharded layer by layer): 2 CPU processes (gloo) with half the batch each = 1 process with the whole
-    batch; under FSDP a kv = heads student stays bit-identical."""
+    batch; under FSDP a kv = heads student stays bit-identical; without --lr both choose the same rate."""
     student, same = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False), convert(teacher, tmp_path / "kv8", 8, method="mean", progress=False)
     options = ["--data", str(text_file), "--steps", "4", "--seq-len", "32", "--eval-windows", "2", "--lr", "1e-2"]
     subprocess.run(_cli(str(teacher), str(student), str(tmp_path / "one"), *options, "--batch-size", "4"), check=True, env=_env())
@@ -284,6 +315,13 @@ def test_two_processes_give_the_single_process_result(teacher: Path, text_file: 
     subprocess.run([*fsdp, *_cli(str(teacher), str(same), str(tmp_path / "fsdp-kv8"), *options, "--batch-size", "2")[1:]], check=True, env=_env())
     before, after = weights(same), weights(tmp_path / "fsdp-kv8")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    chosen = options[: options.index("--lr")]  # no --lr: every process takes the main one's choice, the one process would make
+    subprocess.run(_cli(str(teacher), str(student), str(tmp_path / "one-chosen"), *chosen, "--batch-size", "4"), check=True, env=_env())
+    subprocess.run([*torchrun, *_cli(str(teacher), str(student), str(tmp_path / "two-chosen"), *chosen, "--batch-size", "2")[1:]], check=True, env=_env())
+    one_choice, two_choice = record(tmp_path / "one-chosen")["learning_rate"], record(tmp_path / "two-chosen")["learning_rate"]
+    assert one_choice["lr"] == two_choice["lr"] and one_choice["scores"] == pytest.approx(two_choice["scores"], rel=1e-4)
+    one, two = weights(tmp_path / "one-chosen"), weights(tmp_path / "two-chosen")
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4
 
 
 @pytest.mark.parametrize("version, extra, expected", [("1", [], "FSDP2 only"), ("2", ["--save-every", "2"], "--save-every"), ("2", ["--resume"], "--resume")])
@@ -404,6 +442,7 @@ def test_a_percentage_of_an_unknown_pretraining_is_refused_before_anything_is_wr
 
 def test_the_stage_key_holds_the_options_as_resolved(teacher: Path, students, text_file: Path, monkeypatch) -> None:
     """`headfold run` re-runs distill when a default it used changes, as when an option changes."""
+    from headfold.distillation import rate
     from headfold.distillation import run as distill_run
     from headfold.distillation.stage import DistillStage
 
@@ -411,7 +450,8 @@ def test_the_stage_key_holds_the_options_as_resolved(teacher: Path, students, te
         return DistillStage(text_file, options).key(teacher, students["good"])
 
     default = key(tokens="10k")
-    assert default["options"]["hidden_weight"] == distill_run.DECODER_HIDDEN_WEIGHT and default["options"]["lr"] == distill_run.DECODER_LR
+    assert default["options"]["hidden_weight"] == distill_run.DECODER_HIDDEN_WEIGHT and default["options"]["lr"] is None  # chosen on the data
+    assert default["lr_candidates"] == list(rate.CANDIDATES) and "lr_candidates" not in key(tokens="10k", lr=1e-3)
     assert default["options"]["train"] == distill_run.DECODER_TRAIN == "attention"
     assert default["options"]["tokens"] == 10_000 and default["options"]["batch_size"] == distill_run.default_batch_size(10_000, 256)
     assert key(tokens=10_000, hidden_weight=distill_run.DECODER_HIDDEN_WEIGHT) == default  # the default, given: the same run
