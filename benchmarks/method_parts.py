@@ -193,7 +193,7 @@ cost = {"convert_s": time.perf_counter() - start, "convert_cpu_s": time.process_
 """
 
 
-def layout_rows(methods: list[str], steps: list[int], threads: int, keep: Path | None) -> list[dict]:
+def layout_rows(methods: list[str], steps: list[int], threads: int, keep: Path | None, fit: str | None = None) -> list[dict]:
     """The generated 1.29 GB fp16 Llama layout (convert_throughput.py: 10 layers of hidden 2048, 16 heads of 128)
     converted to 4 kv heads on 4096 calibration tokens of the built-in text, one fresh process per method (and
     per --local-steps of a method with local): what each part costs where a model runs layer by layer."""
@@ -217,6 +217,7 @@ def layout_rows(methods: list[str], steps: list[int], threads: int, keep: Path |
                         "method": method,
                         **({"local_steps": count} if count else {}),
                         **result,
+                        **({"fit": fit} if fit and count else {}),
                         "threads": threads,
                         "load_average_1min": round(os.getloadavg()[0], 2),
                     }
@@ -295,6 +296,7 @@ def main() -> None:
     parser.add_argument("--layout-steps", default="1,3", help="--local-steps the layout's methods with local run at (the cost per step is their difference)")
     parser.add_argument("--keep", type=Path, help="make the layout once in this folder and reuse it")
     parser.add_argument("--no-scored-layer", action="store_true", help="--layout: leave out scored's grouping on the 7B-shaped layer")
+    parser.add_argument("--fit-note", help="--layout: the fit the rows with local ran (recorded as their `fit`: measured at the default budget)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -302,9 +304,14 @@ def main() -> None:
     if args.layout:
         path = args.json if args.json != DEFAULT_JSON else DEFAULT_JSON.with_name("method_parts_cost.json")
         rows = ([] if args.no_scored_layer else scored_rows(args.threads)) + layout_rows(
-            args.methods.split(","), [int(x) for x in args.layout_steps.split(",")], args.threads, args.keep
+            args.methods.split(","), [int(x) for x in args.layout_steps.split(",")], args.threads, args.keep, args.fit_note
         )
-        kept = [] if args.fresh or not path.is_file() else json.loads(path.read_text())["rows"]
+        again = {(r.get("layout"), r.get("method"), r.get("local_steps")) for r in rows}  # measured again: the new row replaces the old
+        kept = (
+            []
+            if args.fresh or not path.is_file()
+            else [r for r in json.loads(path.read_text())["rows"] if (r.get("layout"), r.get("method"), r.get("local_steps")) not in again]
+        )
         path.write_text(json.dumps({"what": COST, "default_local_steps": conversion.DEFAULT_LOCAL_STEPS, "rows": kept + rows}, indent=1) + "\n")
         return
     kept = [] if args.fresh or not args.json.is_file() else json.loads(args.json.read_text())["rows"]

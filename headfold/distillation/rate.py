@@ -39,7 +39,8 @@ class RateChoice:
     scores: dict[str, float]  # candidate (as text) → score after its steps (inf: it diverged)
 
     def record(self) -> dict[str, Any]:
-        return asdict(self)
+        """As headfold.json keeps it: a diverged candidate's score is null (JSON has no infinity)."""
+        return asdict(self) | {"scores": {lr: score if math.isfinite(score) else None for lr, score in self.scores.items()}}
 
 
 def probe_size(steps: int, windows_per_step: int, candidates: int = len(CANDIDATES)) -> tuple[int, int]:

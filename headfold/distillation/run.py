@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import time
 from contextlib import nullcontext
@@ -171,7 +172,7 @@ def chosen(trainer: Trainer, progress: bool) -> None:
     choice = rate.choose(trainer, progress)
     trainer.progress.log["rate"] = [choice.record()]
     if trainer.accelerator.is_main_process:
-        tried = ", ".join(f"{lr} → {score:.4g}" for lr, score in choice.scores.items())
+        tried = ", ".join(f"{lr} → {score:.4g}" if math.isfinite(score) else f"{lr} diverged" for lr, score in choice.scores.items())
         log.info(f"distill: --lr {choice.lr:g}, the lowest held-out loss after {choice.steps} steps from {choice.start:.4g} ({tried}); --lr overrides")
 
 

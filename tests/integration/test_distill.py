@@ -91,6 +91,8 @@ def test_the_probe_costs_at_most_its_share() -> None:
         cost = len(rate.CANDIDATES) * (probe * width * rate.TRAIN_PASSES + windows * rate.EVAL_PASSES)
         assert probe >= 1 and 1 <= windows <= rate.PROBE_WINDOWS and cost <= rate.PROBE_SHARE * steps * width * rate.TRAIN_PASSES, (steps, width)
     assert rate.probe_size(640, 8) == (15, 8) and rate.probe_size(4, 1) == (1, 1)
+    diverged = rate.RateChoice(1e-4, 1, 1, 0.5, {"0.0001": 0.4, "0.003": float("inf")}).record()
+    assert json.loads(json.dumps(diverged, allow_nan=False))["scores"] == {"0.0001": 0.4, "0.003": None}  # strict JSON
 
 
 def test_attention_blocks_are_the_modules_the_layer_prefix_names(tiny_checkpoint) -> None:
