@@ -189,7 +189,7 @@ steps = int(sys.argv[4]) or None
 convert(sys.argv[1], sys.argv[2], 4, sys.argv[3], local_steps=steps, progress=False)
 hwm_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
 cost = {"convert_s": time.perf_counter() - start, "convert_cpu_s": time.process_time() - cpu, "local_fit_cpu_s": fitting[0], "peak_rss_mb": hwm_kb * 1024 / 1e6}
-    print(json.dumps(cost))
+print(json.dumps(cost))
 """
 
 

@@ -97,3 +97,17 @@ def test_the_default_is_chosen_by_mean_rank(zoo) -> None:
     }
     assert list(render.zoo_ranks(data)) == ["y", "x", "mean"]  # x and y tie on mean rank: y stays within 10 % of the best, x within 50 %
     assert "Chosen: `y`; the default is `mean`." in render.zoo_choice(data)
+
+
+def test_the_layout_costs_child_process_reports_its_cost(tiny_checkpoint, tmp_path: Path) -> None:
+    """method_parts.py --layout times each conversion in a fresh process running CHILD: it converts and prints its cost."""
+    import subprocess
+    import sys
+
+    from benchmarks import method_parts
+
+    src = tiny_checkpoint("llama")
+    done = subprocess.run([sys.executable, "-c", method_parts.CHILD, str(src), str(tmp_path / "out"), "mean", "0"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cost = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(cost) == {"convert_s", "convert_cpu_s", "local_fit_cpu_s", "peak_rss_mb"} and cost["local_fit_cpu_s"] == 0 and cost["peak_rss_mb"] > 0
