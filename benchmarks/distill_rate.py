@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import method_parts
-
+from benchmarks import method_parts
 from headfold import corpus
 from headfold.converter import convert
 from headfold.converter.checkpoint import SourceCheckpoint

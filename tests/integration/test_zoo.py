@@ -111,3 +111,14 @@ def test_the_layout_costs_child_process_reports_its_cost(tiny_checkpoint, tmp_pa
     assert done.returncode == 0, done.stderr[-2000:]
     cost = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(cost) == {"convert_s", "convert_cpu_s", "local_fit_cpu_s", "peak_rss_mb"} and cost["local_fit_cpu_s"] == 0 and cost["peak_rss_mb"] > 0
+
+
+@pytest.mark.slow
+def test_the_rate_benchmark_runs_at_toy_size(tmp_path: Path) -> None:
+    """benchmarks/distill_rate.py on the embedded model from `mean`, one tiny budget, a fixed rate and the chosen one:
+    each row holds its scores, and the chosen row its probe."""
+    from benchmarks import distill_rate, method_parts
+
+    rows = distill_rate.rows_for(method_parts.model("embedded"), ["mean"], [0.0005], [1e-3, None], tmp_path)
+    assert [r["lr"] for r in rows] == [1e-3, "chosen"] and all(r["kl"] < r["start_kl"] for r in rows)
+    assert rows[1]["chosen_lr"] == rows[1]["probe"]["lr"] and rows[1]["probe"]["steps"] >= 1
