@@ -24,8 +24,7 @@ import platform
 import tempfile
 from pathlib import Path
 
-import method_parts
-
+from benchmarks import method_parts
 from headfold.converter.recipes import DEFAULT_LOCAL_STEPS, DEFAULT_METHOD
 from headfold.ground.settings import LocalFit
 

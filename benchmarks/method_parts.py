@@ -59,8 +59,7 @@ def embedded() -> Model:
 
 def trained_here(family: str) -> Model:
     """A small model of `family` by added_families.py's recipe (T5: seq2seq_recovery.py's), seeded, trained once into CACHE."""
-    import added_families
-    import seq2seq_recovery
+    from benchmarks import added_families, seq2seq_recovery
 
     folder = CACHE / family
     if not (folder / "config.json").is_file():
@@ -197,7 +196,7 @@ def layout_rows(methods: list[str], steps: list[int], threads: int, keep: Path |
     """The generated 1.29 GB fp16 Llama layout (convert_throughput.py: 10 layers of hidden 2048, 16 heads of 128)
     converted to 4 kv heads on 4096 calibration tokens of the built-in text, one fresh process per method (and
     per --local-steps of a method with local): what each part costs where a model runs layer by layer."""
-    from convert_throughput import checkpoint
+    from benchmarks.convert_throughput import checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory(dir=keep) as tmp:

@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from decode_latency import interleaved_medians, session
 
 import headfold
+from benchmarks.decode_latency import interleaved_medians, session
 from headfold import corpus
 from headfold.distillation import distill  # headfold.distill without eval_at: the scores on the way
 from headfold.distillation.run import default_batch_size

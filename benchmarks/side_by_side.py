@@ -39,8 +39,8 @@ import numpy as np
 import onnxruntime as ort
 import onnxruntime_genai as og
 import torch
-from generate_throughput import _set_threads, random_llama
 
+from benchmarks.generate_throughput import _set_threads, random_llama
 from headfold import convert
 from headfold.graphs.export import export
 from headfold.ground.cache_names import PAST, is_cache

@@ -10,33 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
 from safetensors.torch import save_file
 from support.checkpoint_edits import edit_attention, identical_heads
-from support.tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint, sample_batch
+from support.reading import outputs, read_tensors
+from support.tiny_models import ENCODERS, FAMILIES, HEADS, make_checkpoint
 
 from headfold import convert
-from headfold.converter.modeling import load_model
 from headfold.ground.errors import BadInput
 
 NATIVE_GQA = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi", "gemma", "olmo", "stablelm")
-
-
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
-    return tensors
-
-
-def outputs(folder: Path, model: torch.nn.Module | None = None) -> torch.Tensor:
-    """Logits (decoders) or last hidden state (encoders) on a padded batch."""
-    model = model or load_model(folder)
-    batch = sample_batch(model.config, batch=3, seq=9)
-    with torch.no_grad():
-        out = model(**batch)
-    return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
 def with_identical_heads(src: Path, dst: Path, group: int) -> Path:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.reading import read_tensors
 from support.tiny_models import FAMILIES, VOCAB
-from test_convert import read_tensors
 
 from headfold import Calibration, convert
 from headfold.converter import calibration, layerwise

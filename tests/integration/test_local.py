@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.checkpoint_edits import edit_attention, identical_heads
+from support.reading import outputs, read_tensors
 from support.tiny_models import FAMILIES, HEADS
-from test_convert import outputs, read_tensors
 
 from headfold import Calibration, LocalFit, convert, corpus
 from headfold.converter import local

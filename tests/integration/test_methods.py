@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.checkpoint_edits import edit_attention, identical_heads
+from support.reading import outputs, read_tensors
 from support.tiny_models import HEADS
-from test_convert import outputs
 
 from headfold import convert
 from headfold.converter import alignment
@@ -57,7 +57,6 @@ def test_alignment_really_rotates(tiny_checkpoint, tmp_path: Path) -> None:
     """Guards the test above: the rotations are far from the identity, so weights change."""
     src = tiny_checkpoint("llama")
     edited = edit_attention(src, tmp_path / "edited", align_in_pairs)
-    from test_convert import read_tensors
 
     before, after = read_tensors(src), read_tensors(edited)
     name = next(k for k in before if k.endswith("layers.0.self_attn.k_proj.weight"))

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from support.checkpoint_edits import edit_attention, identical_heads
-from support.tiny_models import HEADS, SEQ2SEQ, seq2seq_batch
+from support.commands import refused
+from support.reading import distilled, read_tensors
+from support.tiny_models import BYTES, HEADS, SEQ2SEQ, seq2seq_batch
 
 from headfold import Calibration, convert
 from headfold.cli import main
@@ -36,17 +37,11 @@ def kind_of(family: str, name: str) -> str | None:
     return "decoder_cross" if KIND_PATHS[family]["decoder_cross"] in name else "decoder_self"
 
 
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    with safe_open(folder / "model.safetensors", framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
 def logits(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
         return model(**seq2seq_batch(model.config, batch=3)).logits
 
 
-BYTES = dict(vocab_size=256)  # byte-level: the corpus text needs no tokenizer files
 FAST = dict(seq_len=32, batch_size=2, eval_windows=2, progress=False)
 
 
@@ -169,14 +164,6 @@ def test_manifest_reports_kinds_and_cache_bytes(tiny_checkpoint, tmp_path: Path)
 # -- refusals: one line, exit 2, nothing written -------------------------------------------------
 
 
-def refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    capsys.readouterr()  # what building the fixtures printed
-    assert main([*args, "--quiet"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("headfold: error: ")
-    return err
-
-
 def test_kv_count_that_does_not_divide_the_cross_attention(tiny_checkpoint, tmp_path: Path, capsys) -> None:
     err = refused(["convert", str(tiny_checkpoint("t5")), str(tmp_path / "out"), "--kv-heads", "3", "--pool", "cross"], capsys)
     assert "--kv-heads 3 for decoder cross-attention is impossible" in err and "1, 2, 4, 8" in err
@@ -214,10 +201,6 @@ def test_inspect_reports_self_and_cross_cache_bytes(tiny_checkpoint, tmp_path: P
 
 
 # -- distill: token-level KL of the decoder's logits, teacher-forced on prefix → continuation ------
-
-
-def distilled(out: Path) -> dict:
-    return json.loads((out / "headfold.json").read_text())["distillation"]
 
 
 @pytest.mark.parametrize("family", ["t5", "bart"])

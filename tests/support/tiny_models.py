@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import transformers
 
+BYTES = dict(vocab_size=256)  # byte-level: the corpus text needs no tokenizer files
+
 FAMILIES: tuple[str, ...] = (
     "llama",
     "mistral",

@@ -4,6 +4,7 @@ file in the repository."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -33,3 +34,25 @@ def test_mypy_finds_nothing(tmp_path: Path) -> None:
     done = _run(sys.executable, "-m", "mypy", "--config-file", PYPROJECT, "--cache-dir", tmp_path / "cache", "-p", "headfold", cwd=tmp_path / "src")
     found = re.sub(r"^(headfold/\S+?\.py)", lambda m: source_path(m.group(1)), done.stdout, flags=re.MULTILINE)
     assert done.returncode == 0, found + done.stderr
+
+
+def _bare_sibling_imports(folder: Path, siblings: set[str]) -> list[str]:
+    """`import x` / `from x import y` in folder/*.py where x is a module that only a sys.path entry for `folder` finds."""
+    found = []
+    for file in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{file.relative_to(ROOT)}:{node.lineno} imports {name}" for name in names if name.split(".")[0] in siblings]
+    return found
+
+
+def test_benchmarks_and_tests_import_each_other_as_packages() -> None:
+    """A benchmark imports another as `benchmarks.x`, a test shares helpers through tests/support, never a test module."""
+    benchmarks = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
+    test_modules = {p.stem for p in (ROOT / "tests").rglob("test_*.py")}
+    assert _bare_sibling_imports(ROOT / "benchmarks", benchmarks) + _bare_sibling_imports(ROOT / "tests", test_modules) == []
