@@ -764,7 +764,8 @@ def test_distill_stopped_by_a_signal_then_a_fresh_run(world: World, tmp_path: Pa
     """SIGTERM without --save-every: exit 143, nothing left. SIGINT with --save-every: exit 130, the
     checkpoint kept for --resume. Then a fresh run (no --resume) removes that stale state, says so,
     and writes OUT; nothing else stays beside it. (One process, signalling itself, for speed.)"""
-    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "-q"]
+    # --lr: without it a 100000-step run would first spend 10 % of its compute choosing one (headfold/distillation/rate.py)
+    args = ["distill", world.src, world.student, tmp_path / "out", "--data", world.text, "--seq-len", "32", "--batch-size", "1", "--lr", "1e-3", "-q"]
     done = subprocess.run(  # a signal that did not stop the command fails the test here rather than hanging the suite
         [sys.executable, "-c", SIGNALS, json.dumps([str(a) for a in args]), str(tmp_path)], capture_output=True, text=True, timeout=900
     )
