@@ -43,6 +43,27 @@ __all__ = ["convert_onnx"]
 _PER_HEAD_OPS = {"Transpose", "RotaryEmbedding", "RMSNormalization", "LayerNormalization", "Cast", "Identity", "Mul", "Div"}
 
 
+def _input(node: ir.Node, index: int) -> ir.Value:
+    """Input `index` of `node`, which the walk has found present."""
+    value = node.inputs[index] if index < len(node.inputs) else None
+    if value is None:
+        raise BadInput(f"{node.op_type} {node.name!r} has no input {index}")
+    return value
+
+
+def _constant(value: ir.Value) -> np.ndarray:
+    """The values of a constant the walk has found (an initializer or a folded Constant)."""
+    if value.const_value is None:
+        raise BadInput(f"{value.name} is not a constant")
+    return value.const_value.numpy()
+
+
+def _graph(node: ir.Node) -> ir.Graph:
+    if node.graph is None:  # every node the walk reaches sits in the model's graph
+        raise BadInput(f"{node.op_type} {node.name!r} is in no graph")
+    return node.graph
+
+
 @dataclass
 class Slot:
     """A column range [start, start + width) of a constant tensor, read by input `index` of `node`."""
@@ -55,10 +76,10 @@ class Slot:
 
     @property
     def tensor(self) -> ir.Value:
-        return self.node.inputs[self.index]
+        return _input(self.node, self.index)
 
     def read(self) -> torch.Tensor:
-        array = self.tensor.const_value.numpy()
+        array = _constant(self.tensor)
         return torch.from_numpy(array.copy()).narrow(self.axis, self.start, self.width).float()
 
 
@@ -138,24 +159,26 @@ def _convert_attention(node: ir.Node, kv_heads: int, recipe: Recipe, layer: int 
         v_bias=split_heads(v.bias.read(), 0, source_kv) if v.bias else None,
     )
     pooled = convert_attention(recipe, attn, target.kv_heads).attn
-    _write(
-        [(k.weight, merge_heads(pooled.k, k.weight.axis)), (v.weight, merge_heads(pooled.v, v.weight.axis))]
-        + ([(k.bias, merge_heads(pooled.k_bias, 0))] if k.bias else [])
-        + ([(v.bias, merge_heads(pooled.v_bias, 0))] if v.bias else [])
-    )
+    updates = [(k.weight, merge_heads(pooled.k, k.weight.axis)), (v.weight, merge_heads(pooled.v, v.weight.axis))]
+    for slot, bias in ((k.bias, pooled.k_bias), (v.bias, pooled.v_bias)):
+        if slot is not None and bias is not None:  # pooling keeps a bias exactly where the source had one
+            updates.append((slot, merge_heads(bias, 0)))
+    _write(updates)
     for projection in (k, v):
         _to_kv_heads(projection, target.kv_heads, head_size)
     views = {id(view): (view, p.weight) for p in (k, v) for view in p.views}  # K and V may share a fused one
     for view, weight in views.values():
-        _set_last_axis(view, weight.tensor.const_value.shape[weight.axis])
+        _set_last_axis(view, _constant(weight.tensor).shape[weight.axis])
     return source_kv
 
 
-def _dims4(node: ir.Node, index: int) -> tuple[int, ...]:
+def _dims4(node: ir.Node, index: int) -> tuple[int, int, int, int]:
+    """(B, heads, S, d) of the Attention input `index`; the batch and sequence may be symbolic (then 0 here)."""
     value = node.inputs[index]
     if value is None or value.shape is None or value.shape.rank() != 4 or not all(isinstance(value.shape[i], int) for i in (1, 3)):
         raise BadInput(f"Attention node {node.name!r}: input {index} is not 4D (B, heads, S, d) with static heads")
-    return tuple(value.shape)
+    batch, heads, seq, head_size = (d if isinstance(d, int) else 0 for d in value.shape)
+    return batch, heads, seq, head_size
 
 
 def _unsupported(node: ir.Node, index: int, why: str) -> BadInput:
@@ -165,31 +188,31 @@ def _unsupported(node: ir.Node, index: int, why: str) -> BadInput:
 
 def _trace(node: ir.Node, index: int, heads: int, head_size: int) -> Projection:
     """Walk from the Attention's K or V input back to its projection weight."""
-    value, head_values, rotaries = node.inputs[index], [], []
+    value, head_values, rotaries = _input(node, index), [], []
     while True:
         head_values.append(value)
         producer = value.producer()
         if producer is None:
             raise _unsupported(node, index, f"{value.name} is a graph input")
-        if producer.op_type == "Concat" and len(producer.inputs) == 2 and producer.inputs[0].is_graph_input():
-            head_values.append(producer.inputs[0])  # the past K/V: its head axis shrinks too
-            value = producer.inputs[1]
+        if producer.op_type == "Concat" and len(producer.inputs) == 2 and _input(producer, 0).is_graph_input():
+            head_values.append(_input(producer, 0))  # the past K/V: its head axis shrinks too
+            value = _input(producer, 1)
         elif producer.op_type == "Reshape":
             break
         elif producer.op_type in _PER_HEAD_OPS and _per_head(producer):
             rotaries += [producer] if producer.op_type == "RotaryEmbedding" else []
-            value = producer.inputs[0]
+            value = _input(producer, 0)
         else:
             raise _unsupported(node, index, f"{producer.op_type} {producer.name!r} between the heads and Attention")
-    flat = producer.inputs[0]
-    if _dims(flat) is None or len(_dims(flat)) != 3 or _dims(flat)[2] != heads * head_size:
+    flat = _input(producer, 0)
+    if (dims := _dims(flat)) is None or len(dims) != 3 or dims[2] != heads * head_size:
         raise _unsupported(node, index, f"Reshape {producer.name!r} does not split (B, S, {heads}·{head_size}) into heads")
     return _projection(node, index, flat, producer, head_values, rotaries)
 
 
-def _projection(node, index, flat: ir.Value, reshape: ir.Node, head_values, rotaries) -> Projection:
-    """From the head Reshape's input back through [Reshape, Split, bias Add] to MatMul/Gemm."""
-    width, offset, bias, splits, views, value = _dims(flat)[-1], 0, None, [], [], flat
+def _projection(node: ir.Node, index: int, flat: ir.Value, reshape: ir.Node, head_values: list[ir.Value], rotaries: list[ir.Node]) -> Projection:
+    """From the head Reshape's input back through [Reshape, Split, bias Add] to MatMul/Gemm (`flat`: (B, S, width))."""
+    width, offset, bias, splits, views, value = _last_dim(flat), 0, None, [], [], flat
     while (producer := value.producer()) is not None:
         if producer.op_type == "Split":
             position = list(producer.outputs).index(value)
@@ -198,12 +221,12 @@ def _projection(node, index, flat: ir.Value, reshape: ir.Node, head_values, rota
                 raise _unsupported(node, index, f"Split {producer.name!r} is not a constant split of the last axis")
             offset += sum(sizes[:position])
             splits.append((producer, position))
-            value = producer.inputs[0]
-        elif producer.op_type == "Reshape" and (_dims(producer.inputs[0]) or (None,))[-1] == _dims(value)[-1]:
+            value = _input(producer, 0)
+        elif producer.op_type == "Reshape" and (dims := _dims(value)) and (_dims(producer.inputs[0]) or (None,))[-1] == dims[-1]:
             views.append(producer)  # e.g. (B·S, F) → (B, S, F) after a Gemm
-            value = producer.inputs[0]
+            value = _input(producer, 0)
         elif producer.op_type == "Add" and (slot := _bias_slot(producer, offset, width)):
-            bias, value = slot, producer.inputs[1 - slot.index]
+            bias, value = slot, _input(producer, 1 - slot.index)
         elif producer.op_type in ("MatMul", "Gemm") and (weight := _weight_slot(producer, offset, width)):
             if bias is None and producer.op_type == "Gemm" and len(producer.inputs) > 2 and producer.inputs[2] is not None:
                 bias = Slot(producer, 2, 0, offset, width)
@@ -213,15 +236,23 @@ def _projection(node, index, flat: ir.Value, reshape: ir.Node, head_values, rota
     raise _unsupported(node, index, f"no constant MatMul/Gemm weight behind {flat.name!r}")
 
 
-def _dims(value: ir.Value | None) -> tuple | None:
+def _dims(value: ir.Value | None) -> tuple[int | ir.SymbolicDim, ...] | None:
     return None if value is None or value.shape is None else tuple(value.shape)
+
+
+def _last_dim(value: ir.Value) -> int:
+    """The static size of the value's last axis (the caller has checked it: a projection's feature width)."""
+    dims = _dims(value)
+    if not dims or not isinstance(dims[-1], int):
+        raise BadInput(f"{value.name} has no static last axis")
+    return dims[-1]
 
 
 def _per_head(node: ir.Node) -> bool:
     """Scalar Mul/Div only: a per-channel scale would differ between the heads of a group."""
     if node.op_type not in ("Mul", "Div"):
         return True
-    other = node.inputs[1].const_value
+    other = _input(node, 1).const_value
     return other is not None and other.numpy().size == 1
 
 
@@ -241,7 +272,7 @@ def _split_sizes(split: ir.Node) -> list[int] | None:
 
 def _bias_slot(add: ir.Node, offset: int, width: int) -> Slot | None:
     for index in (0, 1):
-        tensor = add.inputs[index].const_value
+        tensor = _input(add, index).const_value
         if tensor is not None and len(tensor.shape) == 1 and add.inputs[1 - index] is not None:
             return Slot(add, index, 0, offset, width)
     return None
@@ -249,7 +280,7 @@ def _bias_slot(add: ir.Node, offset: int, width: int) -> Slot | None:
 
 def _weight_slot(node: ir.Node, offset: int, width: int) -> Slot | None:
     """The weight (input 1) of MatMul(x, W) or Gemm(x, W[ᵀ]) with alpha = beta = 1, transA = 0."""
-    weight = node.inputs[1].const_value
+    weight = _input(node, 1).const_value
     if weight is None or len(weight.shape) != 2:
         return None
     attrs = {name: attr.value for name, attr in node.attributes.items()}
@@ -265,7 +296,7 @@ def _write(updates: list[tuple[Slot, torch.Tensor]]) -> None:
         by_tensor[id(slot.node), slot.index].append((slot, new))
     for pieces in by_tensor.values():
         slot = pieces[0][0]
-        source = slot.tensor.const_value.numpy()
+        source = _constant(slot.tensor)
         parts, cursor = [], 0
         for piece, new in sorted(pieces, key=lambda p: p[0].start):
             parts += [np.take(source, range(cursor, piece.start), axis=piece.axis), new.numpy().astype(source.dtype)]
@@ -276,7 +307,7 @@ def _write(updates: list[tuple[Slot, torch.Tensor]]) -> None:
 
 def _set_constant(node: ir.Node, index: int, array: np.ndarray, name: str) -> None:
     """A new initializer for this input only: other readers of the old tensor keep it."""
-    graph = node.graph
+    graph = _graph(node)
     name = next(n for n in itertools.chain([name], (f"{name}_{i}" for i in itertools.count(1))) if n not in graph.initializers)
     value = ir.Value(
         name=name,
@@ -299,22 +330,22 @@ def _to_kv_heads(projection: Projection, kv_heads: int, head_size: int) -> None:
         if "num_heads" in rotary.attributes:
             rotary.attributes["num_heads"] = ir.AttrInt64("num_heads", kv_heads)
     for value in projection.head_values:
-        if value.is_graph_input() or value.is_graph_output():
+        if (value.is_graph_input() or value.is_graph_output()) and value.shape is not None:  # set: _dims4 read it
             value.shape = ir.Shape([value.shape[0], kv_heads, *value.shape[2:]])
 
 
 def _set_last_axis(view: ir.Node, width: int) -> None:
     """The view's target shape spells the old feature width as a constant: write the new one."""
-    shape = view.inputs[1]
+    shape = _input(view, 1)
     if shape.const_value is not None:
         target = shape.const_value.numpy().copy()
         target[-1] = width
         return _set_constant(view, 1, target, f"{shape.name}.gqa")
     concat = shape.producer()
-    if concat is not None and concat.op_type == "Concat" and concat.inputs[-1].const_value is not None:
+    if concat is not None and concat.op_type == "Concat" and _input(concat, len(concat.inputs) - 1).const_value is not None:
         # A copy of the shape expression for this view only: other Reshapes may read the original.
         copy = ir.node("Concat", concat.inputs, attributes={"axis": 0}, name=f"{view.name}.gqa_shape")
-        view.graph.insert_before(view, copy)
+        _graph(view).insert_before(view, copy)
         view.replace_input_with(1, copy.outputs[0])
         return _set_constant(copy, len(copy.inputs) - 1, np.array([width], dtype=np.int64), "gqa_width")
     raise BadInput(f"Reshape {view.name!r} of a fused Q/K/V projection has a shape headfold cannot re-derive")
@@ -322,6 +353,7 @@ def _set_last_axis(view: ir.Node, width: int) -> None:
 
 def _resize_split(split: ir.Node, position: int, width: int) -> None:
     sizes = _split_sizes(split)
+    assert sizes is not None  # _projection kept only constant splits
     sizes[position] = width
     split.attributes.pop("num_outputs", None)
     if len(split.inputs) < 2:

@@ -47,7 +47,7 @@ import ast
 import functools
 import re
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +59,7 @@ import transformers
 from torch import nn
 
 from headfold.converter.checkpoint import TensorInfo
+from headfold.graphs.rewrite.values import element_type, named
 from headfold.graphs.weights import SOURCE, lazy_weight
 from headfold.ground.cache_names import CacheName
 
@@ -93,10 +94,10 @@ class LayerTemplate:
         when they differ (module types, parameters, per-layer config values, non-parameter state)."""
         if layers <= TRACED_LAYERS:
             return None
-        stacks = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == layers]
+        stacks = {name: m for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == layers}
         if len(stacks) != 1:
             raise NotAlike(f"{len(stacks)} module lists of {layers} layers, not one")
-        stack = model.get_submodule(stacks[0])
+        ((path, stack),) = stacks.items()
         if not _alike(stack):
             raise NotAlike("the layers' module types or parameter shapes differ")
         if differing := _per_layer_values(model.config, layers, alike=False):
@@ -104,7 +105,7 @@ class LayerTemplate:
         for layer in range(TEMPLATE + 1, layers):
             if (where := _state_difference(stack[TEMPLATE], stack[layer], TEMPLATE, layer)) is not None:
                 raise NotAlike(f"layer {layer}'s {where} differs from layer {TEMPLATE}'s")
-        return cls(model, stacks[0], layers, owner)
+        return cls(model, path, layers, owner)
 
     def scope(self, layer: int) -> str:
         return f"{self.owner}.{self.path}.{layer}"
@@ -296,7 +297,7 @@ class _Copier:
 
     def _input(self, value: ir.Value, layer: int) -> ir.Value:
         """Layer `layer`'s counterpart of a graph input of the template (past K/V)."""
-        copy = ir.Value(name=_in_layer(value.name, layer), shape=_copied(value.shape), type=value.type)
+        copy = ir.Value(name=_in_layer(named(value), layer), shape=_copied(value.shape), type=value.type)
         self.graph.inputs.append(copy)
         return copy
 
@@ -306,8 +307,8 @@ class _Copier:
         own = self.template.in_layer(name, layer)
         if own == name or (source := self.sources.get(own)) is None or source.shape != self.sources[name].shape:
             raise NotAlike(f"layer {layer} has no weight like {name}")
-        copy_name = self.template.in_layer(value.name, layer)  # a folded transpose keeps its graph name
-        copy = lazy_weight(source, value.dtype, perm, name=copy_name if copy_name != value.name else f"{value.name}__{layer}", source=own)
+        copy_name = self.template.in_layer(named(value), layer)  # a folded transpose keeps its graph name
+        copy = lazy_weight(source, element_type(value), perm, name=copy_name if copy_name != value.name else f"{value.name}__{layer}", source=own)
         self.graph.register_initializer(copy)
         return copy
 
@@ -450,22 +451,22 @@ def _layer_nodes(graph: ir.Graph, scope: str, outputs: Iterable[ir.Value]) -> di
             unscoped.add(id(node))
         elif scope in ast.literal_eval(scopes):
             scoped.add(id(node))
-    after, before, outputs = set(scoped), set(scoped), {id(v) for v in outputs}
+    after, before, output_ids = set(scoped), set(scoped), {id(v) for v in outputs}
     for node in graph:
         if id(node) in unscoped and any(v is not None and id(v.producer()) in after for v in node.inputs):
             after.add(id(node))
     for node in reversed(graph):
-        if id(node) in unscoped and any(id(v) in outputs or any(id(u) in before for u in v.consumers()) for v in node.outputs):
+        if id(node) in unscoped and any(id(v) in output_ids or any(id(u) in before for u in v.consumers()) for v in node.outputs):
             before.add(id(node))
     return {id(node): node for node in graph if id(node) in after & before}
 
 
-def _per_layer(values: list[ir.Value]) -> list[dict[str, ir.Value]]:
+def _per_layer(values: Sequence[ir.Value]) -> list[dict[str, ir.Value]]:
     """The traced layers' cache inputs or outputs (past_key_values.1.key), by layer, then name."""
     found: list[dict[str, ir.Value]] = [{} for _ in range(TRACED_LAYERS)]
     for value in values:
-        if (name := CacheName.parse(value.name)) is not None and name.layer < TRACED_LAYERS:
-            found[name.layer][value.name] = value
+        if (name := CacheName.parse(named(value))) is not None and name.layer < TRACED_LAYERS:
+            found[name.layer][named(value)] = value
     return found
 
 
@@ -474,8 +475,8 @@ def _dependence(graph: ir.Graph, inputs: list[dict[str, ir.Value]], template: La
     layer (the latest wins), by value id. What depends on none (shapes, rotary tables, the mask) is
     the same in every layer, wherever it is computed."""
     layer_of: dict[int, int] = {}
-    for layer, named in enumerate(inputs):
-        layer_of |= {id(v): layer for v in named.values()}
+    for layer, by_name in enumerate(inputs):
+        layer_of |= {id(v): layer for v in by_name.values()}
     for value in graph.initializers.values():
         source = value.meta.get(SOURCE)
         for layer in range(TRACED_LAYERS):
@@ -496,7 +497,9 @@ def _copied(shape: ir.Shape | None) -> ir.Shape | None:
 
 def _in_layer(name: str, layer: int) -> str:
     """A cache input's or output's name (ground.cache_names) moved to `layer`."""
-    return str(CacheName.parse(name).in_layer(layer))
+    if (cache := CacheName.parse(name)) is None:
+        raise NotAlike(f"the graph input {name} is no cache tensor")
+    return str(cache.in_layer(layer))
 
 
 def _rescoped(text: str, old: str, new: str) -> str:

@@ -37,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from headfold.converter.checkpoint import FileRange, TensorInfo, read_tensor
 from headfold.converter.writer import copy_range
-from headfold.graphs.rewrite.values import is_lazy, never_fold_lazy
+from headfold.graphs.rewrite.values import element_type, is_lazy, named, never_fold_lazy
 from headfold.ground.errors import BadInput
 from headfold.ground.precision import Precision
 
@@ -119,7 +119,7 @@ class StreamedWeight(ir.LazyTensor):
         return _as_ir(values if self.perm is None else values.permute(self.perm).contiguous())
 
     def tofile(self, file) -> None:
-        if self.perm is None and self.parts[0].dtype == Precision.of(self.dtype).torch_dtype:
+        if self.perm is None and self.parts[0].dtype == self._torch_dtype:
             self._copy(file)
             return
         buffers = _REUSED.get() or _Buffers()
@@ -129,6 +129,14 @@ class StreamedWeight(ir.LazyTensor):
         else:
             file.write(_numpy_bits(values if self.perm is None else values.permute(self.perm).contiguous()).data)
 
+    @property
+    def _torch_dtype(self) -> torch.dtype:
+        """The weight's dtype in torch: a float one (checkpoint tensors are weights; an integer buffer is no StreamedWeight)."""
+        precision = Precision.of(self.dtype)
+        if precision is None:
+            raise TypeError(f"{self.name}: a streamed weight is a float tensor, not {self.dtype}")
+        return precision.torch_dtype
+
     def _source_shape(self) -> list[int]:
         first = list(self.parts[0].shape)
         return first if len(self.parts) == 1 else [sum(part.shape[0] for part in self.parts), *first[1:]]
@@ -136,7 +144,7 @@ class StreamedWeight(ir.LazyTensor):
     def _cast(self, buffers: _Buffers) -> torch.Tensor:
         """The parts read back to back and cast to the weight's dtype (as Tensor.to: a contiguous copy, the
         same rounding), not yet permuted; in buffers from `buffers`."""
-        dtype, source_dtype = Precision.of(self.dtype).torch_dtype, self.parts[0].dtype
+        dtype, source_dtype = self._torch_dtype, self.parts[0].dtype
         raw, start = buffers.get("read", sum(part.nbytes for part in self.parts)), 0
         for part in self.parts:
             read_tensor(part, out=raw[start : start + part.nbytes])
@@ -194,11 +202,14 @@ def joined(tensors: Sequence[ir.TensorProtocol], axis: int) -> StreamedWeight | 
     """`tensors` concatenated along `axis`, as one streamed weight read part after part, when all are
     streamed weights of one dtype and permutation whose `axis` is their checkpoint tensors' first (packed
     QKV: the transposed Q, K and V projections side by side); else None."""
-    first = tensors[0]
-    if not all(isinstance(t, StreamedWeight) for t in tensors) or (first.perm[axis] if first.perm else axis) != 0:
+    streamed = [t for t in tensors if isinstance(t, StreamedWeight)]
+    if len(streamed) != len(tensors):
         return None
-    parts = [part for t in tensors for part in t.parts]
-    if any(t.dtype != first.dtype or t.perm != first.perm for t in tensors) or len({(p.code, p.shape[1:]) for p in parts}) != 1:
+    first = streamed[0]
+    if (first.perm[axis] if first.perm else axis) != 0:
+        return None
+    parts = [part for t in streamed for part in t.parts]
+    if any(t.dtype != first.dtype or t.perm != first.perm for t in streamed) or len({(p.code, p.shape[1:]) for p in parts}) != 1:
         return None
     return StreamedWeight(parts, first.dtype, first.perm, name=None)
 
@@ -211,7 +222,7 @@ def attach(model: ir.Model, sources: dict[str, TensorInfo], *, lazy_prefixes: tu
         if (info := sources.get(name)) is None:
             continue
         eager = value.const_value is not None and value.const_value.size <= EAGER_ELEMENTS and not name.startswith(lazy_prefixes)
-        value.const_value = StreamedWeight([info], value.dtype, None, name=name)
+        value.const_value = StreamedWeight([info], element_type(value), None, name=name)
         if eager:
             value.const_value = value.const_value.read()
             value.const_value.name = name
@@ -222,18 +233,18 @@ def attach(model: ir.Model, sources: dict[str, TensorInfo], *, lazy_prefixes: tu
 
 def _fold_lazy_transposes(model: ir.Model, sources: dict[str, TensorInfo]) -> None:
     graph = model.graph
-    for value in [v for v in graph.initializers.values() if is_lazy(v)]:
-        users = value.consumers()
-        if len(users) != 1 or users[0].op_type != "Transpose" or users[0].domain not in ("", "ai.onnx"):
+    for name, value in [(n, v) for n, v in graph.initializers.items() if is_lazy(v)]:
+        users, tensor = value.consumers(), value.const_value
+        if len(users) != 1 or users[0].op_type != "Transpose" or users[0].domain not in ("", "ai.onnx") or tensor is None:
             continue
-        node, shape = users[0], value.const_value.shape
+        node, shape = users[0], tensor.shape
         attribute = node.attributes.get("perm")
         perm = tuple(attribute.as_ints()) if attribute is not None else tuple(reversed(range(len(shape))))
         out, source = node.outputs[0], value.meta[SOURCE][0]
-        folded = lazy_weight(sources[source], value.dtype, perm, name=out.name, source=source)
+        folded = lazy_weight(sources[source], element_type(value), perm, name=named(out), source=source)
         ir.convenience.replace_all_uses_with(out, folded)
         graph.remove(node, safe=True)
-        graph.initializers.pop(value.name)
+        graph.initializers.pop(name)
         graph.register_initializer(folded)
 
 

@@ -10,6 +10,20 @@ import onnx_ir as ir
 Dim = int | ir.SymbolicDim
 
 
+def named(value: ir.Value) -> str:
+    """The value's name: torch.onnx names every initializer and node output."""
+    if value.name is None:
+        raise ValueError("an unnamed value where torch.onnx names each one")
+    return value.name
+
+
+def element_type(value: ir.Value) -> ir.DataType:
+    """The value's element type: torch.onnx types every initializer."""
+    if value.dtype is None:
+        raise ValueError(f"the value {value.name} has no element type")
+    return value.dtype
+
+
 def dims(value: ir.Value | None, rank: int) -> tuple[Dim, ...] | None:
     """The value's dimensions when its rank is `rank`, else None."""
     if value is None or value.shape is None or value.shape.rank() != rank:
