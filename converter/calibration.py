@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import transformers
 from tqdm.auto import tqdm
 
 from headfold.converter import layerwise
@@ -90,6 +91,7 @@ def local_runs(
     audio model's: per synthesized clip), the unit local splits into fit and validation."""
     if ckpt.spec.encoder_decoder:
         return _seq2seq_runs(ckpt, text, tokens, seed, progress, blocks=True)
+    assert isinstance(text, str)  # audio calibrates an encoder-decoder (Whisper) only
     return layerwise.layer_runs(ckpt, text_windows(ckpt, text, tokens, seed), compute_device(), sequential, progress, chunk=1)
 
 
@@ -98,37 +100,44 @@ def _seq2seq_runs(ckpt: SourceCheckpoint, text: str | SynthesizedAudio, tokens: 
     """Every attention block after one pass of the whole model: its K/V projections' input (on the CPU) and, with
     `blocks`, the block's arguments and output (on the compute device, as the model)."""
     device = compute_device()
-    model = load_model(ckpt.facts, dtype=torch.float32).to(device)
+    model = load_model(ckpt.facts, dtype=torch.float32)
+    torch.nn.Module.to(model, device)  # transformers' own `to` (a wraps() of this one) is typed unbound
     names = parameter_names(model, ckpt.facts)
     key = ckpt.spec.projections["k"].weight
     paths = [names[layer[key]][: -len(key) - 1] for layer in ckpt.attention.layers]  # each attention block's module
-    runs = [layerwise.LayerRun(i, [], model.get_submodule(path), {}, [], []) for i, path in enumerate(paths)]
+    modules = [model.get_submodule(path) for path in paths]
+    inputs: list[list[torch.Tensor]] = [[] for _ in paths]
+    calls: list[list] = [[] for _ in paths]
+    outputs: list[list[torch.Tensor]] = [[] for _ in paths]
     per_feed = 1 if blocks else 4  # local splits a block's calls: one window each
-    feeds = (
-        audio_feeds(ckpt.facts, model, tokens, seed, per_feed) if ckpt.facts.audio_input else text_feeds(ckpt, model, text, tokens, seed, per_feed)
-    )  # before the hooks: Whisper's generates
+    if ckpt.facts.audio_input:
+        feeds = audio_feeds(ckpt.facts, model, tokens, seed, per_feed)  # before the hooks: Whisper's generates
+    else:
+        assert isinstance(text, str)  # audio calibrates an audio model only
+        feeds = text_feeds(ckpt, model, text, tokens, seed, per_feed)
     hooks = []
-    for run, path in zip(runs, paths, strict=True):
-        run.names = {source: names[source][len(path) + 1 :] for source in ckpt.attention.layers[run.index].values()}
-        hooks.append(run.block.get_submodule(key.removesuffix(".weight")).register_forward_pre_hook(_keep_input(run.inputs)))
+    for i, block in enumerate(modules):
+        hooks.append(block.get_submodule(key.removesuffix(".weight")).register_forward_pre_hook(_keep_input(inputs[i])))
         if blocks:
-            hooks += layerwise.record_block(run.block, run.calls, run.outputs, stop=False)
+            hooks += layerwise.record_block(block, calls[i], outputs[i], stop=False)
     try:
         for feed in tqdm(feeds, desc="calibrate", unit="batch", disable=not progress):
             model(**{name: t.to(device) for name, t in feed.items()}, use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
-    for run in runs:
-        run.inputs = torch.cat(run.inputs)
-        yield run
+    for i, (block, path) in enumerate(zip(modules, paths, strict=True)):
+        block_names = {source: names[source][len(path) + 1 :] for source in ckpt.attention.layers[i].values()}
+        yield layerwise.LayerRun(i, torch.cat(inputs[i]), block, block_names, calls[i], outputs[i])
 
 
-def _keep_input(kept: list):
+def _keep_input(kept: list[torch.Tensor]):
     return lambda module, args: kept.append(args[0].detach().flatten(0, -2).float().cpu())
 
 
-def text_feeds(ckpt: SourceCheckpoint, model: torch.nn.Module, text: str, tokens: int, seed: int, per_feed: int = 4) -> list[dict[str, torch.Tensor]]:
+def text_feeds(
+    ckpt: SourceCheckpoint, model: transformers.PreTrainedModel, text: str, tokens: int, seed: int, per_feed: int = 4
+) -> list[dict[str, torch.Tensor]]:
     """Windows of the calibration text, `per_feed` a feed, each split into source → target (teacher-forced after the decoder's start token)."""
     half = min(WINDOW // 2, ckpt.facts.position_limit or WINDOW)  # source and target each within the position table
     batch = sample_windows(token_ids(ckpt.folder, text, ckpt.facts.vocab_size), tokens, seed, 2 * half)
@@ -139,9 +148,10 @@ def text_feeds(ckpt: SourceCheckpoint, model: torch.nn.Module, text: str, tokens
     ]
 
 
-def audio_feeds(facts: CheckpointFacts, model: torch.nn.Module, tokens: int, seed: int, per_feed: int = 4) -> list[dict[str, torch.Tensor]]:
+def audio_feeds(facts: CheckpointFacts, model: transformers.PreTrainedModel, tokens: int, seed: int, per_feed: int = 4) -> list[dict[str, torch.Tensor]]:
     """SYNTHESIZED_AUDIO: seeded features of the encoder's full frame count (the feature extractor's
     normalised log-mel range is about [-1, 1]), and the model's own greedy transcript of each."""
+    assert isinstance(model, transformers.GenerationMixin)  # Whisper: it transcribes
     config = model.config
     frames, target = facts.audio_frames, min(WINDOW // 2, config.max_target_positions - 1)
     count = max(1, tokens // (frames // 2 + target))  # the encoder's positions (half the frames) and the target's
