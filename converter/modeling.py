@@ -38,7 +38,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.nn import functional as F
-from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.cache_utils import Cache, EncoderDecoderCache, LinearAttentionCacheLayerMixin
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.initialization import no_init_weights
@@ -98,6 +98,34 @@ def _resized_linear(old: nn.Linear, out_features: int) -> nn.Linear:
     )
 
 
+def _linear(module: nn.Module, name: str) -> nn.Linear:
+    """The Linear submodule `name` of `module`."""
+    linear = module.get_submodule(name)
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{type(module).__name__}.{name} is a {type(linear).__name__}, not a Linear")
+    return linear
+
+
+def _resize(module: nn.Module, name: str, out_features: int) -> None:
+    """Replace the Linear `name` of `module` by one with `out_features` outputs (as _resized_linear)."""
+    module.register_module(name, _resized_linear(_linear(module, name), out_features))
+
+
+def _set_plain(module: nn.Module, **values: object) -> None:
+    """Plain attributes (head counts, split sizes, a bound method) of a transformers module: torch types a
+    module's attribute assignment as tensors and submodules only."""
+    for name, value in values.items():
+        setattr(module, name, value)
+
+
+def _layer(module: nn.Module) -> int:
+    """The layer index a cache reads for this attention module (transformers sets it on every layer it builds)."""
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise TypeError(f"{type(module).__name__} has no layer_idx, which its cache needs")
+    return layer
+
+
 class _GQA:
     """Mixin: turns an instance of `base` into a GQA module in place (class swap + smaller K/V).
 
@@ -106,6 +134,8 @@ class _GQA:
     """
 
     base: ClassVar[type[nn.Module]]
+    num_key_value_heads: int  # set by adopt
+    num_key_value_groups: int
     attn_implementation: ClassVar[str] = _ATTN_IMPLEMENTATION  # what the model is built with
     always: ClassVar[bool] = False  # swapped in for MHA checkpoints too (transformers' own cannot serve)
 
@@ -116,9 +146,8 @@ class _GQA:
     @classmethod
     def adopt(cls, module: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
         _check_forward_signature(cls)
-        module.__class__ = cls
-        module.num_key_value_heads = kv_heads
-        module.num_key_value_groups = heads // kv_heads  # read by transformers' sdpa_attention_forward
+        # num_key_value_groups: read by transformers' sdpa_attention_forward
+        _set_plain(module, __class__=cls, num_key_value_heads=kv_heads, num_key_value_groups=heads // kv_heads)
         cls._shrink(module, heads * head_dim, kv_heads * head_dim)
 
     @classmethod
@@ -134,7 +163,7 @@ class _SeparateKV(_GQA):
     @classmethod
     def _shrink(cls, module: nn.Module, q_size: int, kv_size: int) -> None:
         for name in cls.kv_names:
-            setattr(module, name, _resized_linear(getattr(module, name), kv_size))
+            _resize(module, name, kv_size)
 
 
 class BertGQASelfAttention(_SeparateKV, BertSelfAttention):
@@ -157,10 +186,11 @@ class GPT2GQAAttention(_GQA, GPT2Attention):
 
     @classmethod
     def _shrink(cls, module: nn.Module, q_size: int, kv_size: int) -> None:
-        old = module.c_attn
+        old = module.get_submodule("c_attn")
+        assert isinstance(old, Conv1D)  # GPT2Attention's fused QKV projection
         with torch.device(old.weight.device):
-            module.c_attn = Conv1D(q_size + 2 * kv_size, old.nx).to(old.weight.dtype)
-        module.split_size = [q_size, kv_size, kv_size]
+            module.register_module("c_attn", Conv1D(q_size + 2 * kv_size, old.nx).to(old.weight.dtype))
+        _set_plain(module, split_size=[q_size, kv_size, kv_size])
 
 
 class OPTGQAAttention(_SeparateKV, OPTAttention):
@@ -186,7 +216,7 @@ class OPTGQAAttention(_SeparateKV, OPTAttention):
         value_states = self.v_proj(hidden_states).view(kv_shape).transpose(1, 2)
 
         if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+            key_states, value_states = cache.update(key_states, value_states, _layer(self), kwargs=kwargs)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, opt_eager)
         attn_output, attn_weights = attention_interface(
@@ -222,7 +252,7 @@ class GPTNeoXGQAAttention(_GQA, GPTNeoXAttention):
 
     @classmethod
     def _shrink(cls, module: nn.Module, q_size: int, kv_size: int) -> None:
-        module.query_key_value = _resized_linear(module.query_key_value, q_size + 2 * kv_size)
+        _resize(module, "query_key_value", q_size + 2 * kv_size)
 
     def _split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _split_grouped(self.query_key_value(hidden_states), self.num_key_value_heads, self.head_size)
@@ -239,11 +269,12 @@ class GPTNeoXGQAAttention(_GQA, GPTNeoXAttention):
         input_shape = hidden_states.shape[:-1]
         query_states, key_states, value_states = self._split_qkv(hidden_states)
 
+        assert position_embeddings is not None  # GPTNeoXModel passes them to every layer
         cos, sin = position_embeddings  # partial rotary: cos/sin cover rotary_ndims only
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
         if layer_past is not None:
-            key_states, value_states = layer_past.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = layer_past.update(key_states, value_states, _layer(self))
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, neox_eager)
         attn_output, attn_weights = attention_interface(
@@ -290,11 +321,11 @@ class BloomGQAAttention(_GQA, BloomAttention):
     def prepare(cls, model: nn.Module) -> None:
         for module in model.modules():
             if isinstance(module, BloomModel):
-                module.build_alibi_tensor = _alibi_any_mask.__get__(module)
+                _set_plain(module, build_alibi_tensor=_alibi_any_mask.__get__(module))
 
     @classmethod
     def _shrink(cls, module: nn.Module, q_size: int, kv_size: int) -> None:
-        module.query_key_value = _resized_linear(module.query_key_value, q_size + 2 * kv_size)
+        _resize(module, "query_key_value", q_size + 2 * kv_size)
 
     # Replaces BloomAttention.forward (transformers 5.x): same arguments and results, SDPA inside.
     def forward(
@@ -311,7 +342,7 @@ class BloomGQAAttention(_GQA, BloomAttention):
         batch, length, _ = hidden_states.shape
         query, key, value = _split_grouped(self.query_key_value(hidden_states), self.num_key_value_heads, self.head_dim)
         if layer_past is not None:
-            key, value = layer_past.update(key, value, self.layer_idx)
+            key, value = layer_past.update(key, value, _layer(self))
         if attention_mask.dtype == torch.bool:  # True = attend (the merged export's mask)
             attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask, torch.finfo(query.dtype).min)
         bias = alibi.view(batch, self.num_heads, 1, -1).to(query.dtype) + attention_mask
@@ -355,23 +386,26 @@ class WhisperGQAAttention(_SeparateKV, WhisperAttention):
         is_cross_attention = key_value_states is not None
         input_shape = hidden_states.shape[:-1]
         query_states = (self.q_proj(hidden_states) * self.scaling).view(*input_shape, -1, self.head_dim).transpose(1, 2).contiguous()
-        is_updated = False
+        is_updated, layer = False, _layer(self)
         if isinstance(cache, EncoderDecoderCache):  # the cross-attention half is filled once, then reused
-            is_updated = cache.is_updated.get(self.layer_idx)
+            is_updated = bool(cache.is_updated.get(layer))
             if is_cross_attention:
-                cache.is_updated[self.layer_idx] = True
+                cache.is_updated[layer] = True
                 cache = cache.cross_attention_cache
             else:
                 cache = cache.self_attention_cache
         current_states = key_value_states if is_cross_attention else hidden_states
         if is_cross_attention and cache and is_updated:
-            key_states, value_states = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+            filled = cache.layers[layer]
+            assert not isinstance(filled, LinearAttentionCacheLayerMixin)  # Whisper's cache holds keys and values
+            key_states, value_states = filled.keys, filled.values
         else:
             kv_shape = (input_shape[0], -1, self.num_key_value_heads, self.head_dim)
             key_states = self.k_proj(current_states).view(kv_shape).transpose(1, 2).contiguous()
             value_states = self.v_proj(current_states).view(kv_shape).transpose(1, 2).contiguous()
             if cache is not None:
-                key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+                key_states, value_states = cache.update(key_states, value_states, layer, kwargs=kwargs)
+        assert self.config is not None  # WhisperModel builds each attention with its config
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, whisper_eager)
         attn_output, attn_weights = attention_interface(
             self, query_states, key_states, value_states, attention_mask,
@@ -399,7 +433,7 @@ def _check_forward_signature(cls: type[_GQA]) -> None:
     """A copied forward must take what the family's layers pass, or cache/kwargs get lost silently."""
     if "forward" not in vars(cls):
         return
-    ours = list(inspect.signature(cls.forward).parameters)
+    ours = list(inspect.signature(vars(cls)["forward"]).parameters)
     theirs = list(inspect.signature(cls.base.forward).parameters)
     if ours != theirs:
         raise RuntimeError(
@@ -434,7 +468,7 @@ def _model_class(config: transformers.PretrainedConfig) -> type[transformers.Pre
             f"unknown architecture {names[0]!r} in config.json: headfold loads built-in transformers "
             "classes only (no remote code); set 'architectures' to one of them"
         )
-    if not isinstance(config, cls.config_class):
+    if cls.config_class is None or not isinstance(config, cls.config_class):
         raise BadInput(f"architecture {names[0]} does not match model_type {config.model_type!r} in config.json; fix one of them")
     return cls
 
@@ -500,6 +534,7 @@ def _swap_attention(model: nn.Module, gqa: type[_GQA], facts: CheckpointFacts) -
 def _swap_blocks(model: nn.Module, gqa: type[_GQA], facts: CheckpointFacts) -> None:
     """Each attention module of an encoder-decoder, found by its kind's path, becomes `gqa` at its block's kv heads."""
     spec = facts.spec
+    assert spec is not None  # a family with a GQA class is one headfold converts
     paths = {kind.name: spec.for_kind(kind).tensor_pattern("") for kind in spec.attentions}  # module name + "." → (prefix, layer)
     found = {
         (kind, int(m.group(2))): module
@@ -527,8 +562,7 @@ def _resize_native(model: nn.Module, facts: CheckpointFacts) -> None:
         layer = int(m.group(2))
         sizes = head_axis_sizes(spec, HeadShape(heads, kv_heads[layer], head_dim))
         for projection in kv_projections:
-            attribute = projection.weight.removesuffix(".weight")
-            setattr(module, attribute, _resized_linear(getattr(module, attribute), sizes[projection.weight][1]))
+            _resize(module, projection.weight.removesuffix(".weight"), sizes[projection.weight][1])
         norms = (spec.head_norms or {}).get("k", "").split("." + HEAD)[0]  # StableLM: a ModuleList, one norm per kv head
         if norms and norms.split(".")[0] in module._modules:  # present with qk_layernorm only
             del module.get_submodule(norms)[kv_heads[layer] :]
@@ -540,9 +574,9 @@ def _resize_native(model: nn.Module, facts: CheckpointFacts) -> None:
 
 def _set_kv_counts(module: nn.Module, heads: int, kv_heads: int) -> None:
     """A native-GQA block's head counts: SDPA groups by num_key_value_groups, phi3 and stablelm split by num_key_value_heads."""
-    module.num_key_value_groups = heads // kv_heads
+    _set_plain(module, num_key_value_groups=heads // kv_heads)
     if hasattr(module, "num_key_value_heads"):
-        module.num_key_value_heads = kv_heads
+        _set_plain(module, num_key_value_heads=kv_heads)
 
 
 def at_kv_heads(block: nn.Module, model_type: str, shape: HeadShape, kv_heads: int) -> nn.Module | None:
