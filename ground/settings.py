@@ -203,6 +203,18 @@ class DistillOptions:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunOptions(DistillOptions):
+    """DistillOptions as a run trains with them: --tokens a count, and every default set for the student's
+    kind and the process count (distillation/run.py resolve_defaults)."""
+
+    tokens: int | None
+    batch_size: int
+    hidden_weight: float
+    attention_weight: float
+    train: str
+
+
 def as_paths(settings: object, *names: str) -> None:
     """The path fields `names` of a frozen settings object as Paths: the API takes text too."""
     for name in names:

@@ -217,6 +217,9 @@ class AudioBatch:
             yield AudioBatch(self.features[start : start + rows], None if self.ids is None else self.ids[start : start + rows])
 
 
+Batch = torch.Tensor | AudioBatch  # what the objective runs on: windows of token ids [rows, seq_len], or clips
+
+
 def transcript_encoder(folder: Path, vocab_size: int, start: int) -> Encoder:
     """A transcript's target ids as the tokenizer frames a text (Whisper's: <|startoftranscript|>, the
     language/task/no-timestamps tokens it is set to, the text, <|endoftext|>), less the start token that
@@ -288,6 +291,14 @@ class AudioPlan:
     def complete(self, batch: AudioBatch, teacher: torch.nn.Module, rows: int) -> AudioBatch:
         """The batch with targets: the teacher's transcripts where the data has none."""
         return batch if batch.ids is not None else AudioBatch(batch.features, teacher_transcripts(teacher, batch.features, self.seq_len, rows))
+
+    def batch(self, rows: list[tuple[Path, list[int] | None]], device: torch.device, teacher: torch.nn.Module, per_pass: int) -> AudioBatch:
+        """Clips of the stream as the objective's input on `device`, with targets (WindowPlan.batch)."""
+        return self.complete(self.collate(rows).to(device), teacher, per_pass)
+
+    def held_out(self, count: int, device: torch.device, teacher: torch.nn.Module, per_pass: int) -> AudioBatch:
+        """The first `count` held-out clips as `batch` gives clips."""
+        return self.complete(self.eval_batch()[:count].to(device), teacher, per_pass)
 
     def eval_batch(self) -> AudioBatch:
         clips = (self.heldout or self.train).clips[: self.eval_windows]

@@ -272,9 +272,14 @@ class WindowPlan:
     def collate(self, rows: list[list[int]]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long)
 
-    def complete(self, batch: torch.Tensor, teacher: torch.nn.Module, rows: int) -> torch.Tensor:
-        """A window holds its own targets (audio.AudioPlan may need the teacher's)."""
-        return batch
+    def batch(self, rows: list[list[int]], device: torch.device, teacher: torch.nn.Module, per_pass: int) -> torch.Tensor:
+        """Rows of the stream as the objective's input on `device`: a window holds its own targets (audio.AudioPlan's
+        clips may need the teacher's, which `teacher` transcribes `per_pass` at a time)."""
+        return self.collate(rows).to(device)
+
+    def held_out(self, count: int, device: torch.device, teacher: torch.nn.Module, per_pass: int) -> torch.Tensor:
+        """The first `count` held-out windows as `batch` gives rows."""
+        return self.eval_batch()[:count].to(device)
 
     def eval_batch(self) -> torch.Tensor:
         """The held-out windows, [count, seq_len]; never trained on."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from headfold.distillation.audio import AudioBatch
+from headfold.distillation.audio import AudioBatch, Batch
 
 
 @dataclass(frozen=True)
@@ -46,21 +46,21 @@ class Objective:
     attention_weight: float = 0.0
     decoder_start: int | None = None  # encoder-decoders: the decoder's start token; None for decoders and encoders
 
-    def outputs(self, model: torch.nn.Module, ids: torch.Tensor, *, layers: bool = True, blocks: Sequence[torch.nn.Module] = ()) -> Outputs:
+    def outputs(self, model: torch.nn.Module, ids: Batch, *, layers: bool = True, blocks: Sequence[torch.nn.Module] = ()) -> Outputs:
         """Of full windows (no padding, no mask); each layer's output too when the loss matches them, and
         the output of each of `blocks` (the model's attention blocks) when the loss matches those."""
         with _block_outputs(blocks if layers and self.attention_weight > 0 else ()) as attention:
             outputs = self._outputs(model, ids, layers and self.hidden_weight > 0)
         return replace(outputs, attention=tuple(attention))
 
-    def _outputs(self, model: torch.nn.Module, ids: torch.Tensor, layers: bool) -> Outputs:
+    def _outputs(self, model: torch.nn.Module, ids: Batch, layers: bool) -> Outputs:
         if self.decoder_start is not None:
             return self._seq2seq_outputs(model, ids, layers)
         out = model(input_ids=ids, output_hidden_states=layers)
         final = out.last_hidden_state if self.encoder else out.logits
         return Outputs(final, tuple(out.hidden_states[1:]) if layers else ())  # [0]: the embeddings
 
-    def split(self, ids: torch.Tensor | AudioBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def split(self, ids: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """An encoder-decoder's window → (source, target): its first half and the continuation; a clip's
         log-mel features and its transcript's ids."""
         if isinstance(ids, AudioBatch):
@@ -69,7 +69,7 @@ class Objective:
         half = ids.shape[1] // 2
         return ids[:, :half], ids[:, half:]
 
-    def _seq2seq_outputs(self, model: torch.nn.Module, ids: torch.Tensor | AudioBatch, layers: bool) -> Outputs:
+    def _seq2seq_outputs(self, model: torch.nn.Module, ids: Batch, layers: bool) -> Outputs:
         source, target = self.split(ids)
         assert self.decoder_start is not None  # only encoder-decoders come here
         start = torch.full_like(target[:, :1], self.decoder_start)
@@ -80,18 +80,19 @@ class Objective:
         states = (*out.encoder_hidden_states[1:], *out.decoder_hidden_states[1:]) if layers else ()  # [0]s: the embeddings
         return Outputs(out.logits, states)
 
-    def predicted(self, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def predicted(self, logits: torch.Tensor, ids: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, the tokens they predict): a decoder's next token of the window, an encoder-decoder's target
         token (ABSENT where a pair's target ended)."""
         if self.decoder_start is not None:
             return logits, self.split(ids)[1]
+        assert isinstance(ids, torch.Tensor)  # a decoder's windows
         return logits[:, :-1], ids[:, 1:]
 
-    def counted(self, ids: torch.Tensor) -> torch.Tensor | None:
+    def counted(self, ids: Batch) -> torch.Tensor | None:
         """Which logits positions the loss and scores count: an encoder-decoder's filled target positions; None: all."""
         return self.split(ids)[1] >= 0 if self.decoder_start is not None else None
 
-    def __call__(self, student: Outputs, teacher: Outputs, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, student: Outputs, teacher: Outputs, ids: Batch) -> torch.Tensor:
         loss = self._final(student.final, teacher.final, ids)
         if self.hidden_weight > 0:
             loss = loss + self.hidden_weight * hidden_distance(student.layers, teacher.layers)
@@ -99,7 +100,7 @@ class Objective:
             loss = loss + self.attention_weight * hidden_distance(student.attention, teacher.attention)
         return loss
 
-    def _final(self, student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _final(self, student: torch.Tensor, teacher: torch.Tensor, ids: Batch) -> torch.Tensor:
         if self.encoder:
             return F.mse_loss(student.float(), teacher.float()) + embedding_distance(student, teacher).mean()
         t, mask = self.temperature, self.counted(ids)
@@ -179,7 +180,7 @@ def embedding_cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def evaluate(objective: Objective, student: torch.nn.Module, teacher: torch.nn.Module, batch: torch.Tensor, rows: int) -> dict[str, float]:
+def evaluate(objective: Objective, student: torch.nn.Module, teacher: torch.nn.Module, batch: Batch, rows: int) -> dict[str, float]:
     """Held-out scores of the student against the teacher on `batch` windows, `rows` at a time.
 
     Decoders: mean per-token KL, both perplexities, the relative perplexity increase and top-1
@@ -197,7 +198,7 @@ def evaluate(objective: Objective, student: torch.nn.Module, teacher: torch.nn.M
     return {"kl": sums["kl"] / n, "ppl": ppl, "teacher_ppl": teacher_ppl, "ppl_increase": ppl / teacher_ppl - 1, "top1": sums["top1"] / n}
 
 
-def _scores(objective: Objective, s: torch.Tensor, t: torch.Tensor, ids: torch.Tensor) -> dict[str, float]:
+def _scores(objective: Objective, s: torch.Tensor, t: torch.Tensor, ids: Batch) -> dict[str, float]:
     """Sums over one batch of windows."""
     if objective.encoder:
         return {"cosine": float(embedding_cosine(s, t).sum()), "mse": float(((s.float() - t.float()) ** 2).mean((1, 2)).sum())}

@@ -18,7 +18,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from headfold.ground.atomic import atomic_output, check_disjoint, check_output, 
 from headfold.ground.errors import BadInput, BadOption
 from headfold.ground.hashing import sha256_file
 from headfold.ground.lazy import lazy_import
-from headfold.ground.settings import DistillOptions
+from headfold.ground.settings import DistillOptions, RunOptions
 from headfold.ground.units import whole
 
 log = logging.getLogger(__name__)
@@ -89,20 +89,19 @@ def distill(
     fields of DistillOptions. Raises BadInput (nothing written) for a bad request.
     """
     teacher, student = checkpoint_folders(teacher, student, revision=revision)
-    opts = requested(teacher, options)
+    asked = requested(teacher, options)
     whole("--save-every", save_every, 1)
     teacher_ckpt, student_ckpt, manifest = check_pair(teacher, student)
     reads = [teacher, student, *(Path(p) for p in (data, eval_data) if p is not None)]
     out = check_output(Path(out), overwrite=overwrite, sources=reads, is_dir=True)
     check_disjoint(state.state_folder(out), reads)
     encoder_model = student_ckpt.facts.kind == "encoder"
-    opts = resolve_defaults(opts, encoder_model)
-    check_options(opts, student_ckpt.facts, encoder_model)
+    check_options(asked, student_ckpt.facts, encoder_model)
     log.info(
         f"distill: tokenising {data or 'the built-in text'} with {teacher}'s tokenizer"
     )  # the request is valid: say what the silence before the budget line is
     decoder_start = seq2seq_start(student_ckpt)
-    plan = window_plan(teacher, student_ckpt, data, eval_data, opts, encoder_model)
+    plan = window_plan(teacher, student_ckpt, data, eval_data, asked, encoder_model)
     plan.check()
 
     gpu = torch.cuda.is_available()  # cpu=True: Accelerate's only way to data-parallel CPU processes (gloo)
@@ -111,7 +110,7 @@ def distill(
     sharding.check_request(save_every, resume)
     accelerator = accelerate.Accelerator(cpu=not gpu, mixed_precision="bf16" if gpu else "no", kwargs_handlers=[unused])
     sharding.shard_cpu_processes(accelerator)
-    opts = resolve_defaults(opts, encoder_model, accelerator.num_processes)
+    opts = resolve_defaults(asked, encoder_model, accelerator.num_processes)
     steps = total_steps(opts, accelerator.num_processes)
     if accelerator.is_main_process:
         log.info(budget_line(plan, opts, steps, accelerator.num_processes))
@@ -159,7 +158,7 @@ def distill(
     # The DDP reducer holds the process group: dropped here, while every process is still at the same
     # point, the group ends in end_training; dropped after it (when distill returns), gloo's teardown
     # could wait on a process that has already exited.
-    trainer = None
+    del trainer
     accelerator.free_memory()
     gc.collect()
     accelerator.wait_for_everyone()
@@ -272,18 +271,22 @@ def requested(teacher: Path, options: dict[str, Any]) -> DistillOptions:
     return DistillOptions(**options)
 
 
-def resolve_defaults(opts: DistillOptions, encoder_model: bool, processes: int | None = None) -> DistillOptions:
-    """The options left unset get the measured best for the student's kind (and are recorded so);
-    the batch, which depends on the process count, once that is known (default_batch_size)."""
-    if opts.batch_size is None and processes is not None:
-        opts = replace(opts, batch_size=default_batch_size(opts.tokens, opts.seq_len, processes))
-    if opts.hidden_weight is None:
-        opts = replace(opts, hidden_weight=ENCODER_HIDDEN_WEIGHT if encoder_model else DECODER_HIDDEN_WEIGHT)
-    if opts.attention_weight is None:
-        opts = replace(opts, attention_weight=ATTENTION_WEIGHT)
-    if opts.train is None:
-        opts = replace(opts, train=ENCODER_TRAIN if encoder_model else DECODER_TRAIN)
-    return opts
+def resolve_defaults(opts: DistillOptions, encoder_model: bool, processes: int) -> RunOptions:
+    """The options left unset get the measured best for the student's kind (and are recorded so), the batch
+    for the process count (default_batch_size); --tokens as text must have been read (`requested`)."""
+    if isinstance(opts.tokens, str):
+        raise TypeError(f"--tokens {opts.tokens!r} is read by requested() before its defaults are resolved")
+    given = {f.name: getattr(opts, f.name) for f in fields(opts)}
+    return RunOptions(
+        **given
+        | {
+            "tokens": opts.tokens,
+            "batch_size": default_batch_size(opts.tokens, opts.seq_len, processes) if opts.batch_size is None else opts.batch_size,
+            "hidden_weight": (ENCODER_HIDDEN_WEIGHT if encoder_model else DECODER_HIDDEN_WEIGHT) if opts.hidden_weight is None else opts.hidden_weight,
+            "attention_weight": ATTENTION_WEIGHT if opts.attention_weight is None else opts.attention_weight,
+            "train": (ENCODER_TRAIN if encoder_model else DECODER_TRAIN) if opts.train is None else opts.train,
+        }
+    )
 
 
 def check_options(opts: DistillOptions, student: CheckpointFacts, encoder_model: bool) -> None:
@@ -319,7 +322,7 @@ def default_batch_size(tokens: int | None, seq_len: int, processes: int = 1) -> 
     return max(1, min(DEFAULT_BATCH, tokens // (seq_len * processes * MIN_STEPS)))
 
 
-def total_steps(opts: DistillOptions, processes: int) -> int:
+def total_steps(opts: RunOptions, processes: int) -> int:
     per_step = opts.batch_size * opts.seq_len * processes
     if opts.tokens is None:
         return DEFAULT_STEPS if opts.steps is None else opts.steps
@@ -331,7 +334,7 @@ def total_steps(opts: DistillOptions, processes: int) -> int:
     return opts.tokens // per_step
 
 
-def budget_line(plan: WindowPlan | AudioPlan, opts: DistillOptions, steps: int, processes: int) -> str:
+def budget_line(plan: WindowPlan | AudioPlan, opts: RunOptions, steps: int, processes: int) -> str:
     """What the token budget means for the data: how many passes over --data it makes."""
     needed = steps * opts.batch_size * processes
     available = plan.repeated(needed)

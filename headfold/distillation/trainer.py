@@ -8,18 +8,20 @@ from itertools import islice
 from pathlib import Path
 
 import torch
+import transformers
 from tqdm.auto import tqdm
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from headfold.converter.checkpoint import SourceCheckpoint
 from headfold.converter.modeling import load_model, parameter_names
 from headfold.distillation import sharding, state
-from headfold.distillation.audio import AudioPlan
+from headfold.distillation.audio import AudioPlan, Batch
 from headfold.distillation.data import WindowPlan
 from headfold.distillation.objective import Objective, evaluate
 from headfold.distillation.trainable import attention_blocks, merged, select, trainable_state
 from headfold.ground.atomic import raise_if_signalled
 from headfold.ground.errors import BadInput, first_line
+from headfold.ground.settings import RunOptions
 
 MAX_GRAD_NORM = 1.0
 # Without --eval-every, evaluation takes at most EVAL_SHARE of a run's compute: up to EVALUATIONS after the one
@@ -41,7 +43,9 @@ def evaluation_schedule(steps: int, windows_per_step: int, held_out: int, eval_e
 
 
 class Trainer:
-    def __init__(self, accelerator, teacher: Path, student: SourceCheckpoint, plan: WindowPlan | AudioPlan, opts, steps: int, objective: Objective) -> None:
+    def __init__(
+        self, accelerator, teacher: Path, student: SourceCheckpoint, plan: WindowPlan | AudioPlan, opts: RunOptions, steps: int, objective: Objective
+    ) -> None:
         self.accelerator, self.plan, self.opts, self.steps, self.objective = accelerator, plan, opts, steps, objective
         self.metric = "cosine" if objective.encoder else "kl"
         device = accelerator.device
@@ -54,17 +58,17 @@ class Trainer:
         # the attention blocks whose outputs the loss matches, found before LoRA wraps the model (they stay the same modules)
         matched = objective.attention_weight > 0
         self.teacher_blocks, self.student_blocks = [attention_blocks(m, student, self.names) for m in (self.teacher, model)] if matched else ([], [])
-        model, self.changed = select(model, student, self.names, opts.train)
+        trained, self.changed = select(model, student, self.names, opts.train)  # the model, or LoRA's wrapper of it
         if accelerator.is_fsdp2:
-            sharding.one_module_per_tied_embedding(model)
-        params = [p for p in model.parameters() if p.requires_grad]
+            sharding.one_module_per_tied_embedding(trained)
+        params = [p for p in trained.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=opts.lr or 0.0, weight_decay=0.0)  # no --lr: rate.choose sets it
         # together: under FSDP2 Accelerate shards the model, then points the optimizer at the shards
-        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.model, self.optimizer = accelerator.prepare(trained, optimizer)
         # not accelerator.prepare'd: its wrapper would step once per process
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(steps, opts.warmup))
         self.eval_every, evaluated = evaluation_schedule(steps, opts.batch_size * accelerator.num_processes, opts.eval_windows, opts.eval_every)
-        self.eval_batch = plan.complete(plan.eval_batch()[:evaluated].to(device), self.teacher, opts.batch_size)
+        self.eval_batch = plan.held_out(evaluated, device, self.teacher, opts.batch_size)
         self.progress = state.Progress()
 
     @property
@@ -139,14 +143,14 @@ class Trainer:
                 if save_every and p.step % save_every == 0 and p.step < self.steps:
                     self.save(folder)
                 bar.update(tokens)
-                bar.set_postfix(loss=f"{loss:.4g}", **{self.metric: f"{scores[self.metric]:.4g}"})
+                bar.set_postfix({"loss": f"{loss:.4g}", self.metric: f"{scores[self.metric]:.4g}"})
         if p.log["eval"][-1]["step"] != p.step:
             scores = self._record_eval()
         return scores, (self.reached(scores) if targeted else None)
 
-    def batch(self, rows: list):
+    def batch(self, rows: list) -> Batch:
         """Rows of the data stream as the objective's input on this process's device (audio: with targets)."""
-        return self.plan.complete(self.plan.collate(rows).to(self.accelerator.device), self.teacher, self.opts.batch_size)
+        return self.plan.batch(rows, self.accelerator.device, self.teacher, self.opts.batch_size)
 
     def step(self, ids) -> float:
         """One step of the run: an update, then the schedule's next rate."""
@@ -214,7 +218,7 @@ class Trainer:
         return {ckpt: weights[param] for ckpt, param in self.names.items() if param in self.changed and param in weights}
 
 
-def _checkpoint_layers(model: torch.nn.Module) -> None:
+def _checkpoint_layers(model: transformers.PreTrainedModel) -> None:
     """Recompute each layer in the backward pass. transformers checkpoints only layers in training
     mode; the model stays in eval mode (dropout off, as in the teacher) and only the layers claim it."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
