@@ -386,17 +386,17 @@ class WhisperGQAAttention(_SeparateKV, WhisperAttention):
         is_cross_attention = key_value_states is not None
         input_shape = hidden_states.shape[:-1]
         query_states = (self.q_proj(hidden_states) * self.scaling).view(*input_shape, -1, self.head_dim).transpose(1, 2).contiguous()
-        is_updated, layer = False, _layer(self)
+        is_updated = False  # the encoder's layers have no cache, nor a layer index
         if isinstance(cache, EncoderDecoderCache):  # the cross-attention half is filled once, then reused
-            is_updated = bool(cache.is_updated.get(layer))
+            is_updated = bool(cache.is_updated.get(_layer(self)))
             if is_cross_attention:
-                cache.is_updated[layer] = True
+                cache.is_updated[_layer(self)] = True
                 cache = cache.cross_attention_cache
             else:
                 cache = cache.self_attention_cache
         current_states = key_value_states if is_cross_attention else hidden_states
         if is_cross_attention and cache and is_updated:
-            filled = cache.layers[layer]
+            filled = cache.layers[_layer(self)]
             assert not isinstance(filled, LinearAttentionCacheLayerMixin)  # Whisper's cache holds keys and values
             key_states, value_states = filled.keys, filled.values
         else:
@@ -404,7 +404,7 @@ class WhisperGQAAttention(_SeparateKV, WhisperAttention):
             key_states = self.k_proj(current_states).view(kv_shape).transpose(1, 2).contiguous()
             value_states = self.v_proj(current_states).view(kv_shape).transpose(1, 2).contiguous()
             if cache is not None:
-                key_states, value_states = cache.update(key_states, value_states, layer, kwargs=kwargs)
+                key_states, value_states = cache.update(key_states, value_states, _layer(self), kwargs=kwargs)
         assert self.config is not None  # WhisperModel builds each attention with its config
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, whisper_eager)
         attn_output, attn_weights = attention_interface(
