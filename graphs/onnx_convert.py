@@ -146,8 +146,7 @@ def _load(src: Path) -> ir.Model:
 
 def _convert_attention(node: ir.Node, kv_heads: int, recipe: Recipe, layer: int | None = None) -> int:
     """Pool this node's K/V projections to kv_heads in place; return the source kv-heads."""
-    query, key = (_dims4(node, i) for i in (0, 1))
-    heads, source_kv, head_size = query[1], key[1], query[3]
+    (heads, head_size), (source_kv, _) = (_heads(node, i) for i in (0, 1))
     target = target_shape(HeadShape(heads, source_kv, head_size), kv_heads, layer)
     k, v = (_trace(node, i, source_kv, head_size) for i in (1, 2))
     attn = AttentionWeights(
@@ -172,13 +171,14 @@ def _convert_attention(node: ir.Node, kv_heads: int, recipe: Recipe, layer: int 
     return source_kv
 
 
-def _dims4(node: ir.Node, index: int) -> tuple[int, int, int, int]:
-    """(B, heads, S, d) of the Attention input `index`; the batch and sequence may be symbolic (then 0 here)."""
+def _heads(node: ir.Node, index: int) -> tuple[int, int]:
+    """(heads, head size) of the Attention input `index`, (B, heads, S, d) with both static."""
     value = node.inputs[index]
     if value is None or value.shape is None or value.shape.rank() != 4 or not all(isinstance(value.shape[i], int) for i in (1, 3)):
         raise BadInput(f"Attention node {node.name!r}: input {index} is not 4D (B, heads, S, d) with static heads")
-    batch, heads, seq, head_size = (d if isinstance(d, int) else 0 for d in value.shape)
-    return batch, heads, seq, head_size
+    _, heads, _, head_size = value.shape
+    assert isinstance(heads, int) and isinstance(head_size, int)  # checked above
+    return heads, head_size
 
 
 def _unsupported(node: ir.Node, index: int, why: str) -> BadInput:
@@ -330,7 +330,7 @@ def _to_kv_heads(projection: Projection, kv_heads: int, head_size: int) -> None:
         if "num_heads" in rotary.attributes:
             rotary.attributes["num_heads"] = ir.AttrInt64("num_heads", kv_heads)
     for value in projection.head_values:
-        if (value.is_graph_input() or value.is_graph_output()) and value.shape is not None:  # set: _dims4 read it
+        if (value.is_graph_input() or value.is_graph_output()) and value.shape is not None:  # set: _heads read it
             value.shape = ir.Shape([value.shape[0], kv_heads, *value.shape[2:]])
 
 
