@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 from support.commands import FSDP2_CONFIG, distill_command, run_distill, subprocess_env
-from support.reading import relative_difference
+from support.reading import distilled, read_tensors, relative_difference
+from support.tiny_models import BYTES
 
 import headfold
 from headfold import convert, corpus
@@ -26,7 +26,6 @@ from headfold.distillation.data import builtin_source, encoder_for, file_source,
 from headfold.ground.errors import BadInput
 
 EMBEDDED = default_model_path()
-TINY = dict(vocab_size=256)  # byte-level: the corpus text needs no tokenizer files
 FAST = dict(seq_len=32, batch_size=2, eval_windows=2, progress=False)
 
 
@@ -39,15 +38,7 @@ def text_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def teacher(tiny_checkpoint) -> Path:
-    return tiny_checkpoint("llama", **TINY)
-
-
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    return load_file(folder / "model.safetensors")
-
-
-def record(folder: Path) -> dict:
-    return json.loads((folder / "headfold.json").read_text())["distillation"]
+    return tiny_checkpoint("llama", **BYTES)
 
 
 def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: Path, tmp_path: Path) -> None:
@@ -55,12 +46,12 @@ def test_student_equal_to_its_teacher_stays_unchanged(teacher: Path, text_file: 
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=3, **FAST)
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
-    assert record(out)["final_eval"]["kl"] < 1e-6 and record(out)["final_eval"]["top1"] == 1.0
-    assert record(out)["options"]["hidden_weight"] == 30.0  # a decoder's default
-    before, after = weights(student), weights(out)
+    assert distilled(out)["final_eval"]["kl"] < 1e-6 and distilled(out)["final_eval"]["top1"] == 1.0
+    assert distilled(out)["options"]["hidden_weight"] == 30.0  # a decoder's default
+    before, after = read_tensors(student), read_tensors(out)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     matched = distill(teacher, student, tmp_path / "matched", data=text_file, steps=3, attention_weight=30.0, **FAST)  # each attention block's output too
-    assert all(torch.equal(before[k], t) for k, t in weights(matched).items())
+    assert all(torch.equal(before[k], t) for k, t in read_tensors(matched).items())
 
 
 def test_the_rate_is_chosen_on_the_data_and_the_run_is_that_rates_run(teacher: Path, text_file: Path, tmp_path: Path, caplog) -> None:
@@ -71,15 +62,15 @@ def test_the_rate_is_chosen_on_the_data_and_the_run_is_that_rates_run(teacher: P
     student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     with caplog.at_level("INFO", logger="headfold"):
         chosen = distill(teacher, student, tmp_path / "chosen", data=text_file, steps=40, **FAST)
-    choice = record(chosen)["learning_rate"]
+    choice = distilled(chosen)["learning_rate"]
     assert set(choice["scores"]) == {f"{lr:g}" for lr in rate.CANDIDATES}
-    assert (choice["steps"], choice["windows"]) == rate.probe_size(40, 2) and choice["lr"] == record(chosen)["options"]["lr"]
+    assert (choice["steps"], choice["windows"]) == rate.probe_size(40, 2) and choice["lr"] == distilled(chosen)["options"]["lr"]
     assert choice["scores"][f"{choice['lr']:g}"] == min(choice["scores"].values()) < choice["start"]  # the probe moved it down
     assert f"--lr {choice['lr']:g}, the lowest held-out loss" in caplog.text
     given = distill(teacher, student, tmp_path / "given", data=text_file, steps=40, lr=choice["lr"], **FAST)
-    assert record(given)["learning_rate"] == {"given": choice["lr"]}
-    a, b = weights(chosen), weights(given)
-    assert all(torch.equal(a[k], b[k]) for k in a) and record(chosen)["final_eval"] == record(given)["final_eval"]
+    assert distilled(given)["learning_rate"] == {"given": choice["lr"]}
+    a, b = read_tensors(chosen), read_tensors(given)
+    assert all(torch.equal(a[k], b[k]) for k in a) and distilled(chosen)["final_eval"] == distilled(given)["final_eval"]
 
 
 def test_the_probe_costs_at_most_its_share() -> None:
@@ -102,7 +93,7 @@ def test_attention_blocks_are_the_modules_the_layer_prefix_names(tiny_checkpoint
     from headfold.distillation.trainable import attention_blocks
 
     for family, expected in (("llama", "model.layers.{}.self_attn"), ("gpt2", "transformer.h.{}.attn"), ("bloom", "transformer.h.{}.self_attention")):
-        folder = tiny_checkpoint(family, **TINY)
+        folder = tiny_checkpoint(family, **BYTES)
         model = load_model(folder, dtype=torch.float32)
         found = attention_blocks(model, SourceCheckpoint(folder), parameter_names(model, folder))
         names = {m: n for n, m in model.named_modules()}
@@ -118,23 +109,23 @@ def test_the_attention_output_match_adds_to_the_first_steps_loss(teacher: Path, 
     }
     first = {w: json.loads((out / "distill-log.json").read_text())["train"][0]["loss"] for w, out in runs.items()}
     assert first[30.0] > first[0.0] + 1e-3
-    assert record(runs[30.0])["options"]["attention_weight"] == 30.0
-    assert record(runs[30.0])["final_eval"]["kl"] < record(runs[30.0])["initial_eval"]["kl"]
+    assert distilled(runs[30.0])["options"]["attention_weight"] == 30.0
+    assert distilled(runs[30.0])["final_eval"]["kl"] < distilled(runs[30.0])["initial_eval"]["kl"]
 
 
 def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, text_file: Path, tmp_path: Path) -> None:
-    teacher = tiny_checkpoint("bert", **TINY)
+    teacher = tiny_checkpoint("bert", **BYTES)
     student = convert(teacher, tmp_path / "kv8", 8, method="mean", progress=False)  # kv = heads: byte-identical
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=3, **FAST)
     log = json.loads((out / "distill-log.json").read_text())
     assert max(r["loss"] for r in log["train"]) < 1e-6
-    assert record(out)["final_eval"]["cosine"] > 1 - 1e-6 and record(out)["final_eval"]["mse"] < 1e-12
+    assert distilled(out)["final_eval"]["cosine"] > 1 - 1e-6 and distilled(out)["final_eval"]["mse"] < 1e-12
     assert (
-        record(out)["options"]["lr"] == 1e-4 and record(out)["options"]["hidden_weight"] == 0.0 and record(out)["options"]["train"] == "all"
+        distilled(out)["options"]["lr"] == 1e-4 and distilled(out)["options"]["hidden_weight"] == 0.0 and distilled(out)["options"]["train"] == "all"
     )  # an encoder's defaults
     matched = distill(teacher, student, tmp_path / "matched", data=text_file, steps=3, hidden_weight=10.0, **FAST)  # every layer's state too
-    before = weights(student)
-    for after in (weights(out), weights(matched)):
+    before = read_tensors(student)
+    for after in (read_tensors(out), read_tensors(matched)):
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -143,22 +134,22 @@ def test_encoder_student_equal_to_its_teacher_stays_unchanged(tiny_checkpoint, t
 def test_added_families_distill(family: str, tiny_checkpoint, text_file: Path, tmp_path: Path) -> None:
     """A student equal to its teacher stays byte-identical; a pooled StableLM gets closer in a few LoRA
     steps (adapters on the projections only, not on its per-head norms)."""
-    teacher = tiny_checkpoint(family, **TINY)
+    teacher = tiny_checkpoint(family, **BYTES)
     same = convert(teacher, tmp_path / "kv8", 8, method="mean", progress=False)
     out = distill(teacher, same, tmp_path / "same-out", data=text_file, steps=2, **FAST)
-    assert record(out)["final_eval"]["kl"] < 1e-6 and weights(out).keys() == weights(same).keys()
-    assert all(torch.equal(weights(same)[k], t) for k, t in weights(out).items())
+    assert distilled(out)["final_eval"]["kl"] < 1e-6 and read_tensors(out).keys() == read_tensors(same).keys()
+    assert all(torch.equal(read_tensors(same)[k], t) for k, t in read_tensors(out).items())
     if family == "stablelm":
         student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
         out = distill(teacher, student, tmp_path / "lora", data=text_file, steps=3, train="lora", lr=1e-2, **FAST)
-        assert record(out)["final_eval"]["kl"] < record(out)["initial_eval"]["kl"]
+        assert distilled(out)["final_eval"]["kl"] < distilled(out)["initial_eval"]["kl"]
 
 
 def test_until_stops_at_the_first_evaluation_that_meets_the_target(teacher: Path, text_file: Path, tmp_path: Path) -> None:
     student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=5, until_kl=1e9, **FAST)
-    assert record(out)["steps"] == 0 and record(out)["target_reached"] is True
-    assert all(torch.equal(a, b) for a, b in zip(weights(student).values(), weights(out).values(), strict=True))
+    assert distilled(out)["steps"] == 0 and distilled(out)["target_reached"] is True
+    assert all(torch.equal(a, b) for a, b in zip(read_tensors(student).values(), read_tensors(out).values(), strict=True))
 
 
 @pytest.mark.slow
@@ -166,7 +157,7 @@ def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
     """The embedded model mean-pooled to 2 kv heads (KL ≈ 4 nats): 12 small steps cut the KL by over half."""
     student = convert(EMBEDDED, tmp_path / "kv2", 2, method="mean", progress=False)
     out = distill(EMBEDDED, student, tmp_path / "out", steps=12, seq_len=64, batch_size=4, eval_windows=4, lr=2e-3, progress=False)
-    first, final = record(out)["initial_eval"], record(out)["final_eval"]
+    first, final = distilled(out)["initial_eval"], distilled(out)["final_eval"]
     print(f"KL {first['kl']:.3f} -> {final['kl']:.3f}, ppl {first['ppl']:.2f} -> {final['ppl']:.2f}")
     assert first["kl"] > 2.0 and final["kl"] < 0.5 * first["kl"]
     assert final["ppl"] < 0.5 * first["ppl"]
@@ -188,11 +179,11 @@ def test_a_few_steps_recover_most_of_the_pooling_loss(tmp_path: Path) -> None:
 def test_only_the_chosen_parameters_train(mode: str, trains: tuple[str, ...], teacher: Path, text_file: Path, tmp_path: Path) -> None:
     student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     out = distill(teacher, student, tmp_path / "out", data=text_file, steps=3, train=mode, lr=1e-2, **FAST)
-    before, after = weights(student), weights(out)
+    before, after = read_tensors(student), read_tensors(out)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     expected = {k for k in before if any(f".{t}.weight" in k for t in trains)}
     assert changed == expected
-    assert record(out)["final_eval"]["kl"] < record(out)["initial_eval"]["kl"]
+    assert distilled(out)["final_eval"]["kl"] < distilled(out)["initial_eval"]["kl"]
 
 
 def test_gradient_checkpointing_changes_no_result(teacher: Path, text_file: Path, tmp_path: Path) -> None:
@@ -200,8 +191,8 @@ def test_gradient_checkpointing_changes_no_result(teacher: Path, text_file: Path
     student = convert(teacher, tmp_path / "kv2", 2, method="mean", progress=False)
     plain = distill(teacher, student, tmp_path / "plain", data=text_file, steps=2, loss="kl+ce", **FAST)
     checkpointed = distill(teacher, student, tmp_path / "ckpt", data=text_file, steps=2, loss="kl+ce", gradient_checkpointing=True, **FAST)
-    a, b = weights(plain), weights(checkpointed)
-    assert any(not torch.equal(a[k], weights(student)[k]) for k in a)
+    a, b = read_tensors(plain), read_tensors(checkpointed)
+    assert any(not torch.equal(a[k], read_tensors(student)[k]) for k in a)
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
@@ -225,7 +216,7 @@ def test_encoder_distillation_raises_the_embedding_cosine(tmp_path: Path, text_f
     source = Path(gt.get_model_path())
     student = convert(source, tmp_path / "kv3", 3, method="mean", progress=False)
     out = distill(source, student, tmp_path / "out", data=text_file, steps=6, seq_len=64, batch_size=4, eval_windows=4, lr=1e-3, progress=False)
-    first, final = record(out)["initial_eval"]["cosine"], record(out)["final_eval"]["cosine"]
+    first, final = distilled(out)["initial_eval"]["cosine"], distilled(out)["final_eval"]["cosine"]
     print(f"MiniLM kv 3 cosine {first:.3f} -> {final:.3f}")
     assert final > first + 0.05
 
@@ -261,9 +252,9 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(teacher: Path, text_fil
     assert proc.wait() == -signal.SIGKILL and not out.exists()  # killed mid-run: no output, a checkpoint
     assert any(state.glob("step-*"))
     subprocess.run(distill_command(str(teacher), str(student), str(out), *options, "--resume"), check=True, env=killed_env)
-    whole, resumed = weights(tmp_path / "whole"), weights(out)
+    whole, resumed = read_tensors(tmp_path / "whole"), read_tensors(out)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    assert record(out)["final_eval"] == record(tmp_path / "whole")["final_eval"] and not state.exists()
+    assert distilled(out)["final_eval"] == distilled(tmp_path / "whole")["final_eval"] and not state.exists()
 
 
 @pytest.mark.slow
@@ -280,24 +271,24 @@ def test_two_processes_give_the_single_process_result(teacher: Path, text_file: 
                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29532"]  # fmt: skip
     (config := tmp_path / "fsdp.yaml").write_text(FSDP2_CONFIG)
     fsdp = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-    one = weights(tmp_path / "one")
-    moved = max(float((one[k] - weights(student)[k]).abs().max()) for k in one)
+    one = read_tensors(tmp_path / "one")
+    moved = max(float((one[k] - read_tensors(student)[k]).abs().max()) for k in one)
     assert moved > 1e-3  # training did something
     for name, launcher in (("torchrun", torchrun), ("accelerate", accelerate), ("fsdp", fsdp)):
         run_distill(str(teacher), str(student), str(tmp_path / name), *options, "--batch-size", "2", launcher=launcher)
-        two = weights(tmp_path / name)
-        assert relative_difference(one, two, weights(student)) < 1e-3, name
-        assert record(tmp_path / name)["processes"] == 2 and record(tmp_path / name)["tokens"] == record(tmp_path / "one")["tokens"]
-        assert record(tmp_path / name)["fsdp"] is (name == "fsdp")
+        two = read_tensors(tmp_path / name)
+        assert relative_difference(one, two, read_tensors(student)) < 1e-3, name
+        assert distilled(tmp_path / name)["processes"] == 2 and distilled(tmp_path / name)["tokens"] == distilled(tmp_path / "one")["tokens"]
+        assert distilled(tmp_path / name)["fsdp"] is (name == "fsdp")
     run_distill(str(teacher), str(same), str(tmp_path / "fsdp-kv8"), *options, "--batch-size", "2", launcher=fsdp)
-    before, after = weights(same), weights(tmp_path / "fsdp-kv8")
+    before, after = read_tensors(same), read_tensors(tmp_path / "fsdp-kv8")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     chosen = options[: options.index("--lr")]  # no --lr: every process takes the main one's choice, the one process would make
     run_distill(str(teacher), str(student), str(tmp_path / "one-chosen"), *chosen, "--batch-size", "4")
     run_distill(str(teacher), str(student), str(tmp_path / "two-chosen"), *chosen, "--batch-size", "2", launcher=torchrun)
-    one_choice, two_choice = record(tmp_path / "one-chosen")["learning_rate"], record(tmp_path / "two-chosen")["learning_rate"]
+    one_choice, two_choice = distilled(tmp_path / "one-chosen")["learning_rate"], distilled(tmp_path / "two-chosen")["learning_rate"]
     assert one_choice["lr"] == two_choice["lr"] and one_choice["scores"] == pytest.approx(two_choice["scores"], rel=1e-4)
-    assert relative_difference(weights(tmp_path / "one-chosen"), weights(tmp_path / "two-chosen"), weights(student)) < 1e-3
+    assert relative_difference(read_tensors(tmp_path / "one-chosen"), read_tensors(tmp_path / "two-chosen"), read_tensors(student)) < 1e-3
 
 
 @pytest.mark.parametrize("version, extra, expected", [("1", [], "FSDP2 only"), ("2", ["--save-every", "2"], "--save-every"), ("2", ["--resume"], "--resume")])
@@ -448,7 +439,7 @@ def test_run_adds_the_distill_stage_and_skips_it_when_unchanged(teacher: Path, t
     assert report.stages["distill"] == "ran" and report.passed
     loss = next(c for c in report.checks if c.name == "conversion-loss")
     assert loss.candidate["path"] == str((tmp_path / "run" / "distill").resolve())
-    assert record(tmp_path / "run" / "distill")["steps"] == 2
+    assert distilled(tmp_path / "run" / "distill")["steps"] == 2
     again = run(teacher, tmp_path / "run", 2, **options)
     assert again.stages["distill"] == "skipped" and again.stages["export"] == "skipped"
 
@@ -462,6 +453,6 @@ def test_the_command_says_the_passes_and_scores_in_verify_units(teacher: Path, t
     assert main(["distill", *map(str, args)]) == 0
     out, err = capsys.readouterr()
     assert "distill: 4 steps × 2 windows × 32 tokens = 256 tokens, 2.0 passes over the 4 windows of" in err
-    start, end = record(tmp_path / "out")["initial_eval"], record(tmp_path / "out")["final_eval"]
+    start, end = distilled(tmp_path / "out")["initial_eval"], distilled(tmp_path / "out")["final_eval"]
     for metric, shown in (("ppl_increase", "{:.2%}"), ("top1", "{:.2%}"), ("kl", "{:.4g}")):
         assert f"{shown.format(start[metric])} → {shown.format(end[metric])}" in out, (metric, out)
